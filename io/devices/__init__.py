@@ -1,0 +1,1 @@
+"""Device backends behind one protocol: cpu, sim (simulated GPUs) and cupy."""

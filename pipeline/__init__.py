@@ -1,0 +1,27 @@
+"""aiogguf: load GGUF models into host and GPU memory at hardware speed, asynchronously."""
+
+from aiogguf.config import Config as Config
+from aiogguf.errors import BigEndianError as BigEndianError
+from aiogguf.errors import ConfigError as ConfigError
+from aiogguf.errors import GGUFError as GGUFError
+from aiogguf.errors import GGUFFormatError as GGUFFormatError
+from aiogguf.errors import LoadError as LoadError
+from aiogguf.errors import PlacementError as PlacementError
+from aiogguf.errors import SplitError as SplitError
+from aiogguf.errors import TensorFailure as TensorFailure
+from aiogguf.errors import TensorValidationError as TensorValidationError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BigEndianError",
+    "Config",
+    "ConfigError",
+    "GGUFError",
+    "GGUFFormatError",
+    "LoadError",
+    "PlacementError",
+    "SplitError",
+    "TensorFailure",
+    "TensorValidationError",
+]

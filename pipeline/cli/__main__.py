@@ -1,0 +1,5 @@
+import sys
+
+from aiogguf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,87 @@
+"""Command-line flags shared by ``plan``, ``load``, ``validate`` and ``bench``, named as
+in llama.cpp, and their translation into a ``Config`` (flags override the file)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from aiogguf.config import Config, load_config
+from aiogguf.errors import ConfigError
+
+__all__ = ["add_config_options", "add_placement_options", "config_from_args"]
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML file (see configs/)")
+    parser.add_argument(
+        "--mode",
+        choices=["auto", "mmap", "mlock", "none", "direct"],
+        help="load mode (default: auto)",
+    )
+
+
+def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    add_config_options(parser)
+    g = parser.add_argument_group("placement (as in llama.cpp)")
+    g.add_argument("-ngl", "--n-gpu-layers", type=int, metavar="N", help="-1 = all")
+    g.add_argument("-sm", "--split-mode", choices=["none", "layer", "row"])
+    g.add_argument("-mg", "--main-gpu", type=int, metavar="I")
+    g.add_argument("-ts", "--tensor-split", metavar="A,B,...", help="e.g. 3,1")
+    g.add_argument(
+        "-ot",
+        "--override-tensor",
+        action="append",
+        metavar="PATTERN=BUFTYPE",
+        help="repeatable; also comma-separated",
+    )
+    g.add_argument("--no-host", action="store_true", default=None, help="no pinned host buffers")
+    g.add_argument("--lazy", choices=["off", "auto", "on"])
+    g.add_argument(
+        "--sim-gpu",
+        action="append",
+        metavar="SPEC",
+        help="add a simulated GPU: 24GiB or name=g0,free=24GiB,total=24GiB,unsupported=IQ1_M",
+    )
+
+
+def _parse_overrides(values: list[str]) -> list[dict[str, str]]:
+    rules: list[dict[str, str]] = []
+    for value in values:
+        for item in value.split(","):
+            pattern, sep, buffer_type = item.rpartition("=")
+            if not sep or not pattern or not buffer_type:
+                raise ConfigError(
+                    "--override-tensor", None, f"expected PATTERN=BUFTYPE, got {item!r}"
+                )
+            rules.append({"pattern": pattern, "buffer_type": buffer_type})
+    return rules
+
+
+def _parse_split(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.replace("/", ",").split(",") if part)
+    except ValueError as exc:
+        raise ConfigError("--tensor-split", None, f"expected numbers like 3,1, got {text!r}") from exc
+
+
+def config_from_args(args: argparse.Namespace, **extra: Any) -> Config:
+    """The effective config: defaults < ``--config`` file < flags < ``extra``."""
+    overrides: dict[str, Any] = {"mode": getattr(args, "mode", None)}
+    flag_keys = {
+        "n_gpu_layers": "n_gpu_layers",
+        "split_mode": "split_mode",
+        "main_gpu": "main_gpu",
+        "no_host": "no_host",
+        "lazy": "lazy",
+    }
+    for attr, key in flag_keys.items():
+        overrides[key] = getattr(args, attr, None)
+    if getattr(args, "tensor_split", None):
+        overrides["tensor_split"] = _parse_split(args.tensor_split)
+    if getattr(args, "override_tensor", None):
+        overrides["override"] = _parse_overrides(args.override_tensor)
+    if getattr(args, "sim_gpu", None):
+        overrides["sim_gpus"] = args.sim_gpu
+    overrides.update(extra)
+    return load_config(getattr(args, "config", None), **overrides)

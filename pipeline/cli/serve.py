@@ -1,0 +1,13 @@
+"""`aiogguf serve` (not built yet)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("args", nargs="*")
+
+
+def run(args: argparse.Namespace) -> int:
+    raise NotImplementedError("aiogguf serve is not built yet")

@@ -1,0 +1,13 @@
+"""`aiogguf validate` (not built yet)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("args", nargs="*")
+
+
+def run(args: argparse.Namespace) -> int:
+    raise NotImplementedError("aiogguf validate is not built yet")

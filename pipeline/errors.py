@@ -1,0 +1,129 @@
+"""The aiogguf error tree.
+
+Every error a user can see from aiogguf is one of these::
+
+    GGUFError                      base: anything aiogguf refuses or fails at
+    ├── GGUFFormatError            a malformed file: path, byte offset, field, what was expected
+    ├── SplitError                 split sets: wrong first file, missing shard, foreign shard
+    ├── PlacementError             the plan cannot be made (bad main_gpu, no split buffer type…)
+    ├── ConfigError                a config key that is unknown, mistyped or out of range
+    ├── LoadError                  I/O failed or came up short: path and offset
+    │   └── BigEndianError         a big-endian tensor whose type cannot be byte-swapped
+    └── TensorValidationError      every bad tensor of a load, at once (``.failures``)
+
+Low-level errors (``OSError``, ``struct.error``, CuPy's) are translated where they
+happen, with ``raise ... from exc``; one escaping unchanged is a bug.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "BigEndianError",
+    "ConfigError",
+    "GGUFError",
+    "GGUFFormatError",
+    "LoadError",
+    "PlacementError",
+    "SplitError",
+    "TensorFailure",
+    "TensorValidationError",
+]
+
+
+def _where(path: str | os.PathLike[str] | None) -> str:
+    return f"{os.fspath(path)}: " if path is not None else ""
+
+
+class GGUFError(Exception):
+    """Base of every error aiogguf raises on purpose."""
+
+
+class GGUFFormatError(GGUFError):
+    """The file is not a valid GGUF file; names the byte offset and the field."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        offset: int | None,
+        field: str,
+        problem: str,
+    ) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self.offset = offset
+        self.field = field
+        self.problem = problem
+        at = f"at offset {offset}: " if offset is not None else ""
+        super().__init__(f"{_where(path)}{at}{field}: {problem}")
+
+
+class SplitError(GGUFError):
+    """A split (sharded) model is incomplete, out of order, or mixed with another one."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, problem: str) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self.problem = problem
+        super().__init__(f"{_where(path)}{problem}")
+
+
+class PlacementError(GGUFError):
+    """The placement rules cannot be satisfied with these devices and settings."""
+
+
+class ConfigError(GGUFError):
+    """A configuration value is unknown, of the wrong type, or out of range."""
+
+    def __init__(self, key: str, source: str | None, problem: str) -> None:
+        self.key = key
+        self.source = source
+        self.problem = problem
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}{key}: {problem}")
+
+
+class LoadError(GGUFError):
+    """Reading tensor data failed: names the file and the byte offset."""
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None, offset: int | None, problem: str
+    ) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self.offset = offset
+        self.problem = problem
+        at = f"at offset {offset}: " if offset is not None else ""
+        super().__init__(f"{_where(path)}{at}{problem}")
+
+
+class BigEndianError(LoadError):
+    """A big-endian file holds a tensor type whose byte order cannot be converted."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorFailure:
+    """One bad tensor: what is wrong and where the first bad block or element is."""
+
+    name: str
+    type_name: str
+    problem: str
+    first_index: int | None
+    count: int
+
+    def __str__(self) -> str:
+        at = f" (first at index {self.first_index}" if self.first_index is not None else " ("
+        sep = ", " if self.first_index is not None else ""
+        return f"tensor '{self.name}' ({self.type_name}): {self.problem}{at}{sep}{self.count} bad)"
+
+
+class TensorValidationError(GGUFError):
+    """Tensors with invalid data were found; ``failures`` lists every one of them."""
+
+    def __init__(self, failures: Sequence[TensorFailure], path: str | None = None) -> None:
+        self.failures: tuple[TensorFailure, ...] = tuple(failures)
+        self.path = path
+        lines = "\n".join(f"  {failure}" for failure in self.failures)
+        n = len(self.failures)
+        noun = "tensor" if n == 1 else "tensors"
+        super().__init__(f"{_where(path)}found {n} {noun} with invalid data:\n{lines}")

@@ -1,0 +1,287 @@
+"""Records that flow between the stages: frozen, slotted, and typed.
+
+parse → ``ParsedFile``; index → ``WeightIndex`` of ``TensorEntry``; plan → ``Plan``.
+The streaming stages' records (read jobs, chunks) live with the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from typing import Literal, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from aiogguf.io.ggml_types import GGMLType
+
+__all__ = [
+    "BufferPlan",
+    "ByteOrder",
+    "DeviceSummary",
+    "FileRange",
+    "GGUFArray",
+    "LayerAssignment",
+    "MetadataEntry",
+    "MetadataValue",
+    "MovedSummary",
+    "ParsedFile",
+    "Plan",
+    "TensorClass",
+    "TensorEntry",
+    "TensorInfo",
+    "TensorPlacement",
+    "Totals",
+    "ValueType",
+    "WeightIndex",
+]
+
+ByteOrder: TypeAlias = Literal["little", "big"]
+
+
+class ValueType(IntEnum):
+    """GGUF metadata value types (gguf-format §1.5.1)."""
+
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+    @property
+    def json_name(self) -> str:
+        """Lower-case name used by ``inspect --json`` (``uint32``, ``string``, ``array``)."""
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFArray:
+    """A metadata array. Numeric items are a read-only numpy array in native byte order;
+    strings are a tuple of ``str``; nested arrays a tuple of ``GGUFArray``."""
+
+    item_type: ValueType
+    values: npt.NDArray[np.generic] | tuple[str, ...] | tuple[GGUFArray, ...]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def to_python(self) -> list[object]:
+        """Plain Python values (ints, floats, bools, strs, nested lists)."""
+        if isinstance(self.values, np.ndarray):
+            return list(self.values.tolist())
+        return [v.to_python() if isinstance(v, GGUFArray) else v for v in self.values]
+
+
+MetadataValue: TypeAlias = int | float | bool | str | GGUFArray
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataEntry:
+    """One key/value record and the file offset of its key."""
+
+    key: str
+    type: ValueType
+    value: MetadataValue
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor-info record as stored in one file."""
+
+    name: str
+    type: GGMLType
+    shape: tuple[int, ...]  # ggml order: ne[0] (row length) first
+    offset: int  # relative to the file's data section
+    nbytes: int
+    n_elements: int
+    info_offset: int  # where the record starts in the file
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedFile:
+    """Everything in one GGUF file's header. The data section is never read."""
+
+    path: str
+    version: int
+    byte_order: ByteOrder
+    alignment: int
+    data_offset: int
+    file_size: int
+    metadata: Mapping[str, MetadataEntry]
+    tensors: tuple[TensorInfo, ...]
+    warnings: tuple[str, ...] = ()
+    # llama.cpp's C reader rejects arrays of arrays; we parse them but say so.
+    llama_cpp_loadable: bool = True
+
+    def get(self, key: str) -> MetadataValue | None:
+        entry = self.metadata.get(key)
+        return entry.value if entry is not None else None
+
+
+class TensorClass(StrEnum):
+    """llama.cpp's layer classes (gguf-format §3.1)."""
+
+    INPUT = "input"
+    OUTPUT = "output"
+    REPEATING = "repeating"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor of the model: where its bytes are and which layer it belongs to."""
+
+    name: str
+    type: GGMLType
+    shape: tuple[int, ...]
+    file_index: int  # split index (0 for single files)
+    offset: int  # absolute byte offset of the data in that file
+    nbytes: int
+    n_elements: int
+    layer: int | None  # N of ``blk.N.``; None for non-layer tensors
+    tensor_class: TensorClass
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    n_tensors: int
+    nbytes: int
+    n_elements: int
+    bpw: float
+
+
+@dataclass(frozen=True, slots=True)
+class WeightIndex:
+    """All tensors of a (possibly split) model in layer order, checked against the files."""
+
+    files: tuple[ParsedFile, ...]
+    tensors: tuple[TensorEntry, ...]
+    totals: Totals
+    warnings: tuple[str, ...] = ()
+    _by_name: Mapping[str, TensorEntry] = field(default_factory=dict, repr=False)
+
+    @property
+    def metadata(self) -> Mapping[str, MetadataEntry]:
+        """The model's metadata: the first split's keys (the others carry only split.*)."""
+        return self.files[0].metadata
+
+    @property
+    def architecture(self) -> str | None:
+        arch = self.files[0].get("general.architecture")
+        return arch if isinstance(arch, str) else None
+
+    @property
+    def n_layer(self) -> int | None:
+        """``<arch>.block_count``, or None when the file has none."""
+        arch = self.architecture
+        value = self.files[0].get(f"{arch}.block_count") if arch else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def byte_order(self) -> ByteOrder:
+        return self.files[0].byte_order
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        return self._by_name[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+
+# --- plan -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSummary:
+    name: str
+    kind: str  # cpu | gpu | igpu | accel
+    free: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAssignment:
+    layer: int  # 0 … n_layer; n_layer is the output layer
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlacement:
+    name: str
+    layer: int | None
+    tensor_class: TensorClass
+    device: str
+    buffer_type: str
+    nbytes: int
+    lazy: bool
+    moved: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FileRange:
+    """A coalesced run of one file's bytes that lands in one buffer with one read."""
+
+    file_index: int
+    start: int  # absolute file offset of the first tensor's data
+    end: int  # absolute file offset just past the last tensor's data
+    tensors: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class BufferPlan:
+    """One destination buffer: a (device, buffer type, lazy) group and its file ranges."""
+
+    device: str
+    buffer_type: str
+    lazy: bool
+    host: bool  # True when the buffer lives in host memory (CPU, pinned host)
+    nbytes: int  # sum of its tensors' nbytes
+    tensors: tuple[str, ...]
+    ranges: tuple[FileRange, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MovedSummary:
+    count: int
+    first_name: str
+    first_type: str
+    first_from: str
+    first_to: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where every tensor goes, and which file ranges feed which buffer. No I/O was done."""
+
+    devices: tuple[DeviceSummary, ...]
+    input_device: str
+    layers: tuple[LayerAssignment, ...]
+    tensors: tuple[TensorPlacement, ...]
+    buffers: tuple[BufferPlan, ...]
+    moved: MovedSummary | None
+    warnings: tuple[str, ...]
+    mode: str  # the resolved load mode: mmap | mlock | none | direct
+
+    def placement(self, name: str) -> TensorPlacement:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+

@@ -1,0 +1,54 @@
+"""Byte sizes written the way people write them: ``"64MiB"``, ``"1.5 GB"``, ``4096``."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["format_bytes", "parse_size"]
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes in ``value``: an int, or a number with a unit (``KiB``/``MiB``/``GiB``/``TiB``
+    are powers of 1024, ``KB``/``MB``/``GB``/``TB`` of 1000, a bare ``K``/``M``/``G`` 1024).
+
+    Raises ``ValueError`` naming the value when it is negative or not a size.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like '64MiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    match = _SIZE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"expected a size like '64MiB' or '1GiB', got {value!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int | float) -> str:
+    """``n`` bytes in binary units with three significant digits: ``"1.50 GiB"``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.3g} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
