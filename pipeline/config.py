@@ -136,9 +136,7 @@ class SimDeviceConfig(_Section):
             key = key.strip()
             if not sep or not key:
                 raise ConfigError("--sim-gpu", None, f"expected key=value, got {part!r}")
-            fields[key] = (
-                tuple(v for v in value.split("+") if v) if key == "unsupported" else value
-            )
+            fields[key] = tuple(v for v in value.split("+") if v) if key == "unsupported" else value
         try:
             return cls.model_validate(fields)
         except ValidationError as exc:
@@ -215,9 +213,7 @@ def _config_error(exc: ValidationError, source: str | None) -> ConfigError:
     return ConfigError(key, source, problem)
 
 
-def load_config(
-    config: Config | str | os.PathLike[str] | None = None, **overrides: Any
-) -> Config:
+def load_config(config: Config | str | os.PathLike[str] | None = None, **overrides: Any) -> Config:
     """Resolve the ``config`` argument of the public API (object, TOML path or None)."""
     if config is None:
         base = Config()

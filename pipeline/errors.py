@@ -112,6 +112,9 @@ class TensorFailure:
     count: int
 
     def __str__(self) -> str:
+        if self.first_index is None and not self.count:
+            # A whole-tensor failure (invalid type, bad size): no index, nothing counted.
+            return f"tensor '{self.name}' ({self.type_name}): {self.problem}"
         at = f" (first at index {self.first_index}" if self.first_index is not None else " ("
         sep = ", " if self.first_index is not None else ""
         return f"tensor '{self.name}' ({self.type_name}): {self.problem}{at}{sep}{self.count} bad)"

@@ -284,4 +284,3 @@ class Plan:
             if t.name == name:
                 return t
         raise KeyError(name)
-

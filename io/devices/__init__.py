@@ -1,1 +1,25 @@
 """Device backends behind one protocol: cpu, sim (simulated GPUs) and cupy."""
+
+from aiogguf.io.devices.base import BufferRole as BufferRole
+from aiogguf.io.devices.base import BufferType as BufferType
+from aiogguf.io.devices.base import Device as Device
+from aiogguf.io.devices.base import DeviceCaps as DeviceCaps
+from aiogguf.io.devices.base import DeviceKind as DeviceKind
+from aiogguf.io.devices.base import all_buffer_types as all_buffer_types
+from aiogguf.io.devices.cpu import CpuDevice as CpuDevice
+from aiogguf.io.devices.cupy_backend import CupyDevice as CupyDevice
+from aiogguf.io.devices.registry import enumerate_devices as enumerate_devices
+from aiogguf.io.devices.sim import SimDevice as SimDevice
+
+__all__ = [
+    "BufferRole",
+    "BufferType",
+    "CpuDevice",
+    "CupyDevice",
+    "Device",
+    "DeviceCaps",
+    "DeviceKind",
+    "SimDevice",
+    "all_buffer_types",
+    "enumerate_devices",
+]

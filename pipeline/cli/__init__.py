@@ -28,7 +28,9 @@ EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aiogguf", description="Load GGUF models at hardware speed.")
+    parser = argparse.ArgumentParser(
+        prog="aiogguf", description="Load GGUF models at hardware speed."
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():

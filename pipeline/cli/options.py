@@ -62,7 +62,9 @@ def _parse_split(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(part) for part in text.replace("/", ",").split(",") if part)
     except ValueError as exc:
-        raise ConfigError("--tensor-split", None, f"expected numbers like 3,1, got {text!r}") from exc
+        raise ConfigError(
+            "--tensor-split", None, f"expected numbers like 3,1, got {text!r}"
+        ) from exc
 
 
 def config_from_args(args: argparse.Namespace, **extra: Any) -> Config:

@@ -1,0 +1,139 @@
+"""The device protocol that the plan, allocate and upload stages program against.
+
+A device is something that holds tensor bytes: the CPU, a real GPU (CuPy), a simulated
+GPU (tests and dry runs) or an accelerator. It reports its memory, its capabilities and
+its *buffer types*, named the way llama.cpp names them, because ``-ot`` rules and plan
+output use those names:
+
+=============  ============================  =====================  ================
+backend        default buffer type           pinned host type       split type
+=============  ============================  =====================  ================
+cpu            ``CPU``                       none                   none
+cupy (GPU i)   ``CUDA<i>``                   ``CUDA_Host``          ``CUDA<i>_Split``
+sim (name N)   ``N`` (``g0``, ``g1``, ...)   ``N_Host``             ``N_Split``
+=============  ============================  =====================  ================
+
+A device's name is also the name of its default buffer type, so ``-ot exps=g1`` and
+``-ot exps=CUDA0`` name a device and its default buffer type at once. Extra buffer types
+(llama.cpp's ``get_extra_bufts``) are listed per device and named ``<device>_<suffix>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
+
+from aiogguf.io.ggml_types import GGMLType
+
+__all__ = [
+    "BufferRole",
+    "BufferType",
+    "Device",
+    "DeviceCaps",
+    "DeviceKind",
+    "all_buffer_types",
+]
+
+DeviceKind: TypeAlias = Literal["cpu", "gpu", "igpu", "accel"]
+
+
+class BufferRole(StrEnum):
+    """What a buffer type is to its device (llama.cpp's four places it gets them from)."""
+
+    DEFAULT = "default"  # ggml_backend_dev_buffer_type
+    HOST = "host"  # ggml_backend_dev_host_buffer_type: pinned host memory
+    SPLIT = "split"  # ggml_backend_split_buffer_type: rows split across devices
+    EXTRA = "extra"  # ggml_backend_dev_get_extra_bufts
+
+
+@dataclass(frozen=True, slots=True)
+class BufferType:
+    """A kind of buffer a device can allocate.
+
+    ``host`` is True when the memory is addressable by the CPU (plain or pinned host
+    memory; an accelerator that computes in host memory). ``matrices_only`` marks types
+    that hold only 2-D weights: ggml's CUDA split buffers serve ``MUL_MAT`` alone, so
+    norms and 3-D expert stacks fall back to the device default (and count as moved).
+    """
+
+    name: str
+    device: str  # name of the device that owns it
+    role: BufferRole
+    host: bool
+    matrices_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCaps:
+    """What a device can do (llama.cpp's ``ggml_backend_dev_caps`` plus ``mmap_support``).
+
+    ``host_pointer``: can wrap existing host memory (a mapping) as a buffer, zero copy.
+    ``async_copies`` and ``events``: host-to-device copies can be queued and waited on;
+    without both (or without a pinned host buffer type) uploads are synchronous.
+    ``mmap``: can load from mapped file memory; ``load.mode = "auto"`` falls back to
+    ``none`` when a device cannot.
+    """
+
+    host_pointer: bool = False
+    async_copies: bool = False
+    events: bool = False
+    mmap: bool = True
+
+
+@runtime_checkable
+class Device(Protocol):
+    """One device. Implementations: ``CpuDevice``, ``SimDevice``, ``CupyDevice``.
+
+    Names are unique among the devices of one process; ``device_id`` (a PCI bus id) is
+    shared by two entries that are the same physical device seen by two backends.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> DeviceKind: ...
+
+    @property
+    def backend(self) -> str:
+        """``cpu``, ``sim`` or ``cupy``."""
+        ...
+
+    @property
+    def device_id(self) -> str | None: ...
+
+    @property
+    def caps(self) -> DeviceCaps: ...
+
+    @property
+    def buffer_type(self) -> BufferType:
+        """The default buffer type."""
+        ...
+
+    @property
+    def host_buffer_type(self) -> BufferType | None:
+        """The pinned host buffer type, if the device has one."""
+        ...
+
+    @property
+    def split_buffer_type(self) -> BufferType | None:
+        """The row-split buffer type (``split_mode = "row"``), if the device has one."""
+        ...
+
+    @property
+    def extra_buffer_types(self) -> tuple[BufferType, ...]: ...
+
+    def memory(self) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)`` now. Devices that cannot tell report ``(0, 0)``."""
+        ...
+
+    def supports(self, tensor_type: GGMLType) -> bool:
+        """Whether the device can hold (and compute with) tensors of this ggml type."""
+        ...
+
+
+def all_buffer_types(device: Device) -> tuple[BufferType, ...]:
+    """Every buffer type of ``device``: default, split, host, then extras."""
+    found = [device.buffer_type, device.split_buffer_type, device.host_buffer_type]
+    return tuple(b for b in found if b is not None) + device.extra_buffer_types

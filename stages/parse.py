@@ -1,0 +1,632 @@
+"""The parse stage: a GGUF file's header → ``ParsedFile`` (design §1.1, gguf-format §1, §2).
+
+Only header bytes are read, in growing chunks; the data section is never mapped or read.
+Every count and length is checked against the bytes left in the *file* before anything is
+read or allocated, so a hostile header ends in a ``GGUFFormatError`` naming the offset and
+the field, never in a ``MemoryError`` or a read of gigabytes.
+
+The byte walk is synchronous (``parse_header``) and runs in a worker thread; it can be
+resumed: when the buffer ends before the header does, it raises ``NeedMoreBytes`` and keeps
+everything parsed so far, so the async driver only reads more and calls it again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import struct
+from pathlib import Path
+from types import MappingProxyType
+from typing import Final
+
+import aiofiles
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError
+from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
+from aiogguf.records import (
+    GGUFArray,
+    MetadataEntry,
+    MetadataValue,
+    ParsedFile,
+    TensorInfo,
+    ValueType,
+)
+
+__all__ = [
+    "NeedMoreBytes",
+    "parse_file",
+    "parse_header",
+    "parse_model",
+    "split_paths",
+]
+
+GGUF_MAGIC: Final = b"GGUF"
+DEFAULT_ALIGNMENT: Final = 32
+# Limits of ggml's C reader (gguf-format §1.5.2, §1.5.4, §1.6).
+MAX_STRING_BYTES: Final = 1 << 30
+MAX_ARRAY_ITEMS: Final = 1 << 30
+MAX_NAME_BYTES: Final = 63
+MAX_DIMS: Final = 4
+# The C reader reads counts and dims as int64: the top bit set means negative.
+INT64_LIMIT: Final = 1 << 63
+U64_LIMIT: Final = 1 << 64
+# Our own sanity bounds (gguf-format §1.9): the smallest possible KV and tensor-info records.
+MIN_KV_BYTES: Final = 8 + 1 + 4 + 1
+MIN_TENSOR_INFO_BYTES: Final = 8 + 4 + 4 + 8
+# Nested arrays are walked recursively; no standard key nests at all, so a deep nest is
+# an attack on the recursion limit, not data.
+MAX_ARRAY_DEPTH: Final = 16
+SPLIT_MAX_COUNT: Final = 65535  # split.count is a u16
+
+FIRST_READ_BYTES: Final = 1 << 20
+
+# value type → (struct code, numpy code, bytes). STRING and ARRAY are not fixed-size.
+_FIXED: Final[dict[ValueType, tuple[str, str, int]]] = {
+    ValueType.UINT8: ("B", "u1", 1),
+    ValueType.INT8: ("b", "i1", 1),
+    ValueType.UINT16: ("H", "u2", 2),
+    ValueType.INT16: ("h", "i2", 2),
+    ValueType.UINT32: ("I", "u4", 4),
+    ValueType.INT32: ("i", "i4", 4),
+    ValueType.FLOAT32: ("f", "f4", 4),
+    ValueType.BOOL: ("B", "u1", 1),
+    ValueType.UINT64: ("Q", "u8", 8),
+    ValueType.INT64: ("q", "i8", 8),
+    ValueType.FLOAT64: ("d", "f8", 8),
+}
+# Smallest encoding of one array item, to bound a count against the bytes left.
+_MIN_ITEM_BYTES: Final[dict[ValueType, int]] = {
+    **{vt: size for vt, (_, _, size) in _FIXED.items()},
+    ValueType.STRING: 8,
+    ValueType.ARRAY: 12,
+}
+_VALUE_TYPES: Final[dict[int, ValueType]] = {int(vt): vt for vt in ValueType}
+_SPLIT_SUFFIX = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+class NeedMoreBytes(Exception):
+    """The buffer ends before the header does; ``end`` is the file size needed at least.
+
+    Internal to the parse stage: ``parse_file`` reads more and resumes. Raised only when
+    the file itself is longer than the buffer.
+    """
+
+    def __init__(self, end: int) -> None:
+        super().__init__(end)
+        self.end = end
+
+
+def _pad(x: int, alignment: int) -> int:
+    return (x + alignment - 1) // alignment * alignment
+
+
+class _HeaderParser:
+    """A resumable walk over one file's header bytes.
+
+    State advances one whole record at a time (a KV pair, a tensor-info record), so a
+    ``NeedMoreBytes`` leaves it at the start of the record it could not finish. Long string
+    arrays (vocabularies) also keep the items read so far, so growing the buffer never
+    decodes a string twice.
+    """
+
+    def __init__(self, path: str, file_size: int) -> None:
+        self.path = path
+        self.file_size = file_size
+        self.buf = b""
+        self.n = 0
+        self.stage = 0  # 0: fixed header, 1: metadata, 2: tensor infos
+        self.pos = 0
+        self.version = 0
+        self.order = "<"
+        self.n_tensors = 0
+        self.n_kv = 0
+        self.metadata: dict[str, MetadataEntry] = {}
+        self.tensors: list[TensorInfo] = []
+        self.names: dict[str, int] = {}
+        self.alignment = DEFAULT_ALIGNMENT
+        self.warnings: list[str] = []
+        self.loadable = True
+        # array data offset → (items decoded so far, next item index, its offset)
+        self.partial: dict[int, tuple[list[str], int, int]] = {}
+        self._set_order("<")
+
+    def _set_order(self, order: str) -> None:
+        self.order = order
+        self.u32 = struct.Struct(order + "I").unpack_from
+        self.u64 = struct.Struct(order + "Q").unpack_from
+        self.scalars = {vt: struct.Struct(order + code) for vt, (code, _, _) in _FIXED.items()}
+        self.dtypes = {vt: np.dtype(order + npc) for vt, (_, npc, _) in _FIXED.items()}
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def error(self, offset: int | None, field: str, problem: str) -> GGUFFormatError:
+        return GGUFFormatError(self.path, offset, field, problem)
+
+    def need(self, pos: int, size: int, field: str) -> None:
+        """Make sure ``size`` bytes at ``pos`` are in the buffer, or say why they are not."""
+        end = pos + size
+        if end <= self.n:
+            return
+        if end > self.file_size:
+            raise self.error(
+                pos,
+                field,
+                f"needs {size} bytes but the file ends at byte {self.file_size} (truncated)",
+            )
+        raise NeedMoreBytes(end)
+
+    def value_type(self, raw: int, pos: int, field: str) -> ValueType:
+        vt = _VALUE_TYPES.get(raw)
+        if vt is None:
+            raise self.error(pos, field, f"unknown value type {raw} (expected 0..12)")
+        return vt
+
+    def string(self, pos: int, field: str) -> tuple[str, int]:
+        """One GGUF string at ``pos``: its text and the offset just past it."""
+        self.need(pos, 8, field + " length")
+        (length,) = self.u64(self.buf, pos)
+        if length > MAX_STRING_BYTES:
+            raise self.error(
+                pos, field, f"string length {length} exceeds the maximum of {MAX_STRING_BYTES}"
+            )
+        remaining = self.file_size - pos - 8
+        if length > remaining:
+            raise self.error(
+                pos,
+                field,
+                f"string length {length} exceeds the {remaining} bytes left in the file",
+            )
+        self.need(pos + 8, length, field)
+        try:
+            text = self.buf[pos + 8 : pos + 8 + length].decode()
+        except UnicodeDecodeError as exc:
+            raise self.error(pos + 8 + exc.start, field, f"not valid UTF-8 ({exc.reason})") from exc
+        return text, pos + 8 + length
+
+    # --- the walk --------------------------------------------------------------------
+
+    def parse(self, buf: bytes | bytearray | memoryview) -> ParsedFile:
+        """Continue the walk over ``buf`` (the file's first ``len(buf)`` bytes)."""
+        # One copy of a bytearray or memoryview, so the hot loops slice ``bytes``.
+        self.buf = buf if isinstance(buf, bytes) else bytes(buf)
+        self.n = min(len(buf), self.file_size)
+        if self.stage == 0:
+            self.parse_fixed_header()
+            self.stage = 1
+        while self.stage == 1 and len(self.metadata) < self.n_kv:
+            self.parse_kv()
+        if self.stage == 1:
+            self.resolve_alignment()
+            self.stage = 2
+        while len(self.tensors) < self.n_tensors:
+            self.parse_tensor_info()
+        return self.finish()
+
+    def parse_fixed_header(self) -> None:
+        self.need(0, 4, "magic")
+        magic = self.buf[:4]
+        if magic != GGUF_MAGIC:
+            raise self.error(0, "magic", f"expected b'GGUF', found {magic!r}: not a GGUF file")
+        self.need(4, 4, "version")
+        (version,) = struct.unpack_from("<I", self.buf, 4)
+        # Real versions are tiny, so a little-endian read with the low 16 bits all zero
+        # means the file is big-endian (gguf-format §1.4); the magic is never swapped.
+        if version and version & 0xFFFF == 0:
+            self._set_order(">")
+            (version,) = self.u32(self.buf, 4)
+        if version == 1:
+            raise self.error(
+                4, "version", "GGUF v1 is not supported (v2 widened its counts to 64 bits)"
+            )
+        if version not in (2, 3):
+            raise self.error(4, "version", f"unsupported GGUF version {version} (expected 2 or 3)")
+        self.version = version
+        self.need(8, 16, "tensor_count and kv_count")
+        (n_tensors,) = self.u64(self.buf, 8)
+        (n_kv,) = self.u64(self.buf, 16)
+        for offset, field, count, min_bytes in (
+            (8, "tensor_count", n_tensors, MIN_TENSOR_INFO_BYTES),
+            (16, "kv_count", n_kv, MIN_KV_BYTES),
+        ):
+            if count >= INT64_LIMIT:
+                raise self.error(offset, field, f"{count} is negative as an int64")
+            if count * min_bytes > self.file_size:
+                raise self.error(
+                    offset,
+                    field,
+                    f"{count} records need at least {count * min_bytes} bytes "
+                    f"but the file has {self.file_size}",
+                )
+        self.n_tensors, self.n_kv = n_tensors, n_kv
+        self.pos = 24
+
+    def parse_kv(self) -> None:
+        index = len(self.metadata)
+        start = self.pos
+        key, pos = self.string(start, f"metadata #{index} key")
+        if not key:
+            raise self.error(start, f"metadata #{index} key", "empty key")
+        if key in self.metadata:
+            first = self.metadata[key].offset
+            raise self.error(start, f"metadata '{key}'", f"duplicate key (first at offset {first})")
+        field = f"metadata '{key}'"
+        self.need(pos, 4, field + " type")
+        vt = self.value_type(self.u32(self.buf, pos)[0], pos, field + " type")
+        value, pos = self.value(vt, pos + 4, field, 0)
+        self.metadata[key] = MetadataEntry(key, vt, value, start)
+        self.pos = pos
+
+    def value(self, vt: ValueType, pos: int, field: str, depth: int) -> tuple[MetadataValue, int]:
+        if vt is ValueType.STRING:
+            return self.string(pos, field)
+        if vt is ValueType.ARRAY:
+            return self.array(pos, field, depth)
+        scalar = self.scalars[vt]
+        self.need(pos, scalar.size, field)
+        (raw,) = scalar.unpack_from(self.buf, pos)
+        if vt is ValueType.BOOL:
+            if raw > 1:
+                self.warnings.append(f"{field}: bool byte {raw} at offset {pos} is not 0 or 1")
+            return bool(raw), pos + 1
+        value: int | float = raw
+        return value, pos + scalar.size
+
+    def array(self, pos: int, field: str, depth: int) -> tuple[GGUFArray, int]:
+        self.need(pos, 12, field + " array header")
+        item_vt = self.value_type(self.u32(self.buf, pos)[0], pos, field + " item type")
+        (count,) = self.u64(self.buf, pos + 4)
+        if count >= INT64_LIMIT:
+            raise self.error(pos + 4, field, f"array count {count} is negative as an int64")
+        if count > MAX_ARRAY_ITEMS:
+            raise self.error(
+                pos + 4, field, f"array count {count} exceeds the maximum of {MAX_ARRAY_ITEMS}"
+            )
+        start = pos + 12
+        least = count * _MIN_ITEM_BYTES[item_vt]
+        remaining = self.file_size - start
+        if least > remaining:
+            raise self.error(
+                pos + 4,
+                field,
+                f"array of {count} {item_vt.json_name} items needs at least {least} bytes "
+                f"but {remaining} are left in the file",
+            )
+        if item_vt is ValueType.ARRAY:
+            return self.nested_array(start, count, field, depth)
+        if item_vt is ValueType.STRING:
+            return self.string_array(start, count, field)
+        nbytes = count * _FIXED[item_vt][2]
+        self.need(start, nbytes, field)
+        raw = np.frombuffer(self.buf, dtype=self.dtypes[item_vt], count=count, offset=start)
+        if item_vt is ValueType.BOOL:
+            if count and int(raw.max()) > 1:
+                self.warnings.append(f"{field}: bool array holds bytes other than 0 and 1")
+            values = raw != 0
+        else:
+            # A copy in native byte order: the array must not pin the header buffer.
+            values = raw.astype(raw.dtype.newbyteorder("="))
+        values.flags.writeable = False
+        return GGUFArray(item_vt, values), start + nbytes
+
+    def nested_array(self, pos: int, count: int, field: str, depth: int) -> tuple[GGUFArray, int]:
+        if depth + 1 >= MAX_ARRAY_DEPTH:
+            raise self.error(pos, field, f"arrays nested deeper than {MAX_ARRAY_DEPTH} levels")
+        if self.loadable:
+            self.warnings.append(f"{field}: array of arrays; llama.cpp cannot load this file")
+            self.loadable = False
+        items: list[GGUFArray] = []
+        for k in range(count):
+            item, pos = self.array(pos, f"{field}[{k}]", depth + 1)
+            items.append(item)
+        return GGUFArray(ValueType.ARRAY, tuple(items)), pos
+
+    def string_array(self, pos: int, count: int, field: str) -> tuple[GGUFArray, int]:
+        # The hot loop of the parser (150k-token vocabularies): one unpack, one slice and
+        # one decode per item; every bad or unavailable case leaves the loop for the
+        # careful path in ``string``, which raises the precise error or NeedMoreBytes.
+        items, start, p = self.partial.pop(pos, ([], 0, pos))
+        buf, n, u64, limit = self.buf, self.n, self.u64, MAX_STRING_BYTES
+        append = items.append
+        i = start
+        try:
+            for i in range(start, count):  # noqa: B007 - i is read after a break
+                if p + 8 > n:
+                    break
+                (length,) = u64(buf, p)
+                end = p + 8 + length
+                if length > limit or end > n:
+                    break
+                append(buf[p + 8 : end].decode())
+                p = end
+            else:
+                return GGUFArray(ValueType.STRING, tuple(items)), p
+        except UnicodeDecodeError as exc:
+            raise self.error(
+                p + 8 + exc.start, f"{field}[{i}]", f"not valid UTF-8 ({exc.reason})"
+            ) from exc
+        self.partial[pos] = (items, i, p)
+        self.string(p, f"{field}[{i}]")  # raises: the loop only stops on trouble
+        raise AssertionError("unreachable: string() accepted what the loop refused")
+
+    def resolve_alignment(self) -> None:
+        entry = self.metadata.get("general.alignment")
+        if entry is None:
+            return
+        if entry.type is not ValueType.UINT32:
+            raise self.error(
+                entry.offset,
+                "general.alignment",
+                f"must be of type uint32, found {entry.type.json_name}",
+            )
+        assert isinstance(entry.value, int)
+        alignment = entry.value
+        if alignment == 0 or alignment & (alignment - 1):
+            raise self.error(
+                entry.offset, "general.alignment", f"{alignment} is not a power of two"
+            )
+        if alignment < 8:
+            self.warnings.append(f"general.alignment is {alignment}; the spec asks for >= 8")
+        self.alignment = alignment
+
+    def parse_tensor_info(self) -> None:
+        index = len(self.tensors)
+        start = self.pos
+        name, pos = self.string(start, f"tensor #{index} name")
+        name_bytes = pos - start - 8
+        if name_bytes > MAX_NAME_BYTES:
+            raise self.error(
+                start,
+                f"tensor #{index} name",
+                f"'{name[:80]}' is {name_bytes} bytes; the limit is {MAX_NAME_BYTES}",
+            )
+        field = f"tensor '{name}'"
+        if name in self.names:
+            raise self.error(
+                start, field, f"duplicate tensor name (first at offset {self.names[name]})"
+            )
+        self.need(pos, 4, field + " n_dims")
+        (n_dims,) = self.u32(self.buf, pos)
+        if n_dims > MAX_DIMS:
+            raise self.error(pos, field + " n_dims", f"{n_dims} dimensions; at most {MAX_DIMS}")
+        pos += 4
+        self.need(pos, 8 * n_dims, field + " dims")
+        shape = struct.unpack_from(f"{self.order}{n_dims}Q", self.buf, pos)
+        for k, dim in enumerate(shape):
+            if dim >= INT64_LIMIT:
+                raise self.error(pos + 8 * k, field + f" ne[{k}]", f"{dim} is negative as int64")
+        # ggml's guard: with every dim > 0, each running product stays below INT64_MAX.
+        if all(shape):
+            product = 1
+            for dim in shape:
+                product *= dim
+                if product >= INT64_LIMIT - 1:
+                    raise self.error(
+                        pos, field + " dims", f"element count of {list(shape)} overflows int64"
+                    )
+        pos += 8 * n_dims
+        self.need(pos, 4, field + " type")
+        (type_id,) = self.u32(self.buf, pos)
+        if type_id >= GGML_TYPE_COUNT:
+            raise self.error(
+                pos,
+                field + " type",
+                f"unknown ggml type id {type_id} (expected 0..{GGML_TYPE_COUNT - 1})",
+            )
+        gtype = GGML_TYPES[type_id]
+        if not gtype.valid:
+            raise self.error(
+                pos,
+                field + " type",
+                f"ggml type id {type_id} ({gtype.name}) was removed from ggml; "
+                "files using it cannot be loaded",
+            )
+        ne0 = shape[0] if shape else 1
+        if ne0 % gtype.block_elems:
+            raise self.error(
+                pos,
+                field + " type",
+                f"ne[0] = {ne0} is not a multiple of {gtype.name}'s block of "
+                f"{gtype.block_elems} elements",
+            )
+        n_elements = math.prod(shape)
+        nbytes = n_elements // gtype.block_elems * gtype.block_bytes
+        if nbytes >= U64_LIMIT:
+            raise self.error(pos, field, f"{nbytes} bytes do not fit in 64 bits")
+        pos += 4
+        self.need(pos, 8, field + " offset")
+        (offset,) = self.u64(self.buf, pos)
+        self.tensors.append(
+            TensorInfo(name, gtype, tuple(shape), offset, nbytes, n_elements, start)
+        )
+        self.names[name] = start
+        self.pos = pos + 8
+
+    def finish(self) -> ParsedFile:
+        end_of_infos = self.pos
+        # The writers always pad, also with no tensors; the C reader then skips the pad,
+        # which may point past EOF (a vocab-only file), so that case is not an error.
+        data_offset = _pad(end_of_infos, self.alignment)
+        if self.tensors and data_offset > self.file_size:
+            raise self.error(
+                end_of_infos,
+                "data section",
+                f"starts at {data_offset} (padded to {self.alignment}) but the file ends at "
+                f"{self.file_size} (truncated)",
+            )
+        # ggml's C reader demands exact packing in file order (gguf-format §1.8).
+        expected = 0
+        for info in self.tensors:
+            if info.offset != expected:
+                raise self.error(
+                    info.info_offset,
+                    f"tensor '{info.name}' offset",
+                    f"{info.offset}, expected {expected} (tensors must follow each other in "
+                    f"file order, each padded to {self.alignment} bytes)",
+                )
+            expected += _pad(info.nbytes, self.alignment)
+            if data_offset + expected >= U64_LIMIT:
+                raise self.error(
+                    info.info_offset, f"tensor '{info.name}'", "data section size overflows 64 bits"
+                )
+        return ParsedFile(
+            path=self.path,
+            version=self.version,
+            byte_order="little" if self.order == "<" else "big",
+            alignment=self.alignment,
+            data_offset=data_offset,
+            file_size=self.file_size,
+            metadata=MappingProxyType(self.metadata),
+            tensors=tuple(self.tensors),
+            warnings=tuple(self.warnings),
+            llama_cpp_loadable=self.loadable,
+        )
+
+
+def parse_header(
+    buf: bytes | bytearray | memoryview, path: str | os.PathLike[str], file_size: int
+) -> ParsedFile:
+    """Parse a GGUF header held in memory (synchronous; safe to call from a thread).
+
+    :param buf: the file's first bytes (all of them, or at least the whole header).
+    :param path: the file's name, for messages.
+    :param file_size: the size of the whole file; limits are checked against it.
+    :return: the parsed header.
+    :raises GGUFFormatError: the header is malformed; the message names the offset and field.
+    :raises NeedMoreBytes: ``buf`` ends inside the header and the file is longer.
+    """
+    return _HeaderParser(os.fspath(path), file_size).parse(buf)
+
+
+async def parse_file(
+    path: str | os.PathLike[str], *, limiter: anyio.CapacityLimiter | None = None
+) -> ParsedFile:
+    """Parse one GGUF file's header, reading only as many bytes as the header needs.
+
+    :param path: the file.
+    :param limiter: bounds the worker threads that walk the bytes (default: anyio's).
+    :return: the parsed header; the data section is not read.
+    :raises GGUFFormatError: the file is not a valid GGUF file.
+    :raises LoadError: the file cannot be opened or read (``__cause__`` is the OSError).
+    """
+    fspath = os.fspath(path)
+    try:
+        async with aiofiles.open(fspath, "rb") as f:
+            file_size = await f.seek(0, os.SEEK_END)
+            await f.seek(0)
+            parser = _HeaderParser(fspath, file_size)
+            data = b""
+            target = min(file_size, FIRST_READ_BYTES)
+            while True:
+                chunk = await f.read(target - len(data))
+                data += chunk
+                if len(data) < target:
+                    raise LoadError(
+                        fspath, len(data), f"short read: the file shrank below {target} bytes"
+                    )
+                try:
+                    return await anyio.to_thread.run_sync(parser.parse, data, limiter=limiter)
+                except NeedMoreBytes as more:
+                    # Grow geometrically so a big vocabulary costs a few reads, never
+                    # past the end of the file (the parser checked ``more.end`` against it).
+                    target = min(file_size, max(more.end, 2 * len(data)))
+    except OSError as exc:
+        raise LoadError(fspath, None, f"cannot read the file: {exc.strerror or exc}") from exc
+
+
+def split_paths(path: str | os.PathLike[str], split_no: int, split_count: int) -> list[str]:
+    """The paths of every split of a set, derived from the path of split ``split_no``.
+
+    The name must end in ``-<split_no+1:05d>-of-<split_count:05d>.gguf`` (gguf-format §2.2).
+
+    :raises SplitError: the name does not follow that pattern.
+    """
+    fspath = os.fspath(path)
+    suffix = f"-{split_no + 1:05d}-of-{split_count:05d}.gguf"
+    name = Path(fspath).name
+    if not name.endswith(suffix) or len(name) == len(suffix):
+        raise SplitError(
+            fspath,
+            f"invalid split file name: split {split_no + 1} of {split_count} must be named "
+            f"'<prefix>{suffix}'",
+        )
+    prefix = fspath[: len(fspath) - len(suffix)]
+    return [f"{prefix}-{i + 1:05d}-of-{split_count:05d}.gguf" for i in range(split_count)]
+
+
+def _split_int(parsed: ParsedFile, key: str) -> int | None:
+    entry = parsed.metadata.get(key)
+    if entry is None:
+        return None
+    value = entry.value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SplitError(parsed.path, f"{key} must be an integer, found {entry.type.json_name}")
+    return value
+
+
+async def parse_model(path: str | os.PathLike[str]) -> tuple[ParsedFile, ...]:
+    """Parse a model: one file, or every split of a split set (concurrently).
+
+    :param path: a single-file model, or the **first** split of a set.
+    :return: one ``ParsedFile`` per file, in split order.
+    :raises GGUFFormatError: a file is malformed.
+    :raises SplitError: ``path`` is not the first split (the message names the first), a
+        split file is missing (named), or a split's ``split.no`` is not its position.
+    :raises LoadError: a file cannot be read.
+    """
+    first = await parse_file(path)
+    count = _split_int(first, "split.count")
+    if count is None or count <= 1:
+        return (first,)
+    if count > SPLIT_MAX_COUNT:
+        raise SplitError(first.path, f"split.count {count} exceeds {SPLIT_MAX_COUNT}")
+    split_no = _split_int(first, "split.no")
+    if split_no is None:
+        raise SplitError(first.path, f"split.count is {count} but split.no is missing")
+    if not 0 <= split_no < count:
+        raise SplitError(first.path, f"split.no {split_no} is outside 0..{count - 1}")
+    paths = split_paths(first.path, split_no, count)
+    if split_no != 0:
+        raise SplitError(
+            first.path,
+            f"this is split {split_no + 1} of {count}; a split model must be opened from "
+            f"its first split: {paths[0]}",
+        )
+
+    results: list[ParsedFile] = [first]
+    found: dict[int, ParsedFile] = {}
+    failed: dict[int, GGUFError] = {}
+    limiter = anyio.CapacityLimiter(8)
+
+    async def parse_split(i: int) -> None:
+        try:
+            found[i] = await parse_file(paths[i], limiter=limiter)
+        except LoadError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                failed[i] = SplitError(
+                    paths[i], f"split {i + 1} of {count} is missing (needed by {first.path})"
+                )
+            else:
+                failed[i] = exc
+        except GGUFError as exc:
+            failed[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i in range(1, count):
+            tg.start_soon(parse_split, i)
+    if failed:
+        # Report the lowest split, so the message does not depend on scheduling.
+        raise failed[min(failed)]
+    results.extend(found[i] for i in range(1, count))
+    for i, parsed in enumerate(results[1:], start=1):
+        no = _split_int(parsed, "split.no")
+        if no is None:
+            raise SplitError(parsed.path, "split.no is missing from this split")
+        if no != i:
+            raise SplitError(
+                parsed.path, f"split.no is {no} but this file is split {i + 1} (split.no {i})"
+            )
+    return tuple(results)
