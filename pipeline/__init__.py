@@ -1,5 +1,8 @@
 """aiogguf: load GGUF models into host and GPU memory at hardware speed, asynchronously."""
 
+from aiogguf.api import LoadHandle as LoadHandle
+from aiogguf.api import load as load
+from aiogguf.api import load_sync as load_sync
 from aiogguf.config import Config as Config
 from aiogguf.errors import BigEndianError as BigEndianError
 from aiogguf.errors import ConfigError as ConfigError
@@ -10,6 +13,9 @@ from aiogguf.errors import PlacementError as PlacementError
 from aiogguf.errors import SplitError as SplitError
 from aiogguf.errors import TensorFailure as TensorFailure
 from aiogguf.errors import TensorValidationError as TensorValidationError
+from aiogguf.events import Progress as Progress
+from aiogguf.model import Model as Model
+from aiogguf.report import LoadReport as LoadReport
 
 __version__ = "0.1.0"
 
@@ -20,8 +26,14 @@ __all__ = [
     "GGUFError",
     "GGUFFormatError",
     "LoadError",
+    "LoadHandle",
+    "LoadReport",
+    "Model",
     "PlacementError",
+    "Progress",
     "SplitError",
     "TensorFailure",
     "TensorValidationError",
+    "load",
+    "load_sync",
 ]

@@ -1,21 +1,41 @@
 """The load configuration: one schema for TOML files, CLI flags and ``load()`` overrides.
 
 Precedence, lowest first: the schema's defaults, the TOML file, then overrides (CLI flags
-or keyword arguments to ``load()``). Sizes accept ``"64MiB"``-style strings. Unknown keys
-and wrong types are ``ConfigError``s that name the key and the file.
+or keyword arguments to ``load()``). An override replaces the whole value of its key, lists
+included (``-ot`` replaces the file's ``[[placement.override]]`` rules, ``--sim-gpu`` its
+``[[device]]`` entries). Sizes accept ``"64MiB"``-style strings. Unknown keys, wrong types
+and bad sizes are one-line ``ConfigError``s that name the key, the file and what was
+expected. TOML gives values their types, so the schema is strict: ``readers = "4"`` or
+``prefetch = 1`` is an error, not a guess.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
+import re
 import tomllib
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import ErrorDetails
 
 from aiogguf.errors import ConfigError
+from aiogguf.io.ggml_types import ggml_type_by_name
 from aiogguf.units import parse_size
 
 __all__ = [
@@ -27,6 +47,7 @@ __all__ = [
     "PipelineConfig",
     "PlacementConfig",
     "SimDeviceConfig",
+    "format_size",
     "load_config",
 ]
 
@@ -34,22 +55,40 @@ LoadMode = Literal["auto", "mmap", "mlock", "none", "direct"]
 LazyMode = Literal["off", "auto", "on"]
 SplitMode = Literal["none", "layer", "row"]
 
-Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
-PositiveSize = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+# TOML already types its values: no "4" → 4 or 1 → True coercion.
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Float = Annotated[float, Strict()]  # strict floats still take TOML integers (``3``)
+
+
+class _SizeMark:
+    """Marks a size field in ``Annotated`` so ``to_toml`` can write it as ``"64MiB"``."""
+
+
+def _to_bytes(value: object) -> object:
+    # Anything that is not an int or a str (a float, a table) is refused here with the
+    # same message as a bad size string, so the user sees one kind of error for sizes.
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"expected a byte count or a size like '64MiB', got {_show(value)}")
+    return parse_size(value)
+
+
+Size = Annotated[int, BeforeValidator(_to_bytes), Field(ge=0), _SizeMark]
+PositiveSize = Annotated[int, BeforeValidator(_to_bytes), Field(gt=0), _SizeMark]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class LoadConfig(_Section):
     mode: LoadMode = "auto"
-    check_tensors: bool = True
+    check_tensors: Bool = True
     # Return the model even when validation found bad tensors (they are still reported).
-    keep_invalid: bool = False
+    keep_invalid: Bool = False
     lazy: LazyMode = "off"
     lazy_min_bytes: Size = 4 * 1024**3
-    prefetch: bool = True
+    prefetch: Bool = True
 
 
 class OverrideRule(_Section):
@@ -57,94 +96,184 @@ class OverrideRule(_Section):
     ``buffer_type`` names a buffer type or a device (``CPU``, ``g0``, ``CUDA0``), which
     stands for that device's default buffer type."""
 
-    pattern: str
-    buffer_type: str
+    pattern: str = Field(min_length=1)
+    buffer_type: str = Field(min_length=1)
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        # Caught here, the error names the file; the plan would only name the pattern.
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"expected a regular expression, got {pattern!r}: {exc}") from None
+        return pattern
 
 
 class PlacementConfig(_Section):
-    n_gpu_layers: int = Field(default=-1, ge=-1)
+    n_gpu_layers: Int = Field(default=-1, ge=-1)
     split_mode: SplitMode = "layer"
-    main_gpu: int = 0
-    tensor_split: tuple[float, ...] = ()
-    no_host: bool = False
+    # -1 with split_mode = "none": no GPU at all (llama.cpp's meaning).
+    main_gpu: Int = Field(default=0, ge=-1)
+    tensor_split: tuple[Annotated[Float, Field(ge=0)], ...] = ()
+    no_host: Bool = False
     override: tuple[OverrideRule, ...] = ()
 
 
 class PathLimit(_Section):
     """Reader concurrency for files under ``prefix`` (one entry per disk of an array)."""
 
-    prefix: str
-    readers: int = Field(ge=1)
+    prefix: str = Field(min_length=1)
+    readers: Int = Field(ge=1)
 
 
 class PipelineConfig(_Section):
-    queue_depth: int = Field(default=8, ge=1)
-    readers: int = Field(default=2, ge=1)
+    queue_depth: Int = Field(default=8, ge=1)
+    readers: Int = Field(default=2, ge=1)
     chunk_size: PositiveSize = 64 * 1024**2
     coalesce_gap: Size = 1024**2
-    staging_buffers: int = Field(default=4, ge=1)
+    staging_buffers: Int = Field(default=4, ge=1)
     # None: 64 MiB in direct mode, 1 MiB otherwise.
     staging_buffer_size: PositiveSize | None = None
-    validate_workers: int = Field(default=2, ge=1)
+    validate_workers: Int = Field(default=2, ge=1)
     alignment: PositiveSize = 4096
     path: tuple[PathLimit, ...] = ()
 
+    @field_validator("alignment")
+    @classmethod
+    def _power_of_two(cls, alignment: int) -> int:
+        # O_DIRECT offsets and buffer addresses are aligned by masking.
+        if alignment & (alignment - 1):
+            raise ValueError(f"expected a power of two, got {alignment}")
+        return alignment
+
+    @field_validator("path")
+    @classmethod
+    def _distinct_prefixes(cls, path: tuple[PathLimit, ...]) -> tuple[PathLimit, ...]:
+        seen: set[str] = set()
+        for limit in path:
+            prefix = _resolve(limit.prefix)
+            if prefix in seen:
+                raise ValueError(f"prefix {limit.prefix!r} is listed twice")
+            seen.add(prefix)
+        return path
+
     def staging_bytes(self, mode: str) -> int:
+        """Bytes per staging buffer in load mode ``mode``."""
         if self.staging_buffer_size is not None:
             return self.staging_buffer_size
         return 64 * 1024**2 if mode == "direct" else 1024**2
 
     def readers_for(self, path: str | os.PathLike[str]) -> int:
-        """Reader limit for ``path``: the longest matching ``[[pipeline.path]]`` prefix."""
-        p = os.path.abspath(os.fspath(path))
-        best: PathLimit | None = None
+        """Reader limit for ``path``: that of the longest ``[[pipeline.path]]`` prefix that
+        holds it (symlinks resolved, so a link into another disk counts for that disk),
+        else ``readers``."""
+        p = _resolve(path)
+        best, best_len = self.readers, -1
         for limit in self.path:
-            prefix = os.path.abspath(limit.prefix)
+            prefix = _resolve(limit.prefix)
             inside = p == prefix or p.startswith(prefix.rstrip(os.sep) + os.sep)
-            if inside and (best is None or len(prefix) > len(best.prefix)):
-                best = limit
-        return best.readers if best is not None else self.readers
+            if inside and len(prefix) > best_len:
+                best, best_len = limit.readers, len(prefix)
+        return best
+
+
+def _resolve(path: str | os.PathLike[str]) -> str:
+    return os.path.realpath(os.path.expanduser(os.fspath(path)))
 
 
 class SimDeviceConfig(_Section):
     """A simulated GPU (``[[device]]``): for dry runs and for testing the upload path."""
 
-    name: str | None = None
+    name: str | None = Field(default=None, min_length=1)
     kind: Literal["gpu", "igpu", "accel"] = "gpu"
     free: Size = 24 * 1024**3
     total: Size | None = None
     id: str | None = None  # PCI bus id; devices sharing one are the same device
     unsupported: tuple[str, ...] = ()  # ggml type names this device cannot hold
-    host_pointer: bool = False
-    async_copies: bool = True
-    events: bool = True
-    pinned_host: bool = True
-    split_buffer: bool = True
-    mmap: bool = True
-    bandwidth: Size | None = None  # bytes per second of the simulated copy engine
-    max_delay_ms: float = Field(default=0.0, ge=0.0)
+    host_pointer: Bool = False
+    async_copies: Bool = True
+    events: Bool = True
+    pinned_host: Bool = True
+    split_buffer: Bool = True
+    mmap: Bool = True
+    bandwidth: PositiveSize | None = None  # bytes per second of the simulated copy engine
+    max_delay_ms: Float = Field(default=0.0, ge=0.0)
+
+    @field_validator("total")
+    @classmethod
+    def _holds_free(cls, total: int | None, info: ValidationInfo) -> int | None:
+        free = info.data.get("free")
+        if total is not None and free is not None and total < free:
+            raise ValueError(
+                f"expected at least free ({format_size(free)}), got {format_size(total)}"
+            )
+        return total
+
+    @field_validator("unsupported")
+    @classmethod
+    def _ggml_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        for name in names:
+            try:
+                ggml_type_by_name(name)
+            except KeyError:
+                raise ValueError(f"expected ggml type names, got {name!r}") from None
+        return names
 
     @classmethod
     def from_spec(cls, spec: str) -> SimDeviceConfig:
         """Parse ``--sim-gpu`` text: ``"24GiB"`` or ``"name=g0,free=24GiB,unsupported=IQ1_M"``
-        (several unsupported types are joined with ``+``)."""
-        if "=" not in spec:
-            return cls(free=spec)  # type: ignore[arg-type]
+        (several unsupported types are joined with ``+``).
+
+        Raises ``ConfigError`` naming the spec and the bad key.
+        """
+        where = f"--sim-gpu {spec!r}"
         fields: dict[str, Any] = {}
-        for part in spec.split(","):
-            key, sep, value = part.partition("=")
-            key = key.strip()
-            if not sep or not key:
-                raise ConfigError("--sim-gpu", None, f"expected key=value, got {part!r}")
-            fields[key] = tuple(v for v in value.split("+") if v) if key == "unsupported" else value
+        if "=" not in spec:
+            fields["free"] = spec.strip()
+        else:
+            for part in spec.split(","):
+                key, sep, value = part.partition("=")
+                key = key.strip()
+                if not sep or not key:
+                    raise ConfigError("--sim-gpu", None, f"expected key=value, got {part!r}")
+                if key in fields:
+                    raise ConfigError(key, where, "given twice")
+                value = value.strip()
+                if key == "unsupported":
+                    fields[key] = tuple(v for v in value.split("+") if v)
+                elif key in _SIM_FLAGS:
+                    fields[key] = _SIM_FLAGS[key].get(value.lower(), value)
+                elif key == "max_delay_ms":
+                    fields[key] = _number(value)
+                else:
+                    fields[key] = value
         try:
             return cls.model_validate(fields)
         except ValidationError as exc:
-            raise _config_error(exc, f"--sim-gpu {spec!r}") from exc
+            raise _config_error(exc, where, root=cls) from exc
+
+
+# ``--sim-gpu`` text is untyped: these words mean a boolean there (not in TOML).
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+_SIM_FLAGS = {
+    name: _BOOL_WORDS
+    for name in ("host_pointer", "async_copies", "events", "pinned_host", "split_buffer", "mmap")
+}
+
+
+def _number(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text  # left for the schema to reject with its message
 
 
 class Config(_Section):
-    """A whole load: ``[load]``, ``[placement]``, ``[pipeline]`` and ``[[device]]``."""
+    """A whole load: ``[load]``, ``[placement]``, ``[pipeline]`` and ``[[device]]``.
+
+    ``source`` is the file it was read from (for error messages), never a TOML key.
+    """
 
     load: LoadConfig = LoadConfig()
     placement: PlacementConfig = PlacementConfig()
@@ -154,18 +283,30 @@ class Config(_Section):
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> Config:
-        """Read a TOML file. Raises ``ConfigError`` naming the file and the bad key."""
+        """Read a TOML file.
+
+        Raises ``ConfigError`` naming the file and the bad key, or why the file could not
+        be read or parsed.
+        """
         source = os.fspath(path)
         try:
             data = tomllib.loads(Path(source).read_text(encoding="utf-8"))
         except OSError as exc:
-            raise ConfigError("(file)", source, f"cannot read: {exc.strerror}") from exc
+            raise ConfigError("(file)", source, f"cannot read: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError("(file)", source, f"not UTF-8 text: {exc.reason}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("(file)", source, f"not valid TOML: {exc}") from exc
         return cls.from_mapping(data, source=source)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str | None = None) -> Config:
+        """Validate a parsed TOML document (or ``--json`` output of ``config show``).
+
+        Raises ``ConfigError`` naming ``source`` and the bad key.
+        """
+        if "source" in data:
+            raise ConfigError("source", source, f"unknown key; expected one of: {_SECTIONS}")
         try:
             return cls.model_validate({**data, "source": source})
         except ValidationError as exc:
@@ -173,48 +314,244 @@ class Config(_Section):
 
     def with_overrides(self, **overrides: Any) -> Config:
         """A copy with keys replaced by their plain names (``mode="direct"``,
-        ``n_gpu_layers=0``, ``chunk_size="16MiB"``, ``sim_gpus=["24GiB"]``)."""
+        ``n_gpu_layers=0``, ``chunk_size="16MiB"``, ``sim_gpus=["24GiB"]``); ``None``
+        values are skipped. Raises ``ConfigError`` naming the key."""
+        return self.with_settings(overrides)
+
+    def with_settings(self, overrides: Mapping[str, Any], *, origin: str = "overrides") -> Config:
+        """``with_overrides`` with the overrides in a mapping; errors name ``origin``
+        (e.g. ``"command line"``) as where the bad value came from."""
         data = self.model_dump(exclude={"source"})
         for key, value in overrides.items():
             if value is None:
                 continue
-            if key == "sim_gpus":
-                data["device"] = [
-                    SimDeviceConfig.from_spec(v).model_dump() if isinstance(v, str) else v
-                    for v in value
-                ]
+            if key in ("sim_gpus", "device"):
+                data["device"] = [_sim_device(v) for v in value]
                 continue
             section = _SECTION_OF.get(key)
             if section is None:
-                raise ConfigError(key, "overrides", f"unknown setting; known: {_known_keys()}")
+                raise ConfigError(key, origin, f"unknown setting{_did_you_mean(key, _KNOWN)}")
             data[section][key] = value
-        return Config.from_mapping(data, source=self.source)
+        try:
+            config = Config.model_validate(data)
+        except ValidationError as exc:
+            raise _config_error(exc, origin) from exc
+        return config.model_copy(update={"source": self.source})
 
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain JSON types (sizes in bytes); ``from_mapping`` takes
+        it back."""
+        data: dict[str, Any] = self.model_dump(mode="json", exclude={"source"})
+        return data
+
+    def to_toml(self) -> str:
+        """The configuration as a TOML document that ``from_toml`` reads back to an equal
+        ``Config``; sizes are written as ``"64MiB"`` where that is exact."""
+        lines: list[str] = []
+        for name in ("load", "placement", "pipeline"):
+            section: _Section = getattr(self, name)
+            lines.append(f"[{name}]")
+            tables: list[tuple[str, tuple[_Section, ...]]] = []
+            for key, value in _fields(section):
+                if isinstance(value, tuple) and value and isinstance(value[0], _Section):
+                    tables.append((f"{name}.{key}", value))
+                elif value is None:
+                    lines.append(f"# {key}: unset ({_UNSET_NOTES.get(key, 'default')})")
+                else:
+                    lines.append(f"{key} = {_toml_value(section, key, value)}")
+            for table, items in tables:
+                for item in items:
+                    lines.extend(["", f"[[{table}]]", *_toml_pairs(item)])
+            lines.append("")
+        for device in self.device:
+            lines.extend(["[[device]]", *_toml_pairs(device), ""])
+        return "\n".join(lines)
+
+
+_SECTIONS = "load, placement, pipeline, device"
+_UNSET_NOTES = {"staging_buffer_size": "64MiB in direct mode, 1MiB otherwise"}
 
 _SECTION_OF: dict[str, str] = {
     **{k: "load" for k in LoadConfig.model_fields},
     **{k: "placement" for k in PlacementConfig.model_fields},
     **{k: "pipeline" for k in PipelineConfig.model_fields},
 }
+# Overrides use bare key names, so no two sections may share one.
+assert len(_SECTION_OF) == sum(
+    len(m.model_fields) for m in (LoadConfig, PlacementConfig, PipelineConfig)
+)
+_KNOWN: tuple[str, ...] = (*_SECTION_OF, "sim_gpus", "device")
 
 
-def _known_keys() -> str:
-    return ", ".join(sorted([*_SECTION_OF, "sim_gpus"]))
+def _sim_device(value: Any) -> Any:
+    if isinstance(value, str):
+        return SimDeviceConfig.from_spec(value).model_dump()
+    if isinstance(value, SimDeviceConfig):
+        return value.model_dump()
+    return value
 
 
-def _config_error(exc: ValidationError, source: str | None) -> ConfigError:
-    err = exc.errors()[0]
-    key = ".".join(str(part) for part in err["loc"]) or "(root)"
-    if err["type"] == "extra_forbidden":
-        problem = "unknown key"
-    else:
-        got = err.get("input")
-        problem = f"{err['msg']} (got {got!r})" if not isinstance(got, dict) else err["msg"]
-    return ConfigError(key, source, problem)
+# --- writing TOML -----------------------------------------------------------------------
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes as ``"64MiB"`` when a binary unit divides it exactly, else ``"1000"``."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def _fields(section: _Section) -> list[tuple[str, Any]]:
+    return [(key, getattr(section, key)) for key in type(section).model_fields]
+
+
+def _is_size(model: type[BaseModel], key: str) -> bool:
+    field = model.model_fields[key]
+    if _SizeMark in field.metadata:
+        return True
+    return any(_SizeMark in typing.get_args(arg) for arg in typing.get_args(field.annotation))
+
+
+def _toml_value(section: _Section, key: str, value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and _is_size(type(section), key):
+        text = format_size(value)
+        return json.dumps(text) if not text.isdigit() else text
+    return _toml_scalar(value)
+
+
+def _toml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_scalar(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def _toml_pairs(section: _Section) -> list[str]:
+    return [
+        f"{key} = {_toml_value(section, key, value)}"
+        for key, value in _fields(section)
+        if value is not None
+    ]
+
+
+# --- errors -----------------------------------------------------------------------------
+
+# pydantic error type → what the key expected, in TOML words.
+_EXPECTED: dict[str, str] = {
+    "bool_type": "true or false",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "string_type": "a string",
+    "dict_type": "a table",
+    "model_type": "a table",
+    "model_attributes_type": "a table",
+    "tuple_type": "an array",
+    "list_type": "an array",
+}
+_BOUNDS: dict[str, tuple[str, str]] = {
+    "greater_than": ("gt", ">"),
+    "greater_than_equal": ("ge", ">="),
+    "less_than": ("lt", "<"),
+    "less_than_equal": ("le", "<="),
+}
+
+
+def _show(value: object) -> str:
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list | tuple):
+        return "an array"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is not None:
+        for arg in typing.get_args(annotation):
+            model = _model_of(arg)
+            if model is not None:
+                return model
+    return None
+
+
+def _model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = root
+    for part in loc:
+        if isinstance(part, int):
+            continue  # an index into an array of tables
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        model = _model_of(field.annotation)
+    return model
+
+
+def _did_you_mean(key: str, known: typing.Iterable[str]) -> str:
+    known = [k for k in known if k != "source"]
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; expected one of: {', '.join(known)}"
+
+
+def _problem(err: ErrorDetails, root: type[BaseModel]) -> str:
+    kind, got, ctx = err["type"], err.get("input"), err.get("ctx", {})
+    if kind == "extra_forbidden":
+        parent = _model_at(root, err["loc"][:-1])
+        known = parent.model_fields if parent is not None else ()
+        return "unknown key" + _did_you_mean(str(err["loc"][-1]), known)
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "literal_error":
+        return f"expected one of {ctx['expected']}, got {_show(got)}"
+    if kind in _BOUNDS:
+        name, op = _BOUNDS[kind]
+        return f"expected a value {op} {ctx[name]}, got {_show(got)}"
+    if kind == "string_too_short":
+        return "expected a non-empty string"
+    if kind in _EXPECTED:
+        return f"expected {_EXPECTED[kind]}, got {_show(got)}"
+    return f"{err['msg']}, got {_show(got)}"
+
+
+def _key_of(loc: tuple[int | str, ...]) -> str:
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else part)
+    return key or "(top level)"
+
+
+def _config_error(
+    exc: ValidationError, source: str | None, root: type[BaseModel] = Config
+) -> ConfigError:
+    # One line: the first problem in full, the count of the others. A misspelt key comes
+    # first, as it often explains a "missing" one.
+    errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
+    err = errors[0]
+    problem = _problem(err, root)
+    if len(errors) > 1:
+        problem += f" (and {len(errors) - 1} more problem(s))"
+    return ConfigError(_key_of(err["loc"]), source, problem)
 
 
 def load_config(config: Config | str | os.PathLike[str] | None = None, **overrides: Any) -> Config:
-    """Resolve the ``config`` argument of the public API (object, TOML path or None)."""
+    """Resolve the ``config`` argument of the public API (object, TOML path or None) and
+    apply ``overrides`` on top (see ``Config.with_overrides``).
+
+    Raises ``ConfigError`` naming the key and the file (or ``overrides``).
+    """
     if config is None:
         base = Config()
     elif isinstance(config, Config):

@@ -74,6 +74,15 @@ class GGUFArray:
     def __len__(self) -> int:
         return len(self.values)
 
+    def __repr__(self) -> str:
+        # Short on purpose: vocabularies hold 10^5 items, and asyncio.run (3.11) reprs the
+        # main task's result on its way out, which cost a tenth of a second per parse.
+        first = self.values[:3]
+        items = first.tolist() if isinstance(first, np.ndarray) else first
+        more = ", ..." if len(self) > 3 else ""
+        head = ", ".join(map(repr, items))
+        return f"GGUFArray({self.item_type.name}, {len(self)} items: [{head}{more}])"
+
     def to_python(self) -> list[object]:
         """Plain Python values (ints, floats, bools, strs, nested lists)."""
         if isinstance(self.values, np.ndarray):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import struct
 from pathlib import Path
 from types import MappingProxyType
@@ -63,6 +62,7 @@ MAX_ARRAY_DEPTH: Final = 16
 SPLIT_MAX_COUNT: Final = 65535  # split.count is a u16
 
 FIRST_READ_BYTES: Final = 1 << 20
+GROWTH_FACTOR: Final = 4
 
 # value type → (struct code, numpy code, bytes). STRING and ARRAY are not fixed-size.
 _FIXED: Final[dict[ValueType, tuple[str, str, int]]] = {
@@ -85,7 +85,6 @@ _MIN_ITEM_BYTES: Final[dict[ValueType, int]] = {
     ValueType.ARRAY: 12,
 }
 _VALUE_TYPES: Final[dict[int, ValueType]] = {int(vt): vt for vt in ValueType}
-_SPLIT_SUFFIX = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 class NeedMoreBytes(Exception):
@@ -128,10 +127,11 @@ class _HeaderParser:
         self.tensors: list[TensorInfo] = []
         self.names: dict[str, int] = {}
         self.alignment = DEFAULT_ALIGNMENT
-        self.warnings: list[str] = []
+        # An ordered set: a record re-parsed after NeedMoreBytes must not warn twice.
+        self.warnings: dict[str, None] = {}
         self.loadable = True
-        # array data offset → (items decoded so far, next item index, its offset)
-        self.partial: dict[int, tuple[list[str], int, int]] = {}
+        # string array data offset → (items decoded so far, offset of the next one)
+        self.partial: dict[int, tuple[list[str], int]] = {}
         self._set_order("<")
 
     def _set_order(self, order: str) -> None:
@@ -270,7 +270,7 @@ class _HeaderParser:
         (raw,) = scalar.unpack_from(self.buf, pos)
         if vt is ValueType.BOOL:
             if raw > 1:
-                self.warnings.append(f"{field}: bool byte {raw} at offset {pos} is not 0 or 1")
+                self.warnings[f"{field}: bool byte {raw} at offset {pos} is not 0 or 1"] = None
             return bool(raw), pos + 1
         value: int | float = raw
         return value, pos + scalar.size
@@ -304,7 +304,7 @@ class _HeaderParser:
         raw = np.frombuffer(self.buf, dtype=self.dtypes[item_vt], count=count, offset=start)
         if item_vt is ValueType.BOOL:
             if count and int(raw.max()) > 1:
-                self.warnings.append(f"{field}: bool array holds bytes other than 0 and 1")
+                self.warnings[f"{field}: bool array holds bytes other than 0 and 1"] = None
             values = raw != 0
         else:
             # A copy in native byte order: the array must not pin the header buffer.
@@ -316,7 +316,7 @@ class _HeaderParser:
         if depth + 1 >= MAX_ARRAY_DEPTH:
             raise self.error(pos, field, f"arrays nested deeper than {MAX_ARRAY_DEPTH} levels")
         if self.loadable:
-            self.warnings.append(f"{field}: array of arrays; llama.cpp cannot load this file")
+            self.warnings[f"{field}: array of arrays; llama.cpp cannot load this file"] = None
             self.loadable = False
         items: list[GGUFArray] = []
         for k in range(count):
@@ -326,30 +326,31 @@ class _HeaderParser:
 
     def string_array(self, pos: int, count: int, field: str) -> tuple[GGUFArray, int]:
         # The hot loop of the parser (150k-token vocabularies): one unpack, one slice and
-        # one decode per item; every bad or unavailable case leaves the loop for the
-        # careful path in ``string``, which raises the precise error or NeedMoreBytes.
-        items, start, p = self.partial.pop(pos, ([], 0, pos))
+        # one decode per item. A length prefix past the buffer (struct.error) or a string
+        # that is too long or ends past the buffer leaves the loop for the careful path in
+        # ``string``, which raises the precise error or NeedMoreBytes.
+        items, p = self.partial.pop(pos, ([], pos))
         buf, n, u64, limit = self.buf, self.n, self.u64, MAX_STRING_BYTES
         append = items.append
-        i = start
+        start = p
         try:
-            for i in range(start, count):  # noqa: B007 - i is read after a break
-                if p + 8 > n:
+            for _ in range(len(items), count):
+                start = p
+                (length,) = u64(buf, start)
+                p = start + 8 + length
+                if p > n or length > limit:
                     break
-                (length,) = u64(buf, p)
-                end = p + 8 + length
-                if length > limit or end > n:
-                    break
-                append(buf[p + 8 : end].decode())
-                p = end
+                append(buf[start + 8 : p].decode())
             else:
                 return GGUFArray(ValueType.STRING, tuple(items)), p
+        except struct.error:
+            pass  # the length of the string at ``start`` is not in the buffer
         except UnicodeDecodeError as exc:
             raise self.error(
-                p + 8 + exc.start, f"{field}[{i}]", f"not valid UTF-8 ({exc.reason})"
+                start + 8 + exc.start, f"{field}[{len(items)}]", f"not valid UTF-8 ({exc.reason})"
             ) from exc
-        self.partial[pos] = (items, i, p)
-        self.string(p, f"{field}[{i}]")  # raises: the loop only stops on trouble
+        self.partial[pos] = (items, start)
+        self.string(start, f"{field}[{len(items)}]")  # raises: the loop stops only on trouble
         raise AssertionError("unreachable: string() accepted what the loop refused")
 
     def resolve_alignment(self) -> None:
@@ -369,7 +370,7 @@ class _HeaderParser:
                 entry.offset, "general.alignment", f"{alignment} is not a power of two"
             )
         if alignment < 8:
-            self.warnings.append(f"general.alignment is {alignment}; the spec asks for >= 8")
+            self.warnings[f"general.alignment is {alignment}; the spec asks for >= 8"] = None
         self.alignment = alignment
 
     def parse_tensor_info(self) -> None:
@@ -530,9 +531,10 @@ async def parse_file(
                 try:
                     return await anyio.to_thread.run_sync(parser.parse, data, limiter=limiter)
                 except NeedMoreBytes as more:
-                    # Grow geometrically so a big vocabulary costs a few reads, never
-                    # past the end of the file (the parser checked ``more.end`` against it).
-                    target = min(file_size, max(more.end, 2 * len(data)))
+                    # Grow geometrically (x4: a 10 MiB vocabulary costs three reads and
+                    # three resumed walks), never past the end of the file (the parser
+                    # checked ``more.end`` against it).
+                    target = min(file_size, max(more.end, GROWTH_FACTOR * len(data)))
     except OSError as exc:
         raise LoadError(fspath, None, f"cannot read the file: {exc.strerror or exc}") from exc
 

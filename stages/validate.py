@@ -25,6 +25,7 @@ dtypes because CuPy has no byte-swapped dtypes); big-endian files are converted 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -542,6 +543,7 @@ class ValidationCollector:
         self._submitted = 0
         self._results: dict[int, TensorFailure] = {}
         self.bytes_checked = 0
+        self.busy_s = 0.0  # seconds spent in checks (includes waiting for a worker)
 
     async def __aenter__(self) -> ValidationCollector:
         if self._state is not _State.NEW:
@@ -594,9 +596,11 @@ class ValidationCollector:
                 unit = max(type.block_bytes, 1)
                 step = max(self._call_bytes // unit, 1) * unit
                 for start in range(0, nbytes, step):
+                    began = time.perf_counter()
                     await anyio.to_thread.run_sync(
                         checker.update, data[start : start + step], limiter=self._limiter
                     )
+                    self.busy_s += time.perf_counter() - began
                     self.bytes_checked += min(step, nbytes - start)
                 failure = checker.finish()
             if failure is not None:

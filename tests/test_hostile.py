@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 from aiogguf.errors import GGUFError, GGUFFormatError, SplitError
 from aiogguf.records import ParsedFile, WeightIndex
 from aiogguf.stages.index import build_index
-from aiogguf.stages.parse import FIRST_READ_BYTES, parse_file, parse_header, parse_model
+from aiogguf.stages.parse import (
+    FIRST_READ_BYTES,
+    NeedMoreBytes,
+    parse_file,
+    parse_header,
+    parse_model,
+)
 
 U64_MAX = 2**64 - 1
 F32, Q4_0 = 0, 2
@@ -475,3 +481,42 @@ def test_random_bytes_after_header(tail: bytes, version: int) -> None:
 @given(st.binary(min_size=0, max_size=64), st.integers(0, len(SMALL)))
 def test_random_splices(junk: bytes, at: int) -> None:
     _survives(SMALL[:at] + junk + SMALL[at + len(junk) :])
+
+
+def test_version_2_and_big_endian_by_hand() -> None:
+    assert load(model(version=2)).files[0].version == 2
+    big = (
+        b"GGUF"  # magic, never swapped
+        + struct.pack(">I", 2)  # version 2, big-endian
+        + struct.pack(">Q", 1)  # tensor_count
+        + struct.pack(">Q", 1)  # kv_count
+        + struct.pack(">Q", 1)  # key length
+        + b"k"  # key
+        + struct.pack(">I", UINT32)  # value type
+        + struct.pack(">I", 0x01020304)  # value
+        + struct.pack(">Q", 1)  # tensor name length
+        + b"t"  # tensor name
+        + struct.pack(">I", 1)  # n_dims
+        + struct.pack(">Q", 8)  # ne[0]
+        + struct.pack(">I", F32)  # type
+        + struct.pack(">Q", 0)  # offset
+    )
+    index = load(pad(big) + b"\0" * 32)
+    parsed = index.files[0]
+    assert (parsed.version, parsed.byte_order) == (2, "big")
+    assert parsed.metadata["k"].value == 0x01020304
+    assert index["t"].shape == (8,)
+    assert index["t"].nbytes == 32
+
+
+def test_unknown_tensor_name_is_input_with_a_warning() -> None:
+    index = load(model(infos=[tensor_info(b"mystery.weight", [8], F32, 0)]))
+    assert index["mystery.weight"].tensor_class.value == "input"
+    assert index.warnings == ("tensor 'mystery.weight': unknown name, classed as input",)
+
+
+def test_short_buffer_asks_for_more() -> None:
+    with pytest.raises(NeedMoreBytes) as info:
+        parse_header(SMALL[:50], "x.gguf", len(SMALL))
+    assert 50 < info.value.end <= len(SMALL)
+    assert parse_header(memoryview(SMALL), "x.gguf", len(SMALL)).tensors[1].offset == 32

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from aiogguf.cli import main
+from aiogguf.records import TensorClass
+from aiogguf.stages.index import layer_of, tensor_class
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "reference"
 NAMES = sorted(p.name for p in REFERENCE_DIR.glob("*.gguf")) or ["<missing>"]
@@ -192,3 +194,29 @@ def test_layer_order_and_classes(reference_dir: Path, capsys: pytest.CaptureFixt
     assert classes["token_embd.weight"] == "input"
     assert classes["output.weight"] == classes["output_norm.weight"] == "output"
     assert {classes[n] for n in names[3:]} == {"repeating"}
+
+
+@pytest.mark.parametrize(
+    ("name", "layer", "cls"),
+    [
+        ("blk.0.attn_q.weight", 0, TensorClass.REPEATING),
+        ("blk.17.ffn_down_exps.weight", 17, TensorClass.REPEATING),
+        ("blk. 7.x", 7, TensorClass.REPEATING),  # sscanf skips the blank
+        ("blk.+3.x", 3, TensorClass.REPEATING),
+        ("blk.x.weight", None, TensorClass.REPEATING),
+        ("enc.blk.1.attn_q.weight", None, TensorClass.REPEATING),
+        ("posnet.2.conv1.weight", None, TensorClass.REPEATING),
+        ("token_embd.weight", None, TensorClass.INPUT),
+        ("position_embd.weight", None, TensorClass.INPUT),
+        ("output.weight", None, TensorClass.OUTPUT),
+        ("output_norm.bias", None, TensorClass.OUTPUT),
+        ("cls.output.weight", None, TensorClass.OUTPUT),
+        ("output", None, TensorClass.OUTPUT),
+        ("rope_freqs.weight", None, TensorClass.REPEATING),
+        ("token_embd_norm.weight", None, TensorClass.REPEATING),
+        ("mystery.weight", None, None),
+    ],
+)
+def test_layer_and_class_rules(name: str, layer: int | None, cls: TensorClass | None) -> None:
+    assert layer_of(name) == layer
+    assert tensor_class(name) is cls

@@ -4,15 +4,20 @@ be incomplete, out of order or mixed is a ``SplitError`` that names the right fi
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
+import anyio
 import gguf
 import numpy as np
 import pytest
 
+import aiogguf.stages.parse as parse_stage
 from aiogguf.errors import GGUFError, SplitError
+from aiogguf.records import ParsedFile
 from aiogguf.stages.index import build_index, open_index
 from aiogguf.stages.parse import parse_header, parse_model, split_paths
 
@@ -180,3 +185,27 @@ async def test_build_index_needs_the_whole_set(split_set: list[Path]) -> None:
         build_index(files[:2])
     with pytest.raises(GGUFError, match=r"split.no is 2, expected 1"):
         build_index([files[0], files[2], files[1]])
+
+
+@pytest.mark.asyncio
+async def test_splits_are_parsed_concurrently(
+    split_set: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each later split waits until the other has started: only concurrency gets through."""
+    real_parse_file = parse_stage.parse_file
+    started: list[str] = []
+    both_started = anyio.Event()
+
+    async def gated(path: str | os.PathLike[str], **kwargs: Any) -> ParsedFile:
+        if "-00001-of-" not in os.fspath(path):
+            started.append(os.fspath(path))
+            if len(started) == 2:
+                both_started.set()
+            with anyio.fail_after(10):
+                await both_started.wait()
+        return await real_parse_file(path, **kwargs)
+
+    monkeypatch.setattr(parse_stage, "parse_file", gated)
+    files = await parse_model(split_set[0])
+    assert sorted(started) == [str(p) for p in split_set[1:]]
+    assert [len(f.tensors) for f in files] == [13, 13, 13]

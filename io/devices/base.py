@@ -22,16 +22,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal, Protocol, TypeAlias, runtime_checkable
+from types import ModuleType
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 from aiogguf.io.ggml_types import GGMLType
 
 __all__ = [
     "BufferRole",
     "BufferType",
+    "CopyEvent",
+    "CopyStream",
     "Device",
+    "DeviceBuffer",
     "DeviceCaps",
     "DeviceKind",
+    "StagingSlot",
+    "UploadTarget",
     "all_buffer_types",
 ]
 
@@ -137,3 +143,125 @@ def all_buffer_types(device: Device) -> tuple[BufferType, ...]:
     """Every buffer type of ``device``: default, split, host, then extras."""
     found = [device.buffer_type, device.split_buffer_type, device.host_buffer_type]
     return tuple(b for b in found if b is not None) + device.extra_buffer_types
+
+
+# --- the upload side: device memory, staging slots, copy streams and events ---------------
+
+
+@runtime_checkable
+class DeviceBuffer(Protocol):
+    """One allocation of device memory: the image of one planned buffer (design §2.1).
+
+    Copies into it are asynchronous: read it (``to_host``, or kernels on ``array()``)
+    only after the uploader drained its device.
+    """
+
+    device: str  # name of the device that holds it
+    nbytes: int
+    xp: ModuleType  # the array module of its arrays: numpy (sim) or cupy
+
+    def array(self, offset: int, nbytes: int) -> Any:
+        """A 1-D uint8 array of ``xp`` viewing ``nbytes`` at ``offset`` (no copy)."""
+        ...
+
+    def to_host(self, offset: int, nbytes: int) -> memoryview:
+        """A host copy of ``nbytes`` at ``offset``. Blocking: call it from a worker thread."""
+        ...
+
+    def close(self) -> None:
+        """Free the memory (arrays still viewing it keep it alive). Idempotent."""
+        ...
+
+
+class CopyEvent(Protocol):
+    """A CUDA-style event on one copy stream. Never recorded, it counts as done."""
+
+    def record(self) -> None:
+        """Mark the current end of the stream: the event completes when all work issued
+        on the stream so far has completed."""
+        ...
+
+    def query(self) -> bool:
+        """Whether the work before the last ``record()`` has completed. Never blocks."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the calling thread until ``query()`` is true."""
+        ...
+
+
+class StagingSlot(Protocol):
+    """One host staging buffer of a device's ring: pinned where the device has a pinned
+    host buffer type, page-aligned always (O_DIRECT reads land in it directly)."""
+
+    index: int
+    nbytes: int
+
+    def view(self) -> memoryview:
+        """The writable, aligned bytes of the slot (``nbytes`` long, format ``B``)."""
+        ...
+
+    def begin_write(self) -> None:
+        """Called before the slot is refilled. The simulated device raises its
+        ``RingViolation`` here when a copy out of the slot is still in flight."""
+        ...
+
+    def close(self) -> None:
+        """Free the slot's memory. Idempotent."""
+        ...
+
+
+class CopyStream(Protocol):
+    """One device's in-order host-to-device copy queue (a CUDA stream) for one load."""
+
+    device: str
+    asynchronous: bool  # copies are queued (copy_async); else only copy_sync works
+
+    def open_slot(self, index: int, nbytes: int, alignment: int) -> StagingSlot:
+        """Blocking: a staging slot of ``nbytes`` starting at an ``alignment`` boundary."""
+        ...
+
+    def new_event(self) -> CopyEvent: ...
+
+    def copy_async(
+        self, dest: DeviceBuffer, dest_offset: int, slot: StagingSlot, nbytes: int
+    ) -> None:
+        """Queue a copy of the slot's first ``nbytes`` into ``dest`` at ``dest_offset``;
+        returns at once. The slot must not be written again before the copy completes."""
+        ...
+
+    def copy_sync(self, dest: DeviceBuffer, dest_offset: int, src: memoryview) -> None:
+        """Copy ``src`` into ``dest`` at ``dest_offset`` and return when it is done."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until every copy issued so far has completed; raise the first failure of
+        any of them (``LoadError``, or the simulated device's ``RingViolation``)."""
+        ...
+
+    def close(self) -> None:
+        """Wait for the queue to empty, then release the stream (and join its threads).
+        Idempotent."""
+        ...
+
+
+@runtime_checkable
+class UploadTarget(Protocol):
+    """A device that holds memory of its own and takes uploads (sim and cupy GPUs)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def caps(self) -> DeviceCaps: ...
+
+    @property
+    def host_buffer_type(self) -> BufferType | None: ...
+
+    def allocate(self, nbytes: int) -> DeviceBuffer:
+        """Blocking: ``nbytes`` of device memory. Raises ``LoadError`` when it fails."""
+        ...
+
+    def open_copy_stream(self, *, asynchronous: bool) -> CopyStream:
+        """A new copy stream for one load; the caller must ``close()`` it."""
+        ...

@@ -1,14 +1,47 @@
 """Real GPUs through CuPy, imported lazily: without CuPy, or without a visible device,
-there are simply no CuPy devices."""
+there are simply no CuPy devices.
+
+Uploads (``stages/upload.py``): one ``cupy.cuda.Memory`` allocation per planned buffer,
+page-aligned pinned host slots (``cupy.cuda.PinnedMemory``, over-allocated by the
+alignment, so O_DIRECT reads land in them directly), one non-blocking stream per device
+and load, one event per slot, and one ``cudaMemcpyAsync`` per staged chunk. Every CUDA
+call runs with its device current (worker threads have no fixed device) and every CuPy
+error is translated into a ``LoadError`` naming the device and the operation.
+
+The streams are non-blocking: they do not order with the legacy default stream, so read
+a buffer (``to_host``, ``array`` + kernels) only after the uploader drained its device.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
-from aiogguf.io.devices.base import BufferRole, BufferType, DeviceCaps, DeviceKind
+import numpy
+
+from aiogguf.errors import GGUFError, LoadError
+from aiogguf.io.devices.base import (
+    BufferRole,
+    BufferType,
+    DeviceBuffer,
+    DeviceCaps,
+    DeviceKind,
+    StagingSlot,
+)
 from aiogguf.io.ggml_types import GGMLType
 
-__all__ = ["CupyDevice", "cupy_devices", "import_cupy"]
+__all__ = [
+    "CupyCopyStream",
+    "CupyDevice",
+    "CupyDeviceBuffer",
+    "CupyEvent",
+    "CupyStagingSlot",
+    "cupy_devices",
+    "import_cupy",
+]
 
 # One pinned host buffer type serves every CUDA device, as in ggml-cuda.
 HOST_BUFFER_TYPE = "CUDA_Host"
@@ -62,6 +95,18 @@ class CupyDevice:
         # Weights are uploaded as raw bytes; every valid type can be held.
         return tensor_type.valid
 
+    def allocate(self, nbytes: int) -> CupyDeviceBuffer:
+        """Blocking: ``nbytes`` of device memory (one ``cudaMalloc``, not the pool, so
+        closing the model gives the memory back to the device)."""
+        cupy = _require_cupy(self.name)
+        with _cuda_errors(self.name, f"allocating {nbytes} bytes of device memory"):
+            return CupyDeviceBuffer(cupy, self.ordinal, self.name, nbytes)
+
+    def open_copy_stream(self, *, asynchronous: bool) -> CupyCopyStream:
+        cupy = _require_cupy(self.name)
+        with _cuda_errors(self.name, "creating a copy stream"):
+            return CupyCopyStream(cupy, self.ordinal, self.name, asynchronous=asynchronous)
+
     def __repr__(self) -> str:
         return f"CupyDevice({self.name!r}, kind={self.kind!r}, id={self.device_id!r})"
 
@@ -102,3 +147,217 @@ def cupy_devices() -> tuple[CupyDevice, ...]:
             seen.add(bus_id)
         found.append(CupyDevice(ordinal, kind="igpu" if integrated else "gpu", device_id=bus_id))
     return tuple(found)
+
+
+# ---------------------------------------------------------------------------------------
+# Uploads.
+
+
+def _require_cupy(device: str) -> Any:
+    cupy = import_cupy()
+    if cupy is None:
+        raise LoadError(None, None, f"{device}: CuPy is not available")
+    return cupy
+
+
+@contextlib.contextmanager
+def _cuda_errors(device: str, what: str) -> Iterator[None]:
+    """Translate CuPy/CUDA errors raised inside into ``LoadError``s (the one boundary)."""
+    try:
+        yield
+    except GGUFError:
+        raise
+    except Exception as exc:  # CUDARuntimeError, OutOfMemoryError, ...: no common base
+        raise LoadError(None, None, f"{device}: {what} failed: {exc}") from exc
+
+
+def _check_range(what: str, offset: int, nbytes: int, size: int) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise ValueError(f"{what}: range [{offset}, {offset + nbytes}) outside [0, {size})")
+
+
+class CupyDeviceBuffer:
+    """One device allocation. ``array()`` views keep the memory alive after ``close()``."""
+
+    def __init__(self, cupy: Any, ordinal: int, device: str, nbytes: int) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.xp: ModuleType = cupy
+        self._cupy = cupy
+        self._ordinal = ordinal
+        with cupy.cuda.Device(ordinal):
+            self._mem: Any = cupy.cuda.Memory(nbytes)
+
+    @property
+    def closed(self) -> bool:
+        return self._mem is None
+
+    @property
+    def ptr(self) -> int:
+        return int(self._live().ptr)
+
+    def _live(self) -> Any:
+        if self._mem is None:
+            raise LoadError(None, None, f"{self.device}: device buffer used after close")
+        return self._mem
+
+    def array(self, offset: int, nbytes: int) -> Any:
+        _check_range(f"{self.device} buffer", offset, nbytes, self.nbytes)
+        cupy, mem = self._cupy, self._live()
+        with _cuda_errors(self.device, "viewing device memory"), cupy.cuda.Device(self._ordinal):
+            pointer = cupy.cuda.MemoryPointer(mem, offset)
+            return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=pointer)
+
+    def to_host(self, offset: int, nbytes: int) -> memoryview:
+        _check_range(f"{self.device} buffer", offset, nbytes, self.nbytes)
+        cupy, mem = self._cupy, self._live()
+        host = numpy.empty(nbytes, dtype=numpy.uint8)
+        if nbytes:
+            with (
+                _cuda_errors(self.device, "copying device memory to the host"),
+                cupy.cuda.Device(self._ordinal),
+            ):
+                runtime = cupy.cuda.runtime
+                runtime.memcpy(
+                    host.ctypes.data, mem.ptr + offset, nbytes, runtime.memcpyDeviceToHost
+                )
+        return host.data
+
+    def close(self) -> None:
+        # cudaFree happens when the last reference (ours, or an array view's) goes.
+        self._mem = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._mem is None else "open"
+        return f"CupyDeviceBuffer({self.device!r}, {self.nbytes}, {state})"
+
+
+class CupyStagingSlot:
+    """A pinned host slot, its view starting on an ``alignment`` boundary."""
+
+    def __init__(self, cupy: Any, ordinal: int, index: int, nbytes: int, alignment: int) -> None:
+        self.index = index
+        self.nbytes = nbytes
+        alignment = max(alignment, mmap.PAGESIZE)
+        total = nbytes + alignment
+        with cupy.cuda.Device(ordinal):
+            mem = cupy.cuda.PinnedMemory(total)
+        pointer = cupy.cuda.PinnedMemoryPointer(mem, 0)
+        start = (-int(pointer.ptr)) % alignment
+        self.ptr = int(pointer.ptr) + start
+        # As cupyx.empty_pinned does: a numpy array over the pinned buffer. Views of it
+        # keep the pinned memory alive, so no view can outlive the memory it reads.
+        whole = numpy.ndarray((total,), dtype=numpy.uint8, buffer=pointer)
+        self._view: memoryview | None = whole[start : start + nbytes].data
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            raise LoadError(None, None, f"staging slot {self.index} used after close")
+        return self._view
+
+    def begin_write(self) -> None:
+        """Nothing to check: on a real GPU the ring's event wait is the guarantee."""
+
+    def close(self) -> None:
+        self._view = None  # cudaFreeHost when the last view goes
+
+
+class CupyEvent:
+    """A CUDA event (blocking sync: a waiting worker thread sleeps instead of spinning)."""
+
+    def __init__(self, stream: CupyCopyStream) -> None:
+        self._stream = stream
+        cupy = stream._cupy
+        with cupy.cuda.Device(stream._ordinal):
+            self._event = cupy.cuda.Event(block=True, disable_timing=True)
+
+    def record(self) -> None:
+        s = self._stream
+        with _cuda_errors(s.device, "recording an event"), s._cupy.cuda.Device(s._ordinal):
+            self._event.record(s._live())
+
+    def query(self) -> bool:
+        with _cuda_errors(self._stream.device, "querying an event"):
+            return bool(self._event.done)
+
+    def synchronize(self) -> None:
+        with _cuda_errors(self._stream.device, "waiting for a copy"):
+            self._event.synchronize()
+
+
+class CupyCopyStream:
+    """One non-blocking CUDA stream of one device, for one load."""
+
+    def __init__(self, cupy: Any, ordinal: int, device: str, *, asynchronous: bool) -> None:
+        self.device = device
+        self.asynchronous = asynchronous
+        self._cupy = cupy
+        self._ordinal = ordinal
+        with cupy.cuda.Device(ordinal):
+            self._stream: Any = cupy.cuda.Stream(non_blocking=True)
+
+    def _live(self) -> Any:
+        if self._stream is None:
+            raise RuntimeError(f"{self.device}: copy stream used after close")
+        return self._stream
+
+    def open_slot(self, index: int, nbytes: int, alignment: int) -> CupyStagingSlot:
+        self._live()
+        with _cuda_errors(self.device, f"allocating {nbytes} bytes of pinned host memory"):
+            return CupyStagingSlot(self._cupy, self._ordinal, index, nbytes, alignment)
+
+    def new_event(self) -> CupyEvent:
+        with _cuda_errors(self.device, "creating an event"):
+            return CupyEvent(self)
+
+    def copy_async(
+        self, dest: DeviceBuffer, dest_offset: int, slot: StagingSlot, nbytes: int
+    ) -> None:
+        stream = self._live()
+        target, source = self._check(dest, dest_offset, nbytes), slot
+        if not isinstance(source, CupyStagingSlot) or nbytes > source.nbytes:
+            raise ValueError(f"{self.device}: cannot copy {nbytes} bytes out of {slot!r}")
+        runtime = self._cupy.cuda.runtime
+        with (
+            _cuda_errors(self.device, f"queueing a {nbytes}-byte copy"),
+            self._cupy.cuda.Device(self._ordinal),
+        ):
+            runtime.memcpyAsync(
+                target.ptr + dest_offset,
+                source.ptr,
+                nbytes,
+                runtime.memcpyHostToDevice,
+                stream.ptr,
+            )
+
+    def copy_sync(self, dest: DeviceBuffer, dest_offset: int, src: memoryview) -> None:
+        self._live()
+        target = self._check(dest, dest_offset, src.nbytes)
+        if not src.nbytes:
+            return
+        host = numpy.frombuffer(src, dtype=numpy.uint8)
+        runtime = self._cupy.cuda.runtime
+        with (
+            _cuda_errors(self.device, f"copying {src.nbytes} bytes"),
+            self._cupy.cuda.Device(self._ordinal),
+        ):
+            runtime.memcpy(
+                target.ptr + dest_offset, host.ctypes.data, src.nbytes, runtime.memcpyHostToDevice
+            )
+
+    def synchronize(self) -> None:
+        stream = self._live()
+        with _cuda_errors(self.device, "waiting for copies"):
+            stream.synchronize()
+
+    def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with _cuda_errors(self.device, "waiting for copies"):
+                stream.synchronize()
+
+    def _check(self, dest: DeviceBuffer, dest_offset: int, nbytes: int) -> CupyDeviceBuffer:
+        if not isinstance(dest, CupyDeviceBuffer) or dest.device != self.device:
+            raise ValueError(f"{self.device}: cannot copy into {dest!r}")
+        _check_range(f"copy into {self.device} buffer", dest_offset, nbytes, dest.nbytes)
+        return dest

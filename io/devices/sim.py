@@ -1,21 +1,87 @@
 """Simulated GPUs (``[[device]]`` / ``--sim-gpu``) for dry runs and tests.
 
-This module describes a simulated device: its memory, capabilities and buffer types,
-every one of them settable, including ggml types it refuses to hold. The copy engine
-(a thread with events that checks staging-slot reuse) is a separate object built on a
-``SimDevice``; the ``bandwidth`` and ``max_delay_ms`` fields are kept here for it.
+A ``SimDevice`` describes a simulated GPU: its memory, capabilities and buffer types,
+every one of them settable, including ggml types it refuses to hold. It also *behaves*
+like a GPU for the upload stage, so CI can test the staging ring without one:
+
+* device memory is host memory (numpy arrays, filled with a poison byte), counted and
+  capped at the device's ``total``; ``live`` tells how much is allocated right now;
+* a ``SimCopyStream`` runs queued copies in order on its own thread (the copy engine),
+  each one taking ``nbytes / bandwidth`` plus a random delay up to ``max_delay_ms``;
+* ``SimEvent`` has CUDA's record / query / synchronize semantics;
+* the stream checks the ring invariant itself: refilling a staging slot whose last copy
+  has not completed raises ``RingViolation`` naming the slot (``begin_write``), and every
+  copy checksums its source when it is issued and again when it runs, so a write into a
+  busy slot that skipped ``begin_write`` is caught too. A violation is sticky: every later
+  ``copy_async`` and ``synchronize`` raises it, so it fails the load.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import random
+import threading
+import time
+import zlib
+from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from types import ModuleType
+from typing import Any
+
+import numpy
 
 from aiogguf.config import SimDeviceConfig
-from aiogguf.errors import ConfigError
-from aiogguf.io.devices.base import BufferRole, BufferType, DeviceCaps, DeviceKind
+from aiogguf.errors import ConfigError, GGUFError, LoadError
+from aiogguf.io.devices.base import (
+    BufferRole,
+    BufferType,
+    DeviceBuffer,
+    DeviceCaps,
+    DeviceKind,
+    StagingSlot,
+)
 from aiogguf.io.ggml_types import GGMLType, ggml_type_by_name
 
-__all__ = ["SimDevice", "sim_devices"]
+__all__ = [
+    "RingViolation",
+    "SimCopyStream",
+    "SimDevice",
+    "SimDeviceBuffer",
+    "SimEvent",
+    "SimStagingSlot",
+    "SimUsage",
+    "sim_devices",
+]
+
+# Fresh device memory holds this byte, so a range that no copy reached stands out.
+POISON_BYTE = 0xA5
+
+
+class RingViolation(GGUFError):
+    """A staging slot was written while a copy out of it was still in flight.
+
+    Raised by the simulated device only: it means the upload ring is broken (a bug),
+    never that the file is bad. Not a ``LoadError``, so no I/O fallback can swallow it.
+    """
+
+    def __init__(self, device: str, slot: int, problem: str) -> None:
+        self.device = device
+        self.slot = slot
+        self.problem = problem
+        super().__init__(f"device {device}: staging slot {slot}: {problem}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimUsage:
+    """What a simulated device holds right now."""
+
+    buffers: int
+    buffer_bytes: int
+    slots: int
+    streams: int
 
 
 class SimDevice:
@@ -42,6 +108,7 @@ class SimDevice:
         extra_buffer_types: Sequence[str] = (),
         bandwidth: int | None = None,
         max_delay_ms: float = 0.0,
+        seed: int | None = None,
     ) -> None:
         if kind == "cpu":
             raise ConfigError("device.kind", None, "a simulated device cannot be the CPU")
@@ -78,6 +145,10 @@ class SimDevice:
         )
         self.bandwidth = bandwidth
         self.max_delay_ms = max_delay_ms
+        self.seed = seed
+        self._lock = threading.Lock()
+        self._usage = SimUsage(0, 0, 0, 0)
+        self._streams_opened = 0
 
     @classmethod
     def from_config(cls, config: SimDeviceConfig, index: int) -> SimDevice:
@@ -105,6 +176,50 @@ class SimDevice:
     def supports(self, tensor_type: GGMLType) -> bool:
         return tensor_type.valid and tensor_type.id not in self.unsupported
 
+    @property
+    def live(self) -> SimUsage:
+        """Buffers, slots and streams allocated and not yet closed."""
+        with self._lock:
+            return self._usage
+
+    def _count(
+        self, buffers: int = 0, buffer_bytes: int = 0, slots: int = 0, streams: int = 0
+    ) -> None:
+        with self._lock:
+            u = self._usage
+            self._usage = SimUsage(
+                u.buffers + buffers,
+                u.buffer_bytes + buffer_bytes,
+                u.slots + slots,
+                u.streams + streams,
+            )
+
+    def allocate(self, nbytes: int) -> SimDeviceBuffer:
+        """``nbytes`` of simulated device memory, poisoned.
+
+        Raises ``LoadError`` when the device's ``total`` would be exceeded."""
+        if nbytes < 0:
+            raise ValueError(f"device {self.name}: cannot allocate {nbytes} bytes")
+        with self._lock:
+            u = self._usage
+            if u.buffer_bytes + nbytes > self.total:
+                raise LoadError(
+                    None,
+                    None,
+                    f"device {self.name}: out of memory: {nbytes} bytes requested, "
+                    f"{self.total - u.buffer_bytes} of {self.total} free",
+                )
+            self._usage = SimUsage(u.buffers + 1, u.buffer_bytes + nbytes, u.slots, u.streams)
+        return SimDeviceBuffer(self, nbytes)
+
+    def open_copy_stream(self, *, asynchronous: bool) -> SimCopyStream:
+        """A copy stream for one load; ``asynchronous`` starts its copy-engine thread."""
+        with self._lock:
+            self._streams_opened += 1
+            n = self._streams_opened
+        seed = None if self.seed is None else self.seed * 1_000_003 + n
+        return SimCopyStream(self, asynchronous=asynchronous, seed=seed)
+
     def __repr__(self) -> str:
         return f"SimDevice({self.name!r}, kind={self.kind!r}, free={self.free})"
 
@@ -113,3 +228,315 @@ def sim_devices(configs: Sequence[SimDeviceConfig]) -> tuple[SimDevice, ...]:
     """One ``SimDevice`` per ``[[device]]`` entry, in order, named ``g0``, ``g1``, ... unless
     they carry a name."""
     return tuple(SimDevice.from_config(c, i) for i, c in enumerate(configs))
+
+
+# ---------------------------------------------------------------------------------------
+# The behaviour: device memory, staging slots, the copy engine and its events.
+
+
+def _check_range(what: str, offset: int, nbytes: int, size: int) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise ValueError(f"{what}: range [{offset}, {offset + nbytes}) outside [0, {size})")
+
+
+class SimDeviceBuffer:
+    """Simulated device memory: a numpy array standing in for a device allocation."""
+
+    xp: ModuleType = numpy
+
+    def __init__(self, owner: SimDevice, nbytes: int) -> None:
+        self.device = owner.name
+        self.nbytes = nbytes
+        self._owner = owner
+        self._data: numpy.ndarray[Any, numpy.dtype[numpy.uint8]] | None = numpy.full(
+            nbytes, POISON_BYTE, dtype=numpy.uint8
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._data is None
+
+    def _live(self) -> numpy.ndarray[Any, numpy.dtype[numpy.uint8]]:
+        data = self._data
+        if data is None:
+            raise LoadError(None, None, f"device {self.device}: buffer used after close")
+        return data
+
+    def array(self, offset: int, nbytes: int) -> Any:
+        """A uint8 view of ``nbytes`` at ``offset``."""
+        _check_range(f"device {self.device} buffer", offset, nbytes, self.nbytes)
+        return self._live()[offset : offset + nbytes]
+
+    def to_host(self, offset: int, nbytes: int) -> memoryview:
+        _check_range(f"device {self.device} buffer", offset, nbytes, self.nbytes)
+        return self._live()[offset : offset + nbytes].copy().data
+
+    def close(self) -> None:
+        # Views handed out by array() keep the numpy memory alive; the device's
+        # accounting is what "free" means here.
+        with self._owner._lock:
+            if self._data is None:
+                return
+            self._data = None
+        self._owner._count(buffers=-1, buffer_bytes=-self.nbytes)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._data is None else "open"
+        return f"SimDeviceBuffer({self.device!r}, {self.nbytes}, {state})"
+
+
+def _address(mm: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # the ctypes object holds an export that would block mm.close()
+
+
+class SimStagingSlot:
+    """A staging slot in anonymous mapped memory, its view aligned to ``alignment``."""
+
+    def __init__(self, stream: SimCopyStream, index: int, nbytes: int, alignment: int) -> None:
+        self.index = index
+        self.nbytes = nbytes
+        self._stream = stream
+        # An anonymous mapping is page-aligned; larger alignments need slack.
+        extra = alignment if alignment > mmap.PAGESIZE else 0
+        self._mm: mmap.mmap | None = mmap.mmap(-1, max(nbytes + extra, 1))
+        start = (-_address(self._mm)) % alignment
+        self._view: memoryview | None = memoryview(self._mm)[start : start + nbytes]
+        self.pending = 0  # sequence number of the last copy issued out of this slot
+        stream._owner._count(slots=1)
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            raise LoadError(
+                None, None, f"device {self._stream.device}: slot {self.index} is closed"
+            )
+        return self._view
+
+    def begin_write(self) -> None:
+        self._stream._check_slot_free(self)
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        view, mm = self._view, self._mm
+        self._view, self._mm = None, None
+        self._stream._owner._count(slots=-1)
+        try:
+            if view is not None:
+                view.release()
+            mm.close()
+        except BufferError as exc:
+            # Someone kept a view of the slot past its fill: the memory is only freed
+            # when that view dies, and whatever holds it could see reused bytes.
+            raise LoadError(
+                None,
+                None,
+                f"device {self._stream.device}: staging slot {self.index} is still "
+                "referenced after its last use (a fill kept a view of it)",
+            ) from exc
+
+
+class SimEvent:
+    """CUDA event semantics on a ``SimCopyStream``."""
+
+    def __init__(self, stream: SimCopyStream) -> None:
+        self._stream = stream
+        self._target = 0  # never recorded: done, as in CUDA
+
+    def record(self) -> None:
+        with self._stream._cond:
+            self._target = self._stream._issued
+
+    def query(self) -> bool:
+        with self._stream._cond:
+            return self._stream._completed >= self._target
+
+    def synchronize(self) -> None:
+        stream = self._stream
+        with stream._cond:
+            stream._cond.wait_for(lambda: stream._completed >= self._target)
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    seq: int
+    dest: SimDeviceBuffer
+    dest_offset: int
+    slot: SimStagingSlot
+    nbytes: int
+    crc: int
+
+
+class _State(Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class SimCopyStream:
+    """One device's copy queue: copies run in issue order on the copy-engine thread."""
+
+    def __init__(self, owner: SimDevice, *, asynchronous: bool, seed: int | None = None) -> None:
+        self.device = owner.name
+        self.asynchronous = asynchronous
+        self._owner = owner
+        self._rng = random.Random(seed)
+        self._cond = threading.Condition()
+        self._queue: deque[_Copy] = deque()
+        self._issued = 0
+        self._completed = 0
+        self._error: BaseException | None = None
+        self._closing = False
+        self._state = _State.OPEN
+        self._sync_lock = threading.Lock()  # one synchronous copy at a time
+        self.copies_done = 0
+        owner._count(streams=1)
+        self._thread: threading.Thread | None = None
+        if asynchronous:
+            self._thread = threading.Thread(
+                target=self._run, name=f"aiogguf-sim-copy-{owner.name}", daemon=True
+            )
+            self._thread.start()
+
+    # -- the protocol -------------------------------------------------------------------
+
+    def open_slot(self, index: int, nbytes: int, alignment: int) -> SimStagingSlot:
+        self._check_open()
+        return SimStagingSlot(self, index, nbytes, alignment)
+
+    def new_event(self) -> SimEvent:
+        return SimEvent(self)
+
+    def copy_async(
+        self, dest: DeviceBuffer, dest_offset: int, slot: StagingSlot, nbytes: int
+    ) -> None:
+        self._check_open()
+        if not self.asynchronous:
+            raise RuntimeError(f"device {self.device}: this stream takes synchronous copies only")
+        sim_dest = self._check_copy(dest, dest_offset, nbytes)
+        if not isinstance(slot, SimStagingSlot) or slot._stream is not self:
+            raise ValueError(f"device {self.device}: slot {slot.index} belongs to another stream")
+        if nbytes > slot.nbytes:
+            raise ValueError(f"device {self.device}: {nbytes} bytes > slot size {slot.nbytes}")
+        crc = zlib.crc32(slot.view()[:nbytes])
+        with self._cond:
+            self._raise_failure()
+            self._issued += 1
+            slot.pending = self._issued
+            self._queue.append(_Copy(self._issued, sim_dest, dest_offset, slot, nbytes, crc))
+            self._cond.notify_all()
+
+    def copy_sync(self, dest: DeviceBuffer, dest_offset: int, src: memoryview) -> None:
+        self._check_open()
+        sim_dest = self._check_copy(dest, dest_offset, src.nbytes)
+        with self._sync_lock:
+            self._raise_failure()
+            time.sleep(self._copy_seconds(src.nbytes))
+            sim_dest._live()[dest_offset : dest_offset + src.nbytes] = numpy.frombuffer(
+                src, dtype=numpy.uint8
+            )
+            self.copies_done += 1
+
+    def synchronize(self) -> None:
+        with self._cond:
+            target = self._issued
+            self._cond.wait_for(lambda: self._completed >= target)
+            self._raise_failure()
+
+    def close(self) -> None:
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self._owner._count(streams=-1)
+
+    # -- the invariant --------------------------------------------------------------------
+
+    def _check_slot_free(self, slot: SimStagingSlot) -> None:
+        with self._cond:
+            if slot.pending > self._completed:
+                violation = RingViolation(
+                    self.device,
+                    slot.index,
+                    f"written while copy #{slot.pending} out of it is still in flight "
+                    f"(copies completed: up to #{self._completed})",
+                )
+                self._fail(violation)
+                raise violation
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._state is not _State.OPEN:
+            raise RuntimeError(f"device {self.device}: copy stream used after close")
+
+    def _check_copy(self, dest: DeviceBuffer, dest_offset: int, nbytes: int) -> SimDeviceBuffer:
+        if not isinstance(dest, SimDeviceBuffer) or dest.device != self.device:
+            raise ValueError(f"device {self.device}: cannot copy into {dest!r}")
+        _check_range(f"copy into device {self.device} buffer", dest_offset, nbytes, dest.nbytes)
+        return dest
+
+    def _copy_seconds(self, nbytes: int) -> float:
+        seconds = self._rng.uniform(0.0, self._owner.max_delay_ms) / 1000.0
+        if self._owner.bandwidth:
+            seconds += nbytes / self._owner.bandwidth
+        return seconds
+
+    def _fail(self, exc: BaseException) -> None:
+        # Caller holds _cond. The first failure is the one reported.
+        if self._error is None:
+            self._error = exc
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                op = self._queue[0]
+            error = self._execute(op)
+            with self._cond:
+                self._queue.popleft()
+                self._completed = op.seq
+                self.copies_done += 1
+                if error is not None:
+                    self._fail(error)
+                self._cond.notify_all()
+
+    def _execute(self, op: _Copy) -> BaseException | None:
+        """Run one copy; return what went wrong instead of raising (this is a thread)."""
+        try:
+            time.sleep(self._copy_seconds(op.nbytes))
+            data = op.dest._data
+            if data is None:
+                return LoadError(
+                    None, None, f"device {self.device}: copy #{op.seq} into a freed buffer"
+                )
+            target = data[op.dest_offset : op.dest_offset + op.nbytes]
+            src = op.slot.view()[: op.nbytes]
+            try:
+                target[:] = numpy.frombuffer(src, dtype=numpy.uint8)
+            finally:
+                src.release()
+            if zlib.crc32(target.data) != op.crc:
+                return RingViolation(
+                    self.device,
+                    op.slot.index,
+                    f"copy #{op.seq} ({op.nbytes} bytes to offset {op.dest_offset}) read "
+                    "bytes that changed after it was issued: the slot was overwritten "
+                    "while the copy was in flight",
+                )
+        except Exception as exc:  # reported through synchronize(), never lost
+            return exc
+        return None

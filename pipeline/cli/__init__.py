@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=help_text, description=help_text)
-        command.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+        # SUPPRESS as default: an absent sub-level flag must not reset ``aiogguf --debug``.
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
         module.add_arguments(command)
         command.set_defaults(_module=module)
     return parser

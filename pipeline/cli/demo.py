@@ -1,13 +1,42 @@
-"""`aiogguf demo` (not built yet)."""
+"""`aiogguf demo`: write a synthetic llama-shaped model (no download), load it, and
+print the report. The model is kept in a cache folder and reused by later runs."""
 
 from __future__ import annotations
 
 import argparse
+import time
+
+from rich.console import Console
+
+from aiogguf.cli.loading import load_with_progress, render_report
+from aiogguf.cli.options import add_placement_options, config_from_args
+from aiogguf.synth import default_demo_path, ensure_synthetic_model
+from aiogguf.units import format_bytes, parse_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("args", nargs="*")
+    parser.add_argument("--size", default="1GiB", help="model size (default 1GiB)")
+    parser.add_argument(
+        "--dir", help="where to keep the model (default: $XDG_CACHE_HOME/aiogguf or ~/.cache)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    add_placement_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("aiogguf demo is not built yet")
+    console = Console()
+    size = parse_size(args.size)
+    path = default_demo_path(args.dir, size_bytes=size, seed=args.seed)
+    t0 = time.perf_counter()
+    with console.status(f"writing a {format_bytes(size)} synthetic model to {path}"):
+        synth, written = ensure_synthetic_model(path, size_bytes=size, seed=args.seed)
+    took = time.perf_counter() - t0
+    verb = f"wrote in {took:.1f} s" if written else "reusing"
+    console.print(
+        f"{verb} [bold]{path}[/]: {synth.n_layer} layers, {synth.n_tensors} tensors, "
+        f"{format_bytes(synth.tensor_bytes)}"
+    )
+    config = config_from_args(args)
+    report = load_with_progress(path, config, console)
+    render_report(report, console)
+    return 0

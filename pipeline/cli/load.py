@@ -1,13 +1,26 @@
-"""`aiogguf load` (not built yet)."""
+"""`aiogguf load PATH`: load a model with a progress bar and print the report."""
 
 from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+
+from aiogguf.cli.loading import load_with_progress, render_report
+from aiogguf.cli.options import add_placement_options, config_from_args
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("args", nargs="*")
+    parser.add_argument("path", help="GGUF file (the first split of a split model)")
+    add_placement_options(parser)
+    parser.add_argument(
+        "--no-check", action="store_true", help="skip tensor validation (check_tensors=false)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("aiogguf load is not built yet")
+    config = config_from_args(args, check_tensors=False if args.no_check else None)
+    console = Console(stderr=False)
+    report = load_with_progress(args.path, config, console)
+    render_report(report, console)
+    return 0

@@ -68,7 +68,10 @@ def _parse_split(text: str) -> tuple[float, ...]:
 
 
 def config_from_args(args: argparse.Namespace, **extra: Any) -> Config:
-    """The effective config: defaults < ``--config`` file < flags < ``extra``."""
+    """The effective config: defaults < ``--config`` file < flags < ``extra``.
+
+    Raises ``ConfigError`` naming the file, or ``command line``, and the bad key.
+    """
     overrides: dict[str, Any] = {"mode": getattr(args, "mode", None)}
     flag_keys = {
         "n_gpu_layers": "n_gpu_layers",
@@ -86,4 +89,7 @@ def config_from_args(args: argparse.Namespace, **extra: Any) -> Config:
     if getattr(args, "sim_gpu", None):
         overrides["sim_gpus"] = args.sim_gpu
     overrides.update(extra)
-    return load_config(getattr(args, "config", None), **overrides)
+    # Errors in flag values name the command line, not the file they override.
+    return load_config(getattr(args, "config", None)).with_settings(
+        overrides, origin="command line"
+    )

@@ -1,13 +1,35 @@
-"""`aiogguf validate` (not built yet)."""
+"""`aiogguf validate PATH`: load with every check on and list every bad tensor."""
 
 from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+from rich.table import Table
+
+from aiogguf.cli.loading import load_with_progress
+from aiogguf.cli.options import add_placement_options, config_from_args
+from aiogguf.errors import TensorValidationError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("args", nargs="*")
+    parser.add_argument("path", help="GGUF file (the first split of a split model)")
+    add_placement_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("aiogguf validate is not built yet")
+    config = config_from_args(args, check_tensors=True, keep_invalid=False)
+    console = Console()
+    try:
+        report = load_with_progress(args.path, config, console)
+    except TensorValidationError as exc:
+        table = Table(title=f"{len(exc.failures)} bad tensors", title_justify="left")
+        for col in ("tensor", "type", "problem", "first index", "bad"):
+            table.add_column(col)
+        for f in exc.failures:
+            first = "" if f.first_index is None else str(f.first_index)
+            table.add_row(f.name, f.type_name, f.problem, first, str(f.count))
+        console.print(table)
+        return 2
+    console.print(f"[bold green]ok:[/] {report.validated} tensors valid")
+    return 0

@@ -1,0 +1,83 @@
+"""ctypes bindings for the few memory calls the standard library does not offer well.
+
+``mlock``, ``munlock``, ``mincore`` have no stdlib wrapper at all. ``madvise`` has one
+(``mmap.madvise``) but it holds the GIL for the whole call, and ``MADV_WILLNEED`` or
+``MADV_POPULATE_READ`` on a large range can take long enough to stall the event loop;
+ctypes releases the GIL around every foreign call, so we call libc directly.
+
+Each function raises ``OSError`` with the C ``errno`` on failure; callers translate it to
+``LoadError`` at their own boundary, where the path and offset are known.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+__all__ = [
+    "MADV_POPULATE_READ",
+    "MADV_POPULATE_WRITE",
+    "madvise",
+    "mincore",
+    "mlock",
+    "munlock",
+]
+
+# Linux ≥ 5.14 (<linux/mman.h>); Python 3.11's mmap module does not export them.
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+_mlock = _libc.mlock
+_mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_mlock.restype = ctypes.c_int
+
+_munlock = _libc.munlock
+_munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_munlock.restype = ctypes.c_int
+
+_madvise = _libc.madvise
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_madvise.restype = ctypes.c_int
+
+_mincore = _libc.mincore
+_mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+_mincore.restype = ctypes.c_int
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def mlock(address: int, length: int) -> None:
+    """Lock ``length`` bytes at ``address`` in RAM (faults them in first)."""
+    _check(_mlock(address, length), "mlock")
+
+
+def munlock(address: int, length: int) -> None:
+    """Undo ``mlock`` on the range; unlocking pages that are not locked is harmless."""
+    _check(_munlock(address, length), "munlock")
+
+
+def madvise(address: int, length: int, advice: int) -> None:
+    """``madvise(2)`` without holding the GIL; ``address`` must be page-aligned."""
+    _check(_madvise(address, length, advice), "madvise")
+
+
+def mincore(address: int, length: int) -> bytearray:
+    """One byte per page of the page-aligned range; bit 0 set = page resident."""
+    pagesize = os.sysconf("SC_PAGE_SIZE")
+    vector = bytearray((length + pagesize - 1) // pagesize)
+    if not vector:
+        return vector
+    c_vector = (ctypes.c_ubyte * len(vector)).from_buffer(vector)
+    try:
+        _check(_mincore(address, length, c_vector), "mincore")
+    finally:
+        # Drop the ctypes export so the bytearray can be used (and resized) freely.
+        del c_vector
+    return vector

@@ -1,0 +1,348 @@
+"""Positional reads straight into caller memory: buffered ``preadv`` and ``O_DIRECT``.
+
+Every call is synchronous, blocking and bounded by the size the caller passes: the engine
+runs one chunk per ``anyio.to_thread.run_sync`` call, so cancellation stays prompt.
+
+``DataFile`` is thread-safe. Reads from many threads may overlap; ``close()`` may race
+with them: the descriptors are closed by whichever of ``close()`` or the last in-flight
+read finishes later, so a read never sees its descriptor number reused by another file.
+
+Every ``OSError`` leaves this module as ``LoadError(path, offset, problem)``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+import errno
+import os
+import threading
+import warnings
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from aiogguf.errors import LoadError
+from aiogguf.io.buffers import ClosedResourceError, ResourceState, buffer_address
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from typing_extensions import Buffer
+
+__all__ = [
+    "DIRECT_ALIGNMENT",
+    "DataFile",
+    "FileAdvice",
+    "align_down",
+    "align_up",
+    "open_file",
+]
+
+# O_DIRECT needs offset, length and memory address aligned to the device's logical block
+# size (512 or 4096). 4096 satisfies both and is also the page size.
+DIRECT_ALIGNMENT = 4096
+
+
+def align_down(value: int, alignment: int) -> int:
+    """Largest multiple of ``alignment`` that is <= ``value`` (alignment > 0)."""
+    return value - value % alignment
+
+
+def align_up(value: int, alignment: int) -> int:
+    """Smallest multiple of ``alignment`` that is >= ``value`` (alignment > 0)."""
+    return -(-value // alignment) * alignment
+
+
+class FileAdvice(enum.Enum):
+    """``posix_fadvise`` hints, by name."""
+
+    NORMAL = os.POSIX_FADV_NORMAL
+    SEQUENTIAL = os.POSIX_FADV_SEQUENTIAL
+    RANDOM = os.POSIX_FADV_RANDOM
+    WILLNEED = os.POSIX_FADV_WILLNEED
+    DONTNEED = os.POSIX_FADV_DONTNEED
+    NOREUSE = os.POSIX_FADV_NOREUSE
+
+
+def open_file(
+    path: str | os.PathLike[str], *, direct: bool = False, alignment: int = DIRECT_ALIGNMENT
+) -> DataFile:
+    """Open ``path`` for reading; with ``direct=True`` also try ``O_DIRECT``.
+
+    A filesystem that refuses ``O_DIRECT`` (at open or at a probe read of the first block)
+    is not an error: the file falls back to buffered reads, ``direct_ok`` is False and
+    ``direct_refusal`` says why, so the caller can warn.
+
+    Raises ``LoadError`` if the file cannot be opened.
+    """
+    return DataFile(path, direct=direct, alignment=alignment)
+
+
+class DataFile:
+    """An open model file: positional reads into caller-owned memory. Use ``open_file``."""
+
+    _state: ResourceState = ResourceState.CLOSED
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, direct: bool, alignment: int = DIRECT_ALIGNMENT
+    ) -> None:
+        if alignment <= 0 or alignment % 512:
+            raise ValueError(f"alignment must be a positive multiple of 512, got {alignment}")
+        self.path = os.fspath(path)
+        self.alignment = alignment
+        self.direct_requested = direct
+        self.direct_refusal: str | None = None
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._direct_fd: int | None = None
+        self._direct_enabled = False
+        try:
+            self._fd: int = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
+        self._state = ResourceState.OPEN
+        try:
+            self.size_bytes = os.fstat(self._fd).st_size
+            if direct:
+                self._direct_fd = self._open_direct()
+                self._direct_enabled = self._direct_fd is not None
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_direct(self) -> int | None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
+            self.direct_refusal = f"the filesystem refuses O_DIRECT at open ({exc.strerror})"
+            return None
+        # Some filesystems accept the flag and fail the first read instead: probe one
+        # aligned block now, so direct_ok is settled before the caller's first read.
+        import mmap  # local: only the probe needs an aligned scratch page
+
+        scratch = mmap.mmap(-1, self.alignment)
+        try:
+            os.preadv(fd, [scratch], 0)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno != errno.EINVAL:
+                raise LoadError(self.path, 0, f"O_DIRECT probe read failed: {exc}") from exc
+            self.direct_refusal = f"the filesystem refuses O_DIRECT reads ({exc.strerror})"
+            return None
+        finally:
+            scratch.close()
+        return fd
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    @property
+    def state(self) -> ResourceState:
+        return self._state
+
+    @property
+    def direct_ok(self) -> bool:
+        """True while ``read_direct_into`` really uses ``O_DIRECT``."""
+        return self._direct_enabled
+
+    def fileno(self) -> int:
+        """The buffered descriptor (for ``mmap`` or ``fadvise``); valid until ``close``."""
+        if self._state is ResourceState.CLOSED:
+            raise ClosedResourceError(repr(self))
+        return self._fd
+
+    def close(self) -> None:
+        """Close the descriptors (now, or when the last in-flight read ends); idempotent."""
+        with self._lock:
+            if self._state is ResourceState.CLOSED:
+                return
+            self._state = ResourceState.CLOSED
+            if self._inflight:
+                return  # the last reader closes them in _leave()
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        fds = [self._fd, self._direct_fd]
+        self._direct_fd = None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._state is ResourceState.CLOSED:
+                raise ClosedResourceError(repr(self))
+            self._inflight += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            last = self._inflight == 0 and self._state is ResourceState.CLOSED
+        if last:
+            self._close_fds()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self._state is ResourceState.OPEN:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+            self.close()
+
+    def __repr__(self) -> str:
+        mode = "direct" if self.direct_ok else "buffered"
+        return f"<DataFile {self.path!r} {mode} state={self._state.value}>"
+
+    # -- reads -------------------------------------------------------------------
+
+    def read_into(self, dest: Buffer, offset: int) -> None:
+        """Fill all of ``dest`` with the file bytes at ``[offset, offset + len(dest))``.
+
+        Short reads are continued; ``EINTR`` is retried. No alignment is required.
+
+        Raises ``LoadError`` if the file ends first (naming where it ended and how many
+        bytes were expected) or if the read fails; ``ClosedResourceError`` after close;
+        ``ValueError`` if ``dest`` is read-only or ``offset`` negative.
+        """
+        view = _writable_bytes(dest)
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        self._enter()
+        try:
+            done = self._pread_loop(self._fd, view, offset)
+        finally:
+            self._leave()
+        if done < len(view):
+            raise LoadError(
+                self.path,
+                offset,
+                f"file ended at byte {offset + done}, expected {len(view)} bytes "
+                f"(up to byte {offset + len(view)})",
+            )
+
+    def read_direct_into(
+        self, dest: Buffer, offset: int, length: int | None = None, *, need_end: int | None = None
+    ) -> int:
+        """Read ``length`` bytes (default all of ``dest``) at ``offset`` with ``O_DIRECT``.
+
+        ``offset``, ``length`` and the address of ``dest`` must be multiples of
+        ``alignment`` — checked even after a fallback, so alignment bugs show up on every
+        filesystem. The read may end early only at the end of the file: the last block is
+        read whole and comes back short. Returns the bytes read, which is
+        ``min(length, size_bytes - offset)``. Without ``O_DIRECT`` (``direct_ok`` False)
+        the same read is done buffered. ``need_end`` (an absolute file offset) lowers or
+        raises the bar: the read fails unless it reached ``min(need_end, offset+length)``.
+
+        Raises ``LoadError`` if the file is shorter than it was at open or a read fails;
+        ``ValueError`` on misalignment; ``ClosedResourceError`` after close.
+        """
+        view = _writable_bytes(dest)
+        if length is None:
+            length = len(view)
+        if not 0 <= length <= len(view):
+            raise ValueError(f"length {length} does not fit in a {len(view)}-byte buffer")
+        view = view[:length]
+        a = self.alignment
+        if offset < 0 or offset % a or length % a or (length and buffer_address(view) % a):
+            raise ValueError(
+                f"O_DIRECT read needs offset, length and address aligned to {a} bytes: "
+                f"offset={offset}, length={length}, address%{a}="
+                f"{buffer_address(view) % a if length else 0}"
+            )
+        end = offset + length if need_end is None else min(need_end, offset + length)
+        if need_end is None:
+            end = min(end, self.size_bytes)
+        expected = max(0, end - offset)
+        self._enter()
+        try:
+            done = self._direct_loop(view, offset)
+        finally:
+            self._leave()
+        if done < expected:
+            raise LoadError(
+                self.path,
+                offset,
+                f"file ended at byte {offset + done}, expected {expected} bytes "
+                f"(up to byte {offset + expected}; the file was {self.size_bytes} bytes "
+                f"when opened)",
+            )
+        return done
+
+    def _direct_loop(self, view: builtins.memoryview, offset: int) -> int:
+        fd = self._direct_fd
+        if fd is None or not self._direct_enabled:
+            return self._pread_loop(self._fd, view, offset)
+        try:
+            done = self._pread_loop(fd, view, offset, stop_unaligned=self.alignment)
+        except LoadError as exc:
+            if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EINVAL:
+                raise
+            # The probe passed, yet this aligned read was refused: give up on O_DIRECT
+            # for this file (direct_ok turns False) and do the same read buffered.
+            # The descriptor stays open until close(): another thread may be using it.
+            self.direct_refusal = f"an O_DIRECT read was refused ({exc.__cause__.strerror})"
+            self._direct_enabled = False
+            return self._pread_loop(self._fd, view, offset)
+        if done < len(view) and done % self.alignment and offset + done < self.size_bytes:
+            # A short direct read that stopped mid-block and not at EOF (rare: signals,
+            # some network filesystems). O_DIRECT cannot continue from an unaligned
+            # offset, so finish buffered.
+            done += self._pread_loop(self._fd, view[done:], offset + done)
+        return done
+
+    def _pread_loop(
+        self, fd: int, view: builtins.memoryview, offset: int, stop_unaligned: int = 0
+    ) -> int:
+        """``preadv`` until ``view`` is full or EOF; returns the bytes read."""
+        done = 0
+        total = len(view)
+        while done < total:
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done)
+            except InterruptedError:
+                continue  # PEP 475 retries EINTR already; kept for non-CPython runtimes
+            except OSError as exc:
+                raise LoadError(
+                    self.path, offset + done, f"read of {total - done} bytes failed: {exc}"
+                ) from exc
+            if n == 0:
+                break  # end of file
+            done += n
+            if stop_unaligned and done % stop_unaligned and done < total:
+                break
+        return done
+
+    # -- hints -------------------------------------------------------------------
+
+    def fadvise(self, advice: FileAdvice, offset: int = 0, length: int = 0) -> None:
+        """``posix_fadvise`` on ``[offset, offset + length)``; ``length=0`` = to the end.
+
+        Raises ``LoadError`` if the kernel rejects the hint.
+        """
+        self._enter()
+        try:
+            os.posix_fadvise(self._fd, offset, length, advice.value)
+        except OSError as exc:
+            raise LoadError(
+                self.path, offset, f"posix_fadvise({advice.name}) failed: {exc}"
+            ) from exc
+        finally:
+            self._leave()
+
+
+def _writable_bytes(dest: Buffer) -> builtins.memoryview:
+    view = builtins.memoryview(dest)
+    if view.readonly:
+        raise ValueError("destination buffer is read-only")
+    if not view.c_contiguous:
+        raise ValueError("destination buffer is not C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view

@@ -1,0 +1,107 @@
+"""Running a load from the command line: the progress bar and the report tables."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from aiogguf.api import load, run
+from aiogguf.config import Config
+from aiogguf.events import Progress as LoadProgress
+from aiogguf.events import Stage
+from aiogguf.report import LoadReport
+from aiogguf.units import format_bytes
+
+__all__ = ["load_with_progress", "render_report"]
+
+
+def load_with_progress(
+    path: str | os.PathLike[str], config: Config, console: Console
+) -> LoadReport:
+    """Load ``path`` showing a progress bar (bytes, GB/s, ETA); return the report."""
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task: TaskID = bar.add_task(os.path.basename(os.fspath(path)), total=None)
+
+        def on_progress(event: LoadProgress) -> None:
+            if event.stage in (Stage.READ, Stage.DONE):
+                bar.update(task, completed=event.bytes_done, total=event.bytes_total or None)
+            elif event.stage is Stage.FAILED:
+                bar.update(task, description=f"{os.path.basename(os.fspath(path))} (failed)")
+
+        async def go() -> LoadReport:
+            async with load(path, config, progress=on_progress) as model:
+                return model.report
+
+        report: LoadReport = run(go)
+    return report
+
+
+def _gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
+
+
+def render_report(report: LoadReport, console: Console) -> None:
+    """The final report: stages, buffers, files, and the headline throughput."""
+    stages = Table(title="stages", title_justify="left")
+    for col in ("stage", "wall s", "busy s", "items", "bytes", "GB/s"):
+        stages.add_column(col, justify="left" if col == "stage" else "right")
+    for s in report.stages:
+        stages.add_row(
+            s.name,
+            f"{s.wall_s:.3f}",
+            f"{s.busy_s:.3f}",
+            str(s.items),
+            format_bytes(s.nbytes) if s.nbytes else "-",
+            _gbps(s.nbytes, s.wall_s) if s.nbytes else "-",
+        )
+    buffers = Table(title="buffers", title_justify="left")
+    for col in ("device", "buffer type", "lazy", "tensors", "size"):
+        buffers.add_column(col, justify="right" if col in ("tensors", "size") else "left")
+    for b in report.buffers:
+        buffers.add_row(
+            b.device,
+            b.buffer_type,
+            "yes" if b.lazy else "",
+            str(b.n_tensors),
+            format_bytes(b.nbytes),
+        )
+    files = Table(title="files", title_justify="left")
+    for col in ("file", "direct", "reads", "bytes", "start s", "end s", "GB/s"):
+        files.add_column(col, justify="left" if col == "file" else "right")
+    for f in report.files:
+        files.add_row(
+            os.path.basename(f.path),
+            "yes" if f.direct else "",
+            str(f.reads),
+            format_bytes(f.nbytes),
+            f"{f.start_s:.3f}",
+            f"{f.end_s:.3f}",
+            f"{f.gbps:.2f}",
+        )
+    console.print(stages, buffers, files)
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    checked = f", {report.validated} tensors validated" if report.validated else ""
+    console.print(
+        f"[bold green]loaded[/] {report.n_tensors} tensors, {format_bytes(report.nbytes)} "
+        f"in {report.total_s:.3f} s = [bold]{report.gbps:.2f} GB/s[/] "
+        f"(mode {report.mode}{checked})"
+    )

@@ -1,0 +1,515 @@
+"""The engine: wires the stages of one load together with bounded queues.
+
+::
+
+    parse+index ─▶ plan ─▶ allocate ─┬▶ jobs[file 0] ─▶ readers ─┐
+                                     ├▶ jobs[file 1] ─▶ readers ─┼▶ landed ─▶ tracker ─┐
+                                     └▶ …                         ┘                    │
+                                            validate ◀─ ready (tensor names) ◀────────┘
+
+Every task lives in one task group; a failure anywhere cancels the rest and surfaces
+as that one exception. Everything allocated is owned by a ``Resources`` stack until the
+model takes it; if the load fails or is cancelled, the stack releases it all (files,
+mappings, host and device buffers) before the exception propagates.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import warnings
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from aiogguf.config import Config
+from aiogguf.errors import BigEndianError
+from aiogguf.events import ProgressHub, Stage
+from aiogguf.io.byteswap import can_convert, needs_swap, to_native
+from aiogguf.io.devices.base import Device
+from aiogguf.io.devices.registry import enumerate_devices
+from aiogguf.io.files import DataFile, FileAdvice, align_up, open_file
+from aiogguf.io.mapping import MapAdvice, numa_nodes
+from aiogguf.jobs import ReadJob, TensorSlot
+from aiogguf.model import Model
+from aiogguf.records import Plan, TensorEntry, WeightIndex
+from aiogguf.report import BufferReport, FileReport, LoadReport, StageReport
+from aiogguf.stages.allocate import (
+    DeviceImage,
+    HostImage,
+    Image,
+    MappedImage,
+    allocate_host,
+    allocate_mapped,
+    layout_buffers,
+    load_order,
+    read_jobs,
+    tensor_slots,
+)
+from aiogguf.stages.index import open_index
+from aiogguf.stages.plan import make_plan
+from aiogguf.stages.read import Reader
+from aiogguf.stages.upload import Uploader
+from aiogguf.stages.validate import ValidationCollector
+
+__all__ = ["LoadWarning", "run_load"]
+
+
+class LoadWarning(UserWarning):
+    """Something about a load the user should know (a fallback, a low limit)."""
+
+
+@dataclass(slots=True)
+class _TensorProgress:
+    """Bytes still missing per tensor, for telling when a tensor has fully landed."""
+
+    remaining: dict[str, int]
+    # per (buffer, file): sorted tensor starts and their names/ends, for overlap lookups
+    starts: dict[tuple[int, int], list[tuple[int, int, str]]] = field(default_factory=dict)
+
+    def landed(self, job: ReadJob) -> list[str]:
+        """Names of the tensors that ``job`` completed."""
+        entries = self.starts.get((job.buffer_index, job.file_index), [])
+        i = bisect.bisect_right(entries, job.useful_start, key=lambda e: e[0]) - 1
+        i = max(i, 0)
+        done: list[str] = []
+        while i < len(entries) and entries[i][0] < job.useful_end:
+            start, end, name = entries[i]
+            overlap = min(end, job.useful_end) - max(start, job.useful_start)
+            if overlap > 0:
+                left = self.remaining[name] - overlap
+                self.remaining[name] = left
+                if left == 0:
+                    done.append(name)
+            i += 1
+        return done
+
+
+class _Load:
+    """One load in flight. Only ``run()`` is public; the rest is the wiring."""
+
+    def __init__(
+        self,
+        index: WeightIndex,
+        plan: Plan,
+        devices: Sequence[Device],
+        config: Config,
+        hub: ProgressHub,
+    ) -> None:
+        self.index = index
+        self.plan = plan
+        self.devices = {d.name: d for d in devices}
+        self.config = config
+        self.hub = hub
+        self.mode = plan.mode
+        self.alignment = config.pipeline.alignment
+        self.layouts = layout_buffers(plan, self.alignment)
+        self.slots: dict[str, TensorSlot] = tensor_slots(index, self.layouts)
+        self.images: list[Image | None] = [None] * len(self.layouts)
+        self.ready_events = [anyio.Event() for _ in self.layouts]
+        self.warnings: list[str] = list(plan.warnings)
+        self.stage_busy: dict[str, float] = {}
+        self.validated = 0
+        self.swap = needs_swap(index.byte_order)
+        self._lock_refused = False
+        loaded = [t for t in plan.tensors if not t.lazy]
+        self.bytes_total = sum(t.nbytes for t in loaded)
+        self.tensors_total = len(loaded)
+        self.bytes_done = 0
+        self.tensors_done = 0
+
+    # --- the whole load ---------------------------------------------------------------
+
+    async def run(self, stack: AsyncExitStack) -> Model:
+        """Load every tensor; resources go on ``stack`` (closed by the caller on failure)."""
+        self._check_byte_order()
+        files = await self._open_files(stack)
+        uploader: Uploader | None = None
+        if any(not lay.plan.host for lay in self.layouts):
+            uploader = await stack.enter_async_context(
+                Uploader(self.devices, self.config, self.mode)
+            )
+        stack.callback(self._close_images_on_failure)
+        limiters = [anyio.CapacityLimiter(self.config.pipeline.readers_for(f.path)) for f in files]
+        reader = Reader(
+            files,
+            self.images,
+            limiters,
+            uploader,
+            direct=[f.direct_ok for f in files],
+            clock=self.hub.elapsed,
+            swap=self._swap_job if self.swap else None,
+        )
+        check = self.config.load.check_tensors
+        t_read = self.hub.elapsed()
+        validator = ValidationCollector(self.config.pipeline.validate_workers)
+        async with validator:
+            queue = self.config.pipeline.queue_depth
+            landed_send, landed_recv = anyio.create_memory_object_stream[ReadJob](queue)
+            ready_send, ready_recv = anyio.create_memory_object_stream[str](queue)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._allocate_all, files, uploader)
+                jobs = self._jobs(uploader)
+                for file_index, file_jobs in enumerate(jobs):
+                    send, recv = anyio.create_memory_object_stream[ReadJob](queue)
+                    tg.start_soon(self._emit, file_jobs, send)
+                    n_readers = limiters[file_index].total_tokens
+                    async with recv:
+                        for _ in range(int(n_readers)):
+                            tg.start_soon(
+                                self._read_loop, reader, recv.clone(), landed_send.clone()
+                            )
+                landed_send.close()
+                tg.start_soon(self._track, landed_recv, ready_send, uploader)
+                tg.start_soon(self._validate_loop, ready_recv, validator if check else None, tg)
+        read_s = self.hub.elapsed() - t_read
+        if check:
+            self.validated = validator.submitted
+            if validator.failures and not self.config.load.keep_invalid:
+                validator.raise_if_failed(self.index.files[0].path)
+        self.hub.emit(
+            Stage.DONE,
+            self.bytes_done,
+            self.bytes_total,
+            self.tensors_done,
+            self.tensors_total,
+            force=True,
+        )
+        report = self._report(reader, read_s, validator if check else None)
+        images = list(self.images)
+        self.images[:] = [None] * len(self.images)  # the model owns them now
+        return Model(self.index, self.plan, images, self.slots, report, failures=validator.failures)
+
+    # --- open, allocate ---------------------------------------------------------------
+
+    def _check_byte_order(self) -> None:
+        if not self.swap:
+            return
+        for t in self.plan.tensors:
+            entry = self.index[t.name]
+            if not can_convert(entry.type):
+                raise BigEndianError(
+                    self.index.files[entry.file_index].path,
+                    entry.offset,
+                    f"big-endian GGUF: byte order of type {entry.type.name} cannot be "
+                    f"converted (tensor '{entry.name}')",
+                )
+
+    async def _open_files(self, stack: AsyncExitStack) -> list[DataFile]:
+        direct = self.mode == "direct"
+        files: list[DataFile] = []
+        for parsed in self.index.files:
+            f = await anyio.to_thread.run_sync(lambda p=parsed.path: open_file(p, direct=direct))
+            stack.callback(f.close)
+            files.append(f)
+            if direct and not f.direct_ok:
+                self._warn(f"{parsed.path}: {f.direct_refusal}; reading with mode 'none' instead")
+        if self.mode in ("mmap", "mlock"):
+            for f in files:
+                await anyio.to_thread.run_sync(f.fadvise, FileAdvice.SEQUENTIAL)
+        return files
+
+    async def _allocate_all(self, files: Sequence[DataFile], uploader: Uploader | None) -> None:
+        """Allocate buffers in load order; readers of buffer k start once k is ready."""
+        mapped = self.mode in ("mmap", "mlock")
+        numa = numa_nodes() > 1
+        start = self.hub.elapsed()
+        for k in self._allocation_order():
+            layout = self.layouts[k]
+            image: Image
+            if not layout.plan.host:
+                assert uploader is not None
+                buffer = await uploader.allocate(layout.plan.device, max(layout.nbytes, 1))
+                image = DeviceImage(layout, buffer)
+            elif mapped:
+                image = await anyio.to_thread.run_sync(
+                    lambda lay=layout: allocate_mapped(lay, files, writable=self.swap)
+                )
+                await anyio.to_thread.run_sync(self._advise, image, numa)
+            else:
+                image = await anyio.to_thread.run_sync(allocate_host, layout)
+            self.images[k] = image
+            self.ready_events[k].set()
+        self.stage_busy["allocate"] = self.hub.elapsed() - start
+
+    def _allocation_order(self) -> list[int]:
+        staged = [lay.index for lay in self.layouts if not lay.plan.host]
+        host = [lay.index for lay in self.layouts if lay.plan.host]
+        return staged + host
+
+    def _advise(self, image: MappedImage, numa: bool) -> None:
+        """Lazy ranges are read on demand (random); on a NUMA machine nothing is
+        prefetched, so pages land on the node that first touches them."""
+        random = image.layout.plan.lazy or numa
+        if not random and not self.config.load.prefetch:
+            return
+        advice = MapAdvice.RANDOM if random else MapAdvice.WILLNEED
+        for rs, mapping in zip(image.layout.slots, image.mappings, strict=True):
+            mapping.advise(advice, rs.range.start, rs.range.end)
+
+    def _close_images_on_failure(self) -> None:
+        for i, image in enumerate(self.images):
+            if image is not None:
+                image.close()
+                self.images[i] = None
+
+    # --- jobs and reading -------------------------------------------------------------
+
+    def _jobs(self, uploader: Uploader | None) -> list[list[ReadJob]]:
+        """Jobs per file, in load order. Lazy ranges are only mapped, never read."""
+        ordered = [item for item in load_order(self.index, self.layouts) if not item[0].plan.lazy]
+        chunk = align_up(self.config.pipeline.chunk_size, self.alignment)
+        aligned = self.mode == "direct"
+        per_file: list[list[ReadJob]] = [[] for _ in self.index.files]
+        staged = [item for item in ordered if not item[0].plan.host]
+        hosted = [item for item in ordered if item[0].plan.host]
+        if staged:
+            assert uploader is not None
+            slot = uploader.staging_bytes - uploader.staging_bytes % self.alignment
+            for job in read_jobs(staged, min(chunk, slot), aligned=aligned):
+                per_file[job.file_index].append(job)
+        for job in read_jobs(hosted, chunk, aligned=aligned):
+            per_file[job.file_index].append(job)
+        return per_file
+
+    async def _emit(self, jobs: Sequence[ReadJob], send: MemoryObjectSendStream[ReadJob]) -> None:
+        async with send:
+            for job in jobs:
+                await self.ready_events[job.buffer_index].wait()
+                await send.send(job)
+
+    async def _read_loop(
+        self,
+        reader: Reader,
+        jobs: MemoryObjectReceiveStream[ReadJob],
+        landed: MemoryObjectSendStream[ReadJob],
+    ) -> None:
+        async with jobs, landed:
+            async for job in jobs:
+                await reader.read(job)
+                await landed.send(job)
+
+    def _swap_job(self, job: ReadJob, view: memoryview) -> None:
+        """Byte-swap, in place, the elements of every tensor that ``job`` carries."""
+        data = np.frombuffer(view, dtype=np.uint8)
+        layout = self.layouts[job.buffer_index]
+        for rs in layout.slots:
+            r = rs.range
+            if r.file_index != job.file_index or r.end <= job.useful_start:
+                continue
+            if r.start >= job.useful_end:
+                break
+            for name in r.tensors:
+                entry = self.index[name]
+                lo, hi = max(entry.offset, job.useful_start), min(entry.end, job.useful_end)
+                if lo < hi:
+                    to_native(
+                        entry.type,
+                        data[lo - job.file_offset : hi - job.file_offset],
+                        path=self.index.files[entry.file_index].path,
+                        name=name,
+                    )
+
+    # --- completion and validation ----------------------------------------------------
+
+    async def _track(
+        self,
+        landed: MemoryObjectReceiveStream[ReadJob],
+        ready: MemoryObjectSendStream[str],
+        uploader: Uploader | None,
+    ) -> None:
+        """Turn landed jobs into ready tensors. Device tensors are ready once their
+        copies completed: after the upload stage drained."""
+        progress = self._tensor_progress()
+        device_tensors: list[str] = []
+        async with landed, ready:
+            async for job in landed:
+                self.bytes_done += job.useful_end - job.useful_start
+                on_device = not self.layouts[job.buffer_index].plan.host
+                for name in progress.landed(job):
+                    if on_device:
+                        device_tensors.append(name)
+                    else:
+                        await ready.send(name)
+                self.hub.emit(
+                    Stage.READ,
+                    self.bytes_done,
+                    self.bytes_total,
+                    self.tensors_done,
+                    self.tensors_total,
+                )
+            if uploader is not None:
+                await uploader.drain()
+            for name in device_tensors:
+                await ready.send(name)
+
+    def _tensor_progress(self) -> _TensorProgress:
+        progress = _TensorProgress(remaining={})
+        for layout in self.layouts:
+            if layout.plan.lazy:
+                continue
+            for rs in layout.slots:
+                key = (layout.index, rs.range.file_index)
+                for name in rs.range.tensors:
+                    entry = self.index[name]
+                    progress.remaining[name] = entry.nbytes
+                    progress.starts.setdefault(key, []).append((entry.offset, entry.end, name))
+        for entries in progress.starts.values():
+            entries.sort()
+        return progress
+
+    async def _validate_loop(
+        self,
+        ready: MemoryObjectReceiveStream[str],
+        validator: ValidationCollector | None,
+        tg: TaskGroup,
+    ) -> None:
+        lock = self.mode == "mlock"
+        async with ready:
+            async for name in ready:
+                if lock:
+                    await self._lock(name)
+                if validator is not None:
+                    entry = self.index[name]
+                    image = self.images[self.slots[name].buffer_index]
+                    data, xp = self._tensor_data(entry, image)
+                    await validator.submit(name, entry.type, data, xp=xp)
+                self.tensors_done += 1
+                self.hub.emit(
+                    Stage.READ,
+                    self.bytes_done,
+                    self.bytes_total,
+                    self.tensors_done,
+                    self.tensors_total,
+                )
+
+    def _tensor_data(self, entry: TensorEntry, image: Image | None) -> tuple[object, object]:
+        slot = self.slots[entry.name]
+        if isinstance(image, DeviceImage):
+            return image.buffer.array(slot.buffer_offset, slot.nbytes), image.buffer.xp
+        assert isinstance(image, HostImage | MappedImage)
+        return np.frombuffer(image.tensor_bytes(slot), dtype=np.uint8), np
+
+    async def _lock(self, name: str) -> None:
+        """mlock mode: the locked range grows tensor by tensor."""
+        image = self.images[self.slots[name].buffer_index]
+        if not isinstance(image, MappedImage) or image.layout.plan.lazy:
+            return
+        entry = self.index[name]
+        mapping = image.mapping_at(entry.file_index, entry.offset)
+        result = await anyio.to_thread.run_sync(mapping.lock, entry.offset, entry.end)
+        if not result.ok and not self._lock_refused:
+            self._lock_refused = True  # one warning per load: the rest would say the same
+            needed = sum(t.nbytes for t in self.plan.tensors if not t.lazy)
+            self._warn(
+                f"{result.problem}; the whole load needs {needed} bytes locked; "
+                "it goes on with the rest unlocked"
+            )
+
+    def _warn(self, message: str) -> None:
+        self.warnings.append(message)
+        warnings.warn(message, LoadWarning, stacklevel=2)
+
+    # --- report -----------------------------------------------------------------------
+
+    def _report(
+        self, reader: Reader, read_s: float, validator: ValidationCollector | None
+    ) -> LoadReport:
+        files = tuple(
+            FileReport(
+                path=parsed.path,
+                nbytes=stats.nbytes,
+                reads=stats.reads,
+                start_s=stats.first_start or 0.0,
+                end_s=stats.last_end,
+                direct=self.mode == "direct" and reader_direct,
+            )
+            for parsed, stats, reader_direct in zip(
+                self.index.files, reader.stats, reader.direct, strict=True
+            )
+        )
+        stages = [
+            StageReport(
+                "parse+index",
+                self.stage_busy.get("parse", 0.0),
+                self.stage_busy.get("parse", 0.0),
+                len(self.index.files),
+                0,
+            ),
+            StageReport(
+                "plan",
+                self.stage_busy.get("plan", 0.0),
+                self.stage_busy.get("plan", 0.0),
+                len(self.plan.tensors),
+                0,
+            ),
+            StageReport(
+                "allocate",
+                self.stage_busy.get("allocate", 0.0),
+                self.stage_busy.get("allocate", 0.0),
+                len(self.layouts),
+                sum(lay.nbytes for lay in self.layouts),
+            ),
+            StageReport(
+                "read",
+                read_s,
+                sum(s.busy_s for s in reader.stats),
+                sum(s.reads for s in reader.stats),
+                sum(s.nbytes for s in reader.stats),
+            ),
+        ]
+        if validator is not None:
+            stages.append(
+                StageReport(
+                    "validate",
+                    read_s,
+                    validator.busy_s,
+                    validator.submitted,
+                    validator.bytes_checked,
+                )
+            )
+        buffers = tuple(
+            BufferReport(b.device, b.buffer_type, b.lazy, b.nbytes, len(b.tensors))
+            for b in self.plan.buffers
+        )
+        return LoadReport(
+            path=self.index.files[0].path,
+            mode=self.mode,
+            total_s=self.hub.elapsed(),
+            nbytes=self.bytes_total,
+            n_tensors=self.tensors_total,
+            stages=tuple(stages),
+            buffers=buffers,
+            files=files,
+            validated=self.validated,
+            warnings=tuple(self.warnings),
+        )
+
+
+async def run_load(
+    path: str | os.PathLike[str],
+    config: Config,
+    hub: ProgressHub,
+    stack: AsyncExitStack,
+    *,
+    devices: Sequence[Device] | None = None,
+) -> Model:
+    """Parse, index, plan and load ``path``. Resources are pushed on ``stack`` until the
+    returned model owns them; on failure the caller closes the stack."""
+    t0 = hub.elapsed()
+    hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
+    index = await open_index(path)
+    t1 = hub.elapsed()
+    devices = tuple(devices) if devices is not None else enumerate_devices(config)
+    plan = make_plan(index, devices, config)
+    t2 = hub.elapsed()
+    hub.emit(Stage.PLAN, 0, 0, 0, 0, f"{len(plan.buffers)} buffers", force=True)
+    load = _Load(index, plan, devices, config, hub)
+    load.stage_busy["parse"] = t1 - t0
+    load.stage_busy["plan"] = t2 - t1
+    return await load.run(stack)

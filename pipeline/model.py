@@ -1,0 +1,137 @@
+"""A loaded model: its metadata, its tensors where the plan put them, and the report."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from aiogguf.errors import GGUFError, TensorFailure
+from aiogguf.jobs import TensorSlot
+from aiogguf.records import MetadataValue, Plan, TensorEntry, WeightIndex
+from aiogguf.report import LoadReport
+from aiogguf.stages.allocate import DeviceImage, Image
+
+__all__ = ["Model", "ModelState"]
+
+
+class ModelState(Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def array_shape(entry: TensorEntry) -> tuple[int, ...]:
+    """numpy shape of a tensor: the reversed ggml shape for plain types; for quantized
+    types the rows of blocks, ``(..., ne1, ne0 / block_elems, block_bytes)``."""
+    t = entry.type
+    dims = entry.shape or (1,)
+    if t.element_dtype is not None:
+        return tuple(reversed(dims))
+    outer = tuple(reversed(dims[1:]))
+    return (*outer, dims[0] // t.block_elems, t.block_bytes)
+
+
+class _Tensors(Mapping[str, Any]):
+    """Tensor name → array on its device (numpy for host memory, the device's array
+    type otherwise). Arrays are views of the model's buffers: valid while it is open."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+
+    def __getitem__(self, name: str) -> Any:
+        return self._model._array(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (t.name for t in self._model.index.tensors)
+
+    def __len__(self) -> int:
+        return len(self._model.index.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._model.index
+
+
+class Model:
+    """A loaded GGUF model. Close it (or leave its ``async with``) to free its memory."""
+
+    def __init__(
+        self,
+        index: WeightIndex,
+        plan: Plan,
+        images: Sequence[Image | None],
+        slots: Mapping[str, TensorSlot],
+        report: LoadReport,
+        *,
+        failures: Sequence[TensorFailure] = (),
+    ) -> None:
+        self.index = index
+        self.plan = plan
+        self.report = report
+        self.failures: tuple[TensorFailure, ...] = tuple(failures)
+        self._images = list(images)
+        self._slots = slots
+        self._state = ModelState.OPEN
+        self.tensors: Mapping[str, Any] = _Tensors(self)
+
+    @property
+    def metadata(self) -> Mapping[str, MetadataValue]:
+        """Key → value of the first split's metadata (arrays as ``GGUFArray``)."""
+        return {key: entry.value for key, entry in self.index.metadata.items()}
+
+    @property
+    def state(self) -> ModelState:
+        return self._state
+
+    def _image(self, name: str) -> tuple[Image, TensorSlot]:
+        if self._state is ModelState.CLOSED:
+            raise GGUFError(f"model {self.index.files[0].path} is closed")
+        if name not in self.index:
+            raise KeyError(name)
+        slot = self._slots[name]
+        image = self._images[slot.buffer_index]
+        assert image is not None
+        return image, slot
+
+    def _array(self, name: str) -> Any:
+        image, slot = self._image(name)
+        entry = self.index[name]
+        dtype = entry.type.element_dtype or "u1"
+        shape = array_shape(entry)
+        if isinstance(image, DeviceImage):
+            data = image.buffer.array(slot.buffer_offset, slot.nbytes)
+            return data.view(image.buffer.xp.dtype(dtype)).reshape(shape)
+        raw = np.frombuffer(image.tensor_bytes(slot), dtype=np.uint8)
+        return raw.view(np.dtype(dtype)).reshape(shape)
+
+    def raw(self, name: str) -> memoryview:
+        """The tensor's exact bytes in host memory (copied back from a device if needed)."""
+        image, slot = self._image(name)
+        if isinstance(image, DeviceImage):
+            return image.buffer.to_host(slot.buffer_offset, slot.nbytes)
+        return image.tensor_bytes(slot)
+
+    def close(self) -> None:
+        """Free every buffer and unmap every mapping. Arrays taken from ``tensors`` must
+        not be used afterwards. Closing twice is harmless."""
+        if self._state is ModelState.CLOSED:
+            return
+        self._state = ModelState.CLOSED
+        images, self._images = self._images, []
+        for image in images:
+            if image is not None:
+                image.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", ModelState.CLOSED) is ModelState.OPEN:
+            warnings.warn(
+                f"model {self.index.files[0].path} was never closed", ResourceWarning, stacklevel=1
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Model {self.index.files[0].path} {len(self.index.tensors)} tensors "
+            f"{self.report.nbytes} bytes {self._state.value}>"
+        )

@@ -1,0 +1,70 @@
+"""What a load did and how fast: per stage, per buffer, per file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["BufferReport", "FileReport", "LoadReport", "StageReport"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageReport:
+    """``busy_s`` sums the time the stage's workers spent working (it can exceed the
+    wall time when workers overlap); ``wall_s`` spans its first start to its last end."""
+
+    name: str
+    wall_s: float
+    busy_s: float
+    items: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BufferReport:
+    device: str
+    buffer_type: str
+    lazy: bool
+    nbytes: int
+    n_tensors: int
+
+
+@dataclass(frozen=True, slots=True)
+class FileReport:
+    """One file's reads: ``start_s``/``end_s`` are seconds since the load began, so
+    files read at once (shards on several disks) show overlapping intervals."""
+
+    path: str
+    nbytes: int
+    reads: int
+    start_s: float
+    end_s: float
+    direct: bool
+
+    @property
+    def gbps(self) -> float:
+        span = self.end_s - self.start_s
+        return self.nbytes / span / 1e9 if span > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    path: str
+    mode: str
+    total_s: float
+    nbytes: int  # tensor bytes loaded (lazy tensors excluded)
+    n_tensors: int
+    stages: tuple[StageReport, ...]
+    buffers: tuple[BufferReport, ...]
+    files: tuple[FileReport, ...]
+    validated: int  # tensors checked
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    def stage(self, name: str) -> StageReport:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)

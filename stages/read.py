@@ -1,0 +1,118 @@
+"""The read stage: bring each job's file bytes to where they belong.
+
+The unit of I/O is a coalesced file range cut into jobs of at most ``chunk_size``.
+Per mode (design §1.5):
+
+- ``none``: ``preadv`` straight into the destination buffer image;
+- ``direct``: ``O_DIRECT`` reads of aligned chunks into the (page-aligned) image;
+- ``mmap``/``mlock``: the mapping is the buffer; pages are touched so that "loaded"
+  means resident (``mlock`` also locks them, tensor by tensor, in the engine);
+- device-bound jobs: the same reads, into a staging slot of the upload ring.
+
+Every call here blocks and runs in a worker thread with the file's reader limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+
+from aiogguf.io.files import DataFile
+from aiogguf.jobs import ReadJob
+from aiogguf.stages.allocate import DeviceImage, HostImage, Image, MappedImage
+from aiogguf.stages.upload import Uploader
+
+__all__ = ["FileStats", "Reader"]
+
+
+@dataclass(slots=True)
+class FileStats:
+    """Mutable per-file counters, updated on the event loop thread only."""
+
+    nbytes: int = 0
+    reads: int = 0
+    busy_s: float = 0.0
+    first_start: float | None = None
+    last_end: float = 0.0
+
+
+class Reader:
+    """Executes read jobs for one load. ``swap`` (big-endian files) converts the bytes of
+    a landed job in place before anyone else sees them."""
+
+    def __init__(
+        self,
+        files: Sequence[DataFile],
+        images: Sequence[Image | None],
+        limiters: Sequence[anyio.CapacityLimiter],
+        uploader: Uploader | None,
+        *,
+        direct: Sequence[bool],
+        clock: Callable[[], float],
+        swap: Callable[[ReadJob, memoryview], None] | None = None,
+    ) -> None:
+        self._files = files
+        self._images = images
+        self._limiters = limiters
+        self._uploader = uploader
+        self._direct = direct
+        self._clock = clock
+        self._swap = swap
+        self.stats = [FileStats() for _ in files]
+
+    @property
+    def direct(self) -> Sequence[bool]:
+        """Per file: whether reads really bypass the page cache."""
+        return self._direct
+
+    async def read(self, job: ReadJob) -> None:
+        """Land ``job``; returns when its bytes are in their host buffer, or handed to the
+        device's copy stream."""
+        image = self._images[job.buffer_index]
+        start = self._clock()
+        if isinstance(image, DeviceImage):
+            assert self._uploader is not None
+            await self._uploader.write(job, image.buffer, self._filler(job))
+        else:
+            assert image is not None
+            await anyio.to_thread.run_sync(
+                self._host_read, job, image, limiter=self._limiters[job.file_index]
+            )
+        end = self._clock()
+        stats = self.stats[job.file_index]
+        stats.nbytes += job.useful_end - job.useful_start
+        stats.reads += 1
+        stats.busy_s += end - start
+        stats.first_start = start if stats.first_start is None else min(stats.first_start, start)
+        stats.last_end = max(stats.last_end, end)
+
+    def _host_read(self, job: ReadJob, image: HostImage | MappedImage) -> None:
+        if isinstance(image, MappedImage):
+            mapping = image.mapping_at(job.file_index, job.useful_start)
+            mapping.touch(job.useful_start, job.useful_end)
+            if self._swap is not None:
+                self._swap(job, mapping.view(job.file_offset, job.nbytes))
+            return
+        dest = image.dest(job)
+        self._read_into(job, dest)
+        if self._swap is not None:
+            self._swap(job, dest)
+
+    def _read_into(self, job: ReadJob, dest: memoryview) -> None:
+        file = self._files[job.file_index]
+        if self._direct[job.file_index]:
+            file.read_direct_into(dest, job.file_offset, job.nbytes, need_end=job.useful_end)
+        else:
+            file.read_into(dest, job.file_offset)
+
+    def _filler(self, job: ReadJob) -> Callable[[memoryview], None]:
+        """What the upload stage runs (in a worker thread) to fill a staging slot."""
+
+        def fill(slot: memoryview) -> None:
+            self._read_into(job, slot[: job.nbytes])
+            if self._swap is not None:
+                self._swap(job, slot[: job.nbytes])
+
+        return fill

@@ -1,0 +1,127 @@
+"""HostBuffer / ExternalBuffer: alignment, lifecycle, close with live views."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import numpy as np
+import pytest
+
+from aiogguf.io.buffers import (
+    PAGE_BYTES,
+    ByteRegion,
+    ClosedResourceError,
+    ExternalBuffer,
+    HostBuffer,
+    ResourceState,
+    buffer_address,
+)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 << 20])
+def test_host_buffer_is_page_aligned_zeroed_and_exact(nbytes: int) -> None:
+    with HostBuffer(nbytes) as buf:
+        assert buf.address % mmap.PAGESIZE == 0
+        assert buf.address % PAGE_BYTES == 0
+        assert buf.nbytes == nbytes
+        assert len(buf.memoryview) == nbytes
+        assert not buf.memoryview.readonly
+        assert buf.capacity_bytes % PAGE_BYTES == 0
+        assert buf.capacity_bytes >= max(nbytes, 1)
+        array = buf.as_array()
+        assert array.dtype == np.uint8
+        assert array.shape == (nbytes,)
+        assert not array.any()
+        if nbytes:
+            assert buffer_address(buf.memoryview) == buf.address
+            array[-1] = 7
+            assert buf.memoryview[-1] == 7
+        del array
+        assert isinstance(buf, ByteRegion)
+
+
+def test_prefault_keeps_contents_and_works() -> None:
+    with HostBuffer(5 * PAGE_BYTES + 3, prefault=True) as buf:
+        buf.as_array()[:] = 1
+        buf.prefault()  # on already-written memory it must not zero anything
+        assert int(buf.as_array().sum()) == buf.nbytes
+
+
+def test_close_is_idempotent_and_use_after_close_is_clear() -> None:
+    buf = HostBuffer(100)
+    assert buf.state is ResourceState.OPEN
+    buf.close()
+    buf.close()
+    assert buf.state is ResourceState.CLOSED
+    assert buf.memory_released
+    with pytest.raises(ClosedResourceError, match=r"HostBuffer.*closed"):
+        buf.memoryview  # noqa: B018
+    with pytest.raises(ClosedResourceError):
+        buf.address  # noqa: B018
+    with pytest.raises(ClosedResourceError):
+        buf.as_array()
+    with pytest.raises(ClosedResourceError):
+        buf.prefault()
+    assert issubclass(ClosedResourceError, ValueError)
+
+
+def test_close_with_live_views_defers_the_unmap() -> None:
+    buf = HostBuffer(3 * PAGE_BYTES)
+    array = buf.as_array()
+    piece = buf.memoryview[10:20]
+    array[10] = 42
+    buf.close()
+    # Our object is closed, but the memory must stay valid for the views still held.
+    assert buf.state is ResourceState.CLOSED
+    assert not buf.memory_released
+    assert array[10] == 42
+    assert piece[0] == 42
+    del array
+    assert not buf.memory_released
+    piece.release()
+    del piece
+    gc.collect()
+    assert buf.memory_released
+
+
+def test_resource_warning_when_collected_unclosed() -> None:
+    with pytest.warns(ResourceWarning, match="unclosed <HostBuffer nbytes=10"):
+        HostBuffer(10)  # dropped at once: refcounting, no cycle
+
+
+def test_negative_size_is_refused() -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        HostBuffer(-1)
+
+
+def test_external_buffer_wraps_foreign_memory_and_releases_once() -> None:
+    backing = bytearray(b"abcdef")
+    calls: list[int] = []
+    ext = ExternalBuffer(backing, release=lambda: calls.append(1), name="pinned")
+    assert isinstance(ext, ByteRegion)
+    assert ext.nbytes == 6
+    assert ext.address == buffer_address(backing)
+    ext.as_array()[0] = ord("z")
+    assert backing[0] == ord("z")
+    ext.close()
+    ext.close()
+    assert calls == [1]
+    with pytest.raises(ClosedResourceError, match="pinned"):
+        ext.memoryview  # noqa: B018
+
+
+def test_external_buffer_refuses_read_only_memory() -> None:
+    with pytest.raises(ValueError, match="read-only"):
+        ExternalBuffer(b"abc")
+
+
+def test_external_buffer_resource_warning() -> None:
+    with pytest.warns(ResourceWarning, match="unclosed <ExternalBuffer"):
+        ExternalBuffer(bytearray(4))  # dropped at once: refcounting, no cycle
+
+
+def test_buffer_address_rejects_non_contiguous() -> None:
+    array = np.zeros((4, 4), dtype=np.uint8)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        buffer_address(array)

@@ -1,0 +1,222 @@
+"""The simulated GPU's behaviour: memory accounting, events, in-order copies, and the
+ring check it performs itself (so a broken upload ring cannot pass a test)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from aiogguf.errors import LoadError
+from aiogguf.io.devices.base import DeviceBuffer, UploadTarget
+from aiogguf.io.devices.sim import POISON_BYTE, RingViolation, SimDevice, SimUsage
+
+KiB = 1024
+
+
+def _fill(slot_view: memoryview, value: int) -> None:
+    slot_view[:] = bytes([value]) * slot_view.nbytes
+
+
+def test_device_memory_accounting_and_views() -> None:
+    dev = SimDevice("g0", free=1 * KiB * KiB)
+    assert isinstance(dev, UploadTarget)
+    assert dev.live == SimUsage(0, 0, 0, 0)
+    buf = dev.allocate(4096)
+    assert isinstance(buf, DeviceBuffer)
+    assert buf.xp is np
+    assert dev.live == SimUsage(1, 4096, 0, 0)
+    # Fresh memory is poisoned; array() is a view, to_host() a copy.
+    assert bytes(buf.to_host(0, 16)) == bytes([POISON_BYTE]) * 16
+    view = buf.array(100, 10)
+    view[:] = 7
+    assert bytes(buf.to_host(98, 14)) == bytes([POISON_BYTE] * 2 + [7] * 10 + [POISON_BYTE] * 2)
+    with pytest.raises(ValueError, match="outside"):
+        buf.array(4090, 10)
+    buf.close()
+    buf.close()  # idempotent
+    assert dev.live == SimUsage(0, 0, 0, 0)
+    with pytest.raises(LoadError, match="after close"):
+        buf.to_host(0, 1)
+
+
+def test_out_of_device_memory_is_a_load_error() -> None:
+    dev = SimDevice("g1", free=10 * KiB)
+    a = dev.allocate(8 * KiB)
+    with pytest.raises(LoadError, match="g1: out of memory"):
+        dev.allocate(4 * KiB)
+    a.close()
+    dev.allocate(10 * KiB).close()
+
+
+def test_events_follow_the_stream_in_order() -> None:
+    dev = SimDevice("g0", bandwidth=1_000_000, seed=1)  # 4 KiB ≈ 4 ms per copy
+    stream = dev.open_copy_stream(asynchronous=True)
+    try:
+        dest = dev.allocate(3 * 4096)
+        slots = [stream.open_slot(i, 4096, 4096) for i in range(3)]
+        events = [stream.new_event() for _ in slots]
+        assert all(e.query() for e in events)  # never recorded: done, as in CUDA
+        for i, (slot, event) in enumerate(zip(slots, events, strict=True)):
+            slot.begin_write()
+            _fill(slot.view(), i + 1)
+            stream.copy_async(dest, i * 4096, slot, 4096)
+            event.record()
+        assert not events[2].query()
+        events[0].synchronize()
+        assert events[0].query()
+        # Copies run in issue order: when the first is done, the later ones may not be,
+        # but when the last is done, all are.
+        events[2].synchronize()
+        assert all(e.query() for e in events)
+        data = bytes(dest.to_host(0, 3 * 4096))
+        assert data == b"\x01" * 4096 + b"\x02" * 4096 + b"\x03" * 4096
+        # After completion the slots can be refilled.
+        slots[0].begin_write()
+        for slot in slots:
+            slot.close()
+        dest.close()
+    finally:
+        stream.close()
+    assert dev.live == SimUsage(0, 0, 0, 0)
+
+
+def test_begin_write_on_busy_slot_raises_naming_the_slot() -> None:
+    dev = SimDevice("g3", bandwidth=100_000)  # 4 KiB = 40 ms
+    stream = dev.open_copy_stream(asynchronous=True)
+    dest = dev.allocate(4096)
+    slot = stream.open_slot(2, 4096, 4096)
+    try:
+        _fill(slot.view(), 9)
+        stream.copy_async(dest, 0, slot, 4096)
+        with pytest.raises(
+            RingViolation, match=r"device g3: staging slot 2: written while copy #1"
+        ):
+            slot.begin_write()
+        # Sticky: the violation fails everything that follows.
+        with pytest.raises(RingViolation, match="slot 2"):
+            stream.synchronize()
+        with pytest.raises(RingViolation):
+            stream.copy_async(dest, 0, slot, 4096)
+    finally:
+        slot.close()
+        dest.close()
+        stream.close()
+
+
+def test_write_that_skips_begin_write_is_caught_by_the_checksum() -> None:
+    dev = SimDevice("g0", bandwidth=200_000)  # 8 KiB = 40 ms
+    stream = dev.open_copy_stream(asynchronous=True)
+    dest = dev.allocate(8192)
+    slot = stream.open_slot(1, 8192, 4096)
+    try:
+        _fill(slot.view(), 1)
+        stream.copy_async(dest, 0, slot, 8192)
+        _fill(slot.view(), 2)  # no begin_write: the copy is still in flight
+        with pytest.raises(RingViolation, match=r"slot 1: copy #1 .* overwritten"):
+            stream.synchronize()
+    finally:
+        slot.close()
+        dest.close()
+        stream.close()
+
+
+def test_rewriting_identical_bytes_is_harmless() -> None:
+    # The checksum flags changed bytes, not writes: the copy still delivers the right data.
+    dev = SimDevice("g0", bandwidth=400_000)
+    stream = dev.open_copy_stream(asynchronous=True)
+    dest = dev.allocate(4096)
+    slot = stream.open_slot(0, 4096, 4096)
+    try:
+        _fill(slot.view(), 5)
+        stream.copy_async(dest, 0, slot, 4096)
+        _fill(slot.view(), 5)
+        stream.synchronize()
+        assert bytes(dest.to_host(0, 4096)) == b"\x05" * 4096
+    finally:
+        slot.close()
+        dest.close()
+        stream.close()
+
+
+def test_copy_into_freed_buffer_fails_the_stream() -> None:
+    dev = SimDevice("g0", bandwidth=200_000)
+    stream = dev.open_copy_stream(asynchronous=True)
+    dest = dev.allocate(4096)
+    slot = stream.open_slot(0, 4096, 4096)
+    try:
+        stream.copy_async(dest, 0, slot, 4096)
+        dest.close()
+        with pytest.raises(LoadError, match="freed buffer"):
+            stream.synchronize()
+    finally:
+        slot.close()
+        stream.close()
+
+
+def test_slots_are_aligned_and_freed() -> None:
+    dev = SimDevice("g0")
+    stream = dev.open_copy_stream(asynchronous=False)
+    for alignment in (4096, 65536):
+        slot = stream.open_slot(0, 10_000, alignment)
+        view = slot.view()
+        assert view.nbytes == 10_000
+        assert not view.readonly
+        assert np.frombuffer(view, np.uint8).ctypes.data % alignment == 0
+        assert dev.live.slots == 1
+        slot.close()
+        slot.close()
+        assert dev.live.slots == 0
+        with pytest.raises(LoadError, match="closed"):
+            slot.view()
+    stream.close()
+
+
+def test_slot_view_kept_alive_is_reported_on_close() -> None:
+    dev = SimDevice("g0")
+    stream = dev.open_copy_stream(asynchronous=False)
+    slot = stream.open_slot(0, 4096, 4096)
+    kept = slot.view()[:10]
+    with pytest.raises(LoadError, match="still referenced"):
+        slot.close()
+    kept.release()
+    stream.close()
+
+
+def test_synchronous_stream_has_no_thread() -> None:
+    before = set(threading.enumerate())
+    dev = SimDevice("g0", async_copies=False, bandwidth=10_000_000)
+    stream = dev.open_copy_stream(asynchronous=False)
+    assert set(threading.enumerate()) == before
+    dest = dev.allocate(4096)
+    start = time.perf_counter()
+    stream.copy_sync(dest, 0, memoryview(b"\x11" * 4096))
+    assert time.perf_counter() - start >= 4096 / 10_000_000
+    assert bytes(dest.to_host(0, 4096)) == b"\x11" * 4096
+    with pytest.raises(RuntimeError, match="synchronous copies only"):
+        stream.copy_async(dest, 0, stream.open_slot(0, 4096, 4096), 4096)
+    dest.close()
+    stream.close()
+
+
+def test_close_joins_the_copy_thread_after_the_queue_drains() -> None:
+    before = set(threading.enumerate())
+    dev = SimDevice("g7", bandwidth=400_000)
+    stream = dev.open_copy_stream(asynchronous=True)
+    started = set(threading.enumerate()) - before
+    assert [t.name for t in started] == ["aiogguf-sim-copy-g7"]
+    dest = dev.allocate(4096)
+    slot = stream.open_slot(0, 4096, 4096)
+    _fill(slot.view(), 3)
+    stream.copy_async(dest, 0, slot, 4096)
+    stream.close()  # waits for the queued copy
+    stream.close()
+    assert set(threading.enumerate()) == before
+    assert bytes(dest.to_host(0, 4096)) == b"\x03" * 4096
+    assert dev.live.streams == 0
+    slot.close()
+    dest.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        stream.open_slot(0, 1, 4096)
