@@ -112,7 +112,7 @@ def preadv_fresh_gbps(
     cold: bool = False,
     runs: int = 3,
     chunk_bytes: int = CHUNK_BYTES,
-    huge_pages: bool = True,
+    huge_pages: bool = False,
 ) -> float:
     """``preadv`` into a new, never-touched page-aligned buffer each run (faults counted)."""
     nbytes = path.stat().st_size
@@ -130,7 +130,7 @@ def preadv_fresh_gbps(
         return _median_gbps(runs, nbytes, _prepare(path, cold), run)
 
 
-def prefault_gbps(nbytes: int, *, runs: int = 3, huge_pages: bool = True) -> float:
+def prefault_gbps(nbytes: int, *, runs: int = 3, huge_pages: bool = False) -> float:
     """How fast fresh anonymous memory gets backed (``HostBuffer.prefault``)."""
 
     def run() -> None:
@@ -208,12 +208,12 @@ def measure_all(path: Path, *, threads: int = 2, runs: int = 3) -> dict[str, flo
     """Every limit, in GB/s, keyed by name (``*_warm``: file in the page cache)."""
     size = path.stat().st_size
     return {
-        "prefault_4k": prefault_gbps(size, runs=runs, huge_pages=False),
-        "prefault_thp": prefault_gbps(size, runs=runs),
-        "preadv_fresh_4k_warm": preadv_fresh_gbps(
-            path, threads=threads, runs=runs, huge_pages=False
-        ),
+        "prefault_4k": prefault_gbps(size, runs=runs),
+        "prefault_thp": prefault_gbps(size, runs=runs, huge_pages=True),
         "preadv_fresh_warm": preadv_fresh_gbps(path, threads=threads, runs=runs),
+        "preadv_fresh_thp_warm": preadv_fresh_gbps(
+            path, threads=threads, runs=runs, huge_pages=True
+        ),
         "preadv_touched_warm": preadv_touched_gbps(path, threads=threads, runs=runs),
         "mmap_touch_warm": mmap_touch_gbps(path, threads=threads, runs=runs),
         "preadv_fresh_cold": preadv_fresh_gbps(path, threads=threads, cold=True, runs=runs),

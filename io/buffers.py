@@ -125,7 +125,7 @@ class HostBuffer:
     _state: ResourceState = ResourceState.CLOSED
     _mmap: mmap.mmap | None = None
 
-    def __init__(self, nbytes: int, *, prefault: bool = False, huge_pages: bool = True) -> None:
+    def __init__(self, nbytes: int, *, prefault: bool = False, huge_pages: bool = False) -> None:
         if nbytes < 0:
             raise ValueError(f"buffer size must be >= 0, got {nbytes}")
         self._nbytes = nbytes
@@ -140,8 +140,9 @@ class HostBuffer:
         self._capacity_bytes = capacity
         if huge_pages and capacity >= _HUGE_PAGE_BYTES:
             # Transparent huge pages: one fault per 2 MiB instead of per 4 KiB. Measured
-            # here: backing fresh memory at 2.8 GB/s instead of 1.2 GB/s. Only a hint; a
-            # kernel with THP off refuses it, which changes nothing.
+            # here: backing fresh memory at 2.3-2.8 GB/s instead of 1.1-1.2 GB/s. Off by
+            # default: with THP defrag "madvise" a fault may compact memory synchronously
+            # (one 1 GiB read here fell to 0.5 GB/s). Only a hint; THP off refuses it.
             with contextlib.suppress(OSError):
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._mmap_ref: weakref.ref[mmap.mmap] = weakref.ref(self._mmap)

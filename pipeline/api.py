@@ -32,8 +32,10 @@ class LoadHandle:
         config: Config,
         progress: ProgressCallback | None = None,
         devices: Sequence[Device] | None = None,
+        limiter: anyio.CapacityLimiter | None = None,
     ) -> None:
         self.path = os.fspath(path)
+        self._limiter = limiter
         self.config = config
         self.hub = ProgressHub(progress)
         self._devices = devices
@@ -46,11 +48,19 @@ class LoadHandle:
     async def __aenter__(self) -> Model:
         stack = AsyncExitStack()
         try:
-            model = await run_load(self.path, self.config, self.hub, stack, devices=self._devices)
+            model = await run_load(
+                self.path,
+                self.config,
+                self.hub,
+                stack,
+                devices=self._devices,
+                limiter=self._limiter,
+            )
         except BaseException as exc:
-            # Release what the load holds even while being cancelled.
+            # Release what the load holds even while being cancelled; the stack is told
+            # why, so that the uploader frees its buffers rather than handing them over.
             with anyio.CancelScope(shield=True):
-                await stack.aclose()
+                await stack.__aexit__(type(exc), exc, exc.__traceback__)
             self.hub.emit(Stage.FAILED, 0, 0, 0, 0, str(exc) or type(exc).__name__, force=True)
             raise
         with anyio.CancelScope(shield=True):
@@ -74,6 +84,7 @@ def load(
     *,
     progress: ProgressCallback | None = None,
     devices: Sequence[Device] | None = None,
+    limiter: anyio.CapacityLimiter | None = None,
     **overrides: Any,
 ) -> LoadHandle:
     """Load a GGUF model: ``async with aiogguf.load("m.gguf", mode="direct") as model``.
@@ -81,13 +92,14 @@ def load(
     ``config`` is a ``Config``, a TOML path or None (defaults); ``overrides`` are config
     keys by their plain names (``mode``, ``check_tensors``, ``n_gpu_layers``,
     ``chunk_size="16MiB"``, ``sim_gpus=["24GiB"]``, …). ``devices`` replaces device
-    discovery (tests, embedding).
+    discovery (tests, embedding). ``limiter``, shared between loads, bounds their reads
+    in flight together (a server loading several models at once).
 
     Raises ``GGUFFormatError``/``SplitError`` for bad files, ``PlacementError``,
     ``ConfigError``, ``LoadError`` for I/O failures, ``TensorValidationError`` listing
     every bad tensor when ``check_tensors`` is on.
     """
-    return LoadHandle(path, load_config(config, **overrides), progress, devices)
+    return LoadHandle(path, load_config(config, **overrides), progress, devices, limiter)
 
 
 @contextmanager

@@ -168,13 +168,19 @@ class PipelineConfig(_Section):
         """Reader limit for ``path``: that of the longest ``[[pipeline.path]]`` prefix that
         holds it (symlinks resolved, so a link into another disk counts for that disk),
         else ``readers``."""
+        limit = self.path_limit(path)
+        return limit.readers if limit is not None else self.readers
+
+    def path_limit(self, path: str | os.PathLike[str]) -> PathLimit | None:
+        """The ``[[pipeline.path]]`` entry with the longest prefix holding ``path``."""
         p = _resolve(path)
-        best, best_len = self.readers, -1
+        best: PathLimit | None = None
+        best_len = -1
         for limit in self.path:
             prefix = _resolve(limit.prefix)
             inside = p == prefix or p.startswith(prefix.rstrip(os.sep) + os.sep)
             if inside and len(prefix) > best_len:
-                best, best_len = limit.readers, len(prefix)
+                best, best_len = limit, len(prefix)
         return best
 
 

@@ -21,10 +21,12 @@ import warnings
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from functools import partial
+from types import ModuleType
+from typing import Any
 
 import anyio
 import numpy as np
-from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.config import Config
@@ -100,7 +102,9 @@ class _Load:
         devices: Sequence[Device],
         config: Config,
         hub: ProgressHub,
+        shared_limiter: anyio.CapacityLimiter | None = None,
     ) -> None:
+        self.shared_limiter = shared_limiter
         self.index = index
         self.plan = plan
         self.devices = {d.name: d for d in devices}
@@ -115,6 +119,7 @@ class _Load:
         self.warnings: list[str] = list(plan.warnings)
         self.stage_busy: dict[str, float] = {}
         self.validated = 0
+        self.disks: list[str] = []  # per file: the disk it is read from
         self.swap = needs_swap(index.byte_order)
         self._lock_refused = False
         loaded = [t for t in plan.tensors if not t.lazy]
@@ -129,13 +134,15 @@ class _Load:
         """Load every tensor; resources go on ``stack`` (closed by the caller on failure)."""
         self._check_byte_order()
         files = await self._open_files(stack)
+        # Registered before the uploader: on failure the uploader first waits for its
+        # copies in flight, and only then are the buffers they write into freed.
+        stack.callback(self._close_images_on_failure)
         uploader: Uploader | None = None
         if any(not lay.plan.host for lay in self.layouts):
             uploader = await stack.enter_async_context(
                 Uploader(self.devices, self.config, self.mode)
             )
-        stack.callback(self._close_images_on_failure)
-        limiters = [anyio.CapacityLimiter(self.config.pipeline.readers_for(f.path)) for f in files]
+        limiters = self._disk_limiters(files)
         reader = Reader(
             files,
             self.images,
@@ -144,6 +151,7 @@ class _Load:
             direct=[f.direct_ok for f in files],
             clock=self.hub.elapsed,
             swap=self._swap_job if self.swap else None,
+            shared=self.shared_limiter,
         )
         check = self.config.load.check_tensors
         t_read = self.hub.elapsed()
@@ -166,7 +174,7 @@ class _Load:
                             )
                 landed_send.close()
                 tg.start_soon(self._track, landed_recv, ready_send, uploader)
-                tg.start_soon(self._validate_loop, ready_recv, validator if check else None, tg)
+                tg.start_soon(self._validate_loop, ready_recv, validator if check else None)
         read_s = self.hub.elapsed() - t_read
         if check:
             self.validated = validator.submitted
@@ -204,7 +212,7 @@ class _Load:
         direct = self.mode == "direct"
         files: list[DataFile] = []
         for parsed in self.index.files:
-            f = await anyio.to_thread.run_sync(lambda p=parsed.path: open_file(p, direct=direct))
+            f = await anyio.to_thread.run_sync(partial(open_file, parsed.path, direct=direct))
             stack.callback(f.close)
             files.append(f)
             if direct and not f.direct_ok:
@@ -213,6 +221,27 @@ class _Load:
             for f in files:
                 await anyio.to_thread.run_sync(f.fadvise, FileAdvice.SEQUENTIAL)
         return files
+
+    def _disk_limiters(self, files: Sequence[DataFile]) -> list[anyio.CapacityLimiter]:
+        """One reader limiter per disk, shared by the files on it: a disk is a
+        ``[[pipeline.path]]`` prefix, else the filesystem device the file lives on."""
+        by_disk: dict[str, anyio.CapacityLimiter] = {}
+        limiters: list[anyio.CapacityLimiter] = []
+        self.disks = []
+        for f in files:
+            disk = self._disk_of(f)
+            if disk not in by_disk:
+                by_disk[disk] = anyio.CapacityLimiter(self.config.pipeline.readers_for(f.path))
+            limiters.append(by_disk[disk])
+            self.disks.append(disk)
+        return limiters
+
+    def _disk_of(self, f: DataFile) -> str:
+        limit = self.config.pipeline.path_limit(f.path)
+        if limit is not None:
+            return limit.prefix
+        dev = os.stat(f.fileno()).st_dev
+        return f"dev {os.major(dev)}:{os.minor(dev)}"
 
     async def _allocate_all(self, files: Sequence[DataFile], uploader: Uploader | None) -> None:
         """Allocate buffers in load order; readers of buffer k start once k is ready."""
@@ -227,10 +256,11 @@ class _Load:
                 buffer = await uploader.allocate(layout.plan.device, max(layout.nbytes, 1))
                 image = DeviceImage(layout, buffer)
             elif mapped:
-                image = await anyio.to_thread.run_sync(
-                    lambda lay=layout: allocate_mapped(lay, files, writable=self.swap)
+                mapped_image = await anyio.to_thread.run_sync(
+                    partial(allocate_mapped, layout, files, writable=self.swap)
                 )
-                await anyio.to_thread.run_sync(self._advise, image, numa)
+                await anyio.to_thread.run_sync(self._advise, mapped_image, numa)
+                image = mapped_image
             else:
                 image = await anyio.to_thread.run_sync(allocate_host, layout)
             self.images[k] = image
@@ -367,7 +397,6 @@ class _Load:
         self,
         ready: MemoryObjectReceiveStream[str],
         validator: ValidationCollector | None,
-        tg: TaskGroup,
     ) -> None:
         lock = self.mode == "mlock"
         async with ready:
@@ -388,7 +417,7 @@ class _Load:
                     self.tensors_total,
                 )
 
-    def _tensor_data(self, entry: TensorEntry, image: Image | None) -> tuple[object, object]:
+    def _tensor_data(self, entry: TensorEntry, image: Image | None) -> tuple[Any, ModuleType]:
         slot = self.slots[entry.name]
         if isinstance(image, DeviceImage):
             return image.buffer.array(slot.buffer_offset, slot.nbytes), image.buffer.xp
@@ -428,9 +457,10 @@ class _Load:
                 start_s=stats.first_start or 0.0,
                 end_s=stats.last_end,
                 direct=self.mode == "direct" and reader_direct,
+                disk=disk,
             )
-            for parsed, stats, reader_direct in zip(
-                self.index.files, reader.stats, reader.direct, strict=True
+            for parsed, stats, reader_direct, disk in zip(
+                self.index.files, reader.stats, reader.direct, self.disks, strict=True
             )
         )
         stages = [
@@ -498,9 +528,11 @@ async def run_load(
     stack: AsyncExitStack,
     *,
     devices: Sequence[Device] | None = None,
+    limiter: anyio.CapacityLimiter | None = None,
 ) -> Model:
     """Parse, index, plan and load ``path``. Resources are pushed on ``stack`` until the
-    returned model owns them; on failure the caller closes the stack."""
+    returned model owns them; on failure the caller closes the stack. ``limiter``, shared
+    between loads, bounds their reads in flight together."""
     t0 = hub.elapsed()
     hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
     index = await open_index(path)
@@ -509,7 +541,7 @@ async def run_load(
     plan = make_plan(index, devices, config)
     t2 = hub.elapsed()
     hub.emit(Stage.PLAN, 0, 0, 0, 0, f"{len(plan.buffers)} buffers", force=True)
-    load = _Load(index, plan, devices, config, hub)
+    load = _Load(index, plan, devices, config, hub, limiter)
     load.stage_busy["parse"] = t1 - t0
     load.stage_busy["plan"] = t2 - t1
     return await load.run(stack)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BufferReport", "FileReport", "LoadReport", "StageReport"]
+__all__ = ["BufferReport", "DiskReport", "FileReport", "LoadReport", "StageReport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,23 @@ class FileReport:
     start_s: float
     end_s: float
     direct: bool
+    disk: str = ""  # the [[pipeline.path]] prefix, else the filesystem device
+
+    @property
+    def gbps(self) -> float:
+        span = self.end_s - self.start_s
+        return self.nbytes / span / 1e9 if span > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DiskReport:
+    """The files read from one disk, together."""
+
+    disk: str
+    files: int
+    nbytes: int
+    start_s: float
+    end_s: float
 
     @property
     def gbps(self) -> float:
@@ -62,6 +79,23 @@ class LoadReport:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    @property
+    def disks(self) -> tuple[DiskReport, ...]:
+        """Per-disk totals, in order of first appearance."""
+        groups: dict[str, list[FileReport]] = {}
+        for f in self.files:
+            groups.setdefault(f.disk, []).append(f)
+        return tuple(
+            DiskReport(
+                disk,
+                len(fs),
+                sum(f.nbytes for f in fs),
+                min(f.start_s for f in fs),
+                max(f.end_s for f in fs),
+            )
+            for disk, fs in groups.items()
+        )
 
     def stage(self, name: str) -> StageReport:
         for s in self.stages:

@@ -19,7 +19,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Final
 
-import aiofiles
 import anyio
 import anyio.to_thread
 import numpy as np
@@ -515,7 +514,9 @@ async def parse_file(
     """
     fspath = os.fspath(path)
     try:
-        async with aiofiles.open(fspath, "rb") as f:
+        # anyio's file, not aiofiles: a cancelled aiofiles call abandons its worker
+        # thread, which can leave the file open behind the caller's back.
+        async with await anyio.open_file(fspath, "rb") as f:
             file_size = await f.seek(0, os.SEEK_END)
             await f.seek(0)
             parser = _HeaderParser(fspath, file_size)

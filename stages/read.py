@@ -40,7 +40,8 @@ class FileStats:
 
 class Reader:
     """Executes read jobs for one load. ``swap`` (big-endian files) converts the bytes of
-    a landed job in place before anyone else sees them."""
+    a landed job in place before anyone else sees them; ``shared`` bounds the reads in
+    flight across every load that shares it."""
 
     def __init__(
         self,
@@ -52,6 +53,7 @@ class Reader:
         direct: Sequence[bool],
         clock: Callable[[], float],
         swap: Callable[[ReadJob, memoryview], None] | None = None,
+        shared: anyio.CapacityLimiter | None = None,
     ) -> None:
         self._files = files
         self._images = images
@@ -60,6 +62,7 @@ class Reader:
         self._direct = direct
         self._clock = clock
         self._swap = swap
+        self._shared = shared
         self.stats = [FileStats() for _ in files]
 
     @property
@@ -70,6 +73,14 @@ class Reader:
     async def read(self, job: ReadJob) -> None:
         """Land ``job``; returns when its bytes are in their host buffer, or handed to the
         device's copy stream."""
+        if self._shared is None:
+            await self._read(job)
+        else:
+            # Loads running side by side (a server) share one budget of reads in flight.
+            async with self._shared:
+                await self._read(job)
+
+    async def _read(self, job: ReadJob) -> None:
         image = self._images[job.buffer_index]
         start = self._clock()
         if isinstance(image, DeviceImage):
@@ -105,7 +116,10 @@ class Reader:
         if self._direct[job.file_index]:
             file.read_direct_into(dest, job.file_offset, job.nbytes, need_end=job.useful_end)
         else:
-            file.read_into(dest, job.file_offset)
+            # Only the useful bytes: in a direct load whose file fell back to buffered
+            # reads the job still spans the aligned slot, which may pass the file's end.
+            lo, hi = job.useful_start - job.file_offset, job.useful_end - job.file_offset
+            file.read_into(dest[lo:hi], job.useful_start)
 
     def _filler(self, job: ReadJob) -> Callable[[memoryview], None]:
         """What the upload stage runs (in a worker thread) to fill a staging slot."""

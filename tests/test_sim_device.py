@@ -52,7 +52,7 @@ def test_out_of_device_memory_is_a_load_error() -> None:
 
 
 def test_events_follow_the_stream_in_order() -> None:
-    dev = SimDevice("g0", bandwidth=1_000_000, seed=1)  # 4 KiB ≈ 4 ms per copy
+    dev = SimDevice("g0", bandwidth=100_000, seed=1)  # 4 KiB ≈ 40 ms per copy
     stream = dev.open_copy_stream(asynchronous=True)
     try:
         dest = dev.allocate(3 * 4096)
@@ -84,7 +84,7 @@ def test_events_follow_the_stream_in_order() -> None:
 
 
 def test_begin_write_on_busy_slot_raises_naming_the_slot() -> None:
-    dev = SimDevice("g3", bandwidth=100_000)  # 4 KiB = 40 ms
+    dev = SimDevice("g3", bandwidth=20_000)  # 4 KiB = 200 ms
     stream = dev.open_copy_stream(asynchronous=True)
     dest = dev.allocate(4096)
     slot = stream.open_slot(2, 4096, 4096)
@@ -107,7 +107,7 @@ def test_begin_write_on_busy_slot_raises_naming_the_slot() -> None:
 
 
 def test_write_that_skips_begin_write_is_caught_by_the_checksum() -> None:
-    dev = SimDevice("g0", bandwidth=200_000)  # 8 KiB = 40 ms
+    dev = SimDevice("g0", bandwidth=40_000)  # 8 KiB = 200 ms
     stream = dev.open_copy_stream(asynchronous=True)
     dest = dev.allocate(8192)
     slot = stream.open_slot(1, 8192, 4096)
@@ -142,7 +142,7 @@ def test_rewriting_identical_bytes_is_harmless() -> None:
 
 
 def test_copy_into_freed_buffer_fails_the_stream() -> None:
-    dev = SimDevice("g0", bandwidth=200_000)
+    dev = SimDevice("g0", bandwidth=20_000)
     stream = dev.open_copy_stream(asynchronous=True)
     dest = dev.allocate(4096)
     slot = stream.open_slot(0, 4096, 4096)

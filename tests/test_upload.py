@@ -103,12 +103,12 @@ def test_two_devices_get_exact_bytes(
 
 @pytest.mark.asyncio
 async def test_waits_sit_before_slot_reuse_and_never_block_the_loop() -> None:
-    # 40 KiB per copy at 200 KB/s: every copy takes ~200 ms and, with one slot, every
+    # 40 KiB per copy at 100 KB/s: every copy takes ~400 ms and, with one slot, every
     # write after the first must wait for the previous copy. The loop keeps ticking.
-    sim = SimDevice("g0", bandwidth=200_000)
+    sim = SimDevice("g0", bandwidth=100_000)
     config = ring_config(1, 40 * KiB)
-    payload = np.frombuffer(random.Random(3).randbytes(160 * KiB), np.uint8)
-    jobs = [ReadJob(i, 0, 0, i * 40 * KiB, 40 * KiB, i * 40 * KiB, 0, 0) for i in range(4)]
+    payload = np.frombuffer(random.Random(3).randbytes(120 * KiB), np.uint8)
+    jobs = [ReadJob(i, 0, 0, i * 40 * KiB, 40 * KiB, i * 40 * KiB, 0, 0) for i in range(3)]
     lags: list[float] = []
     done = anyio.Event()
 
@@ -128,18 +128,19 @@ async def test_waits_sit_before_slot_reuse_and_never_block_the_loop() -> None:
                 await up.write(job, buf, filler(payload, job))
                 durations.append(time.perf_counter() - start)
             # write() returns once its copy is issued, without waiting for it: the first
-            # one is quick though its copy takes 200 ms; the others wait for the slot.
-            assert durations[0] < 0.15
+            # one is quick though its copy takes 400 ms; the others wait for the slot.
+            assert durations[0] < 0.3
             assert not up._rings["g0"].events[0].query()
             await up.drain("g0")
             assert up._rings["g0"].events[0].query()
             assert bytes(buf.to_host(0, buf.nbytes)) == payload.tobytes()
             stats = up.stats["g0"]
-            assert stats.slot_waits == 3
-            assert stats.wait_s > 0.4
+            assert stats.slot_waits == 2
+            assert stats.wait_s > 0.5
         done.set()
     buf.close()
-    assert max(lags) < 0.1, f"event loop held for {max(lags):.3f} s"
+    # A wait on the loop would hold it for ~400 ms; allow for a busy test machine.
+    assert max(lags) < 0.2, f"event loop held for {max(lags):.3f} s"
 
 
 # --- 2. the broken ring is caught ----------------------------------------------------------
@@ -153,7 +154,8 @@ async def test_broken_ring_is_caught_by_the_sim_device(
     if skip_begin_write:
         # Only the copy engine's checksum is left to notice the overwrite.
         monkeypatch.setattr(SimStagingSlot, "begin_write", lambda self: None)
-    sim = SimDevice("g1", bandwidth=100_000)  # 8 KiB = 80 ms per copy
+    # 8 KiB = 400 ms per copy: the second write surely lands while the first copy runs.
+    sim = SimDevice("g1", bandwidth=20_000)
     config = ring_config(1, 8 * KiB)
     job0 = ReadJob(0, 0, 0, 0, 8 * KiB, 0, 0, 8 * KiB)
     job1 = ReadJob(1, 0, 0, 8 * KiB, 8 * KiB, 8 * KiB, 0, 0)
@@ -179,7 +181,7 @@ async def test_broken_ring_is_caught_by_the_sim_device(
 
 @pytest.mark.asyncio
 async def test_same_ring_with_waits_passes() -> None:
-    sim = SimDevice("g1", bandwidth=100_000)
+    sim = SimDevice("g1", bandwidth=20_000)
     config = ring_config(1, 8 * KiB)
     async with Uploader({"g1": sim}, config, "none") as up:
         buf = await up.allocate("g1", 16 * KiB)

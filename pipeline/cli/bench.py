@@ -1,13 +1,172 @@
-"""`aiogguf bench` (not built yet)."""
+"""`aiogguf bench`: sweep load mode × chunk size × readers × queue depth on a synthetic
+model, against this machine's limits measured in the same run; write JSON and a plot.
+
+Each load runs in a fresh process; each run measures a mode's limit right before that
+mode's loads, so both see the same (possibly busy) machine. ``--cold`` drops the file
+from the page cache before every load (``direct`` bypasses it anyway).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from aiogguf.benchmark import LIMIT_NOTES, MODES, SweepResult, grid, plot_sweep, run_sweep
+from aiogguf.config import load_config
+from aiogguf.errors import ConfigError
+from aiogguf.synth import default_demo_path, ensure_synthetic_model
+from aiogguf.units import format_bytes, parse_size
+
+# (size, chunk sizes, readers, queue depths, runs): the full sweep and --quick.
+FULL = ("1GiB", "1MiB,4MiB,16MiB,64MiB,256MiB", "1,2,4", "8", 3)
+QUICK = ("256MiB", "4MiB,64MiB", "2", "8", 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("args", nargs="*")
+    parser.add_argument(
+        "--quick", action="store_true", help="small model, few points, one run (< 2 minutes)"
+    )
+    parser.add_argument(
+        "--size", help=f"synthetic model size (default {FULL[0]}, quick {QUICK[0]})"
+    )
+    parser.add_argument(
+        "--dir", help="where the model is kept (default: $XDG_CACHE_HOME/aiogguf or ~/.cache)"
+    )
+    parser.add_argument("--path", help="benchmark this GGUF file instead of a synthetic model")
+    parser.add_argument(
+        "--cold", action="store_true", help="drop the file from the page cache before each run"
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", default="aiogguf-bench.json", help="results (default %(default)s)"
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE", default="aiogguf-bench.png", help="PNG plot (default %(default)s)"
+    )
+    parser.add_argument("--runs", type=int, help=f"runs per point (default {FULL[4]}, quick 1)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list (default all)")
+    parser.add_argument("--chunk-sizes", metavar="LIST", help=f"default {FULL[1]}")
+    parser.add_argument("--readers", metavar="LIST", help=f"default {FULL[2]}")
+    parser.add_argument("--queue-depths", metavar="LIST", help=f"default {FULL[3]}")
+    parser.add_argument("--config", metavar="FILE", help="base TOML config for every load")
+    parser.add_argument("--no-check", action="store_true", help="loads with check_tensors=false")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ConfigError(
+            flag, "command line", f"expected integers like 1,2,4, got {text!r}"
+        ) from exc
+    if not values or min(values) < 1:
+        raise ConfigError(flag, "command line", f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ConfigError(
+            "--modes", "command line", f"expected some of {','.join(MODES)}, got {text!r}"
+        )
+    return modes
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("aiogguf bench is not built yet")
+    console = Console()
+    size_text, chunks_text, readers_text, depths_text, runs = QUICK if args.quick else FULL
+    if args.config is not None:
+        load_config(args.config)  # a bad file fails here, not in every worker
+    modes = _modes(args.modes)
+    chunks = [parse_size(v) for v in (args.chunk_sizes or chunks_text).split(",") if v.strip()]
+    readers = _ints(args.readers or readers_text, "--readers")
+    depths = _ints(args.queue_depths or depths_text, "--queue-depths")
+    runs = args.runs if args.runs is not None else runs
+    if args.path:
+        path = Path(args.path)
+    else:
+        size = parse_size(args.size or size_text)
+        path = default_demo_path(args.dir, size_bytes=size)
+        t0 = time.perf_counter()
+        with console.status(f"writing a {format_bytes(size)} synthetic model to {path}"):
+            _, written = ensure_synthetic_model(path, size_bytes=size)
+        verb = f"wrote in {time.perf_counter() - t0:.1f} s" if written else "reusing"
+        console.print(f"{verb} {path}")
+    points = grid(modes, chunks, readers, depths)
+    console.print(
+        f"{len(points)} points × {runs} run(s){', cold cache' if args.cold else ''}; "
+        "every load in a fresh process"
+    )
+
+    def say(text: str) -> None:
+        if not args.quiet:
+            console.print(text, highlight=False)
+
+    result = run_sweep(
+        path,
+        points,
+        runs=runs,
+        cold=args.cold,
+        check_tensors=False if args.no_check else None,
+        config=args.config,
+        say=say,
+    )
+    Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    console.print(f"wrote {args.json}")
+    skipped = plot_sweep(result, args.plot)
+    console.print(skipped if skipped else f"wrote {args.plot}")
+    render(result, console)
+    return 0
+
+
+def render(result: SweepResult, console: Console) -> None:
+    """The limits, every point, and the best setting per mode."""
+    limits = Table(title=f"limits (median of {result.runs} run(s))")
+    limits.add_column("limit")
+    limits.add_column("GB/s", justify="right")
+    limits.add_column("what")
+    for name, gbps in result.limits.items():
+        limits.add_row(name, f"{gbps:.2f}", LIMIT_NOTES.get(name, ""))
+    console.print(limits)
+    points = Table(title=f"{format_bytes(result.size_bytes)} model, median of {result.runs} run(s)")
+    for col in ("mode", "chunk", "readers", "queue", "GB/s", "limit", "ratio", "lag p99 ms"):
+        points.add_column(col, justify="left" if col in ("mode", "limit") else "right")
+    for p in result.points:
+        data = p.to_json()
+        points.add_row(
+            p.point.mode,
+            format_bytes(p.point.chunk_bytes),
+            str(p.point.readers),
+            str(p.point.queue_depth),
+            f"{p.gbps:.2f}",
+            p.limit,
+            f"{p.ratio:.2f}",
+            f"{data['loop_lag_p99_ms']:.1f}",
+        )
+    console.print(points)
+    best = Table(title="best setting per mode")
+    for col in ("mode", "chunk", "readers", "queue", "GB/s", "limit GB/s", "ratio"):
+        best.add_column(col, justify="left" if col == "mode" else "right")
+    for mode, p in result.best().items():
+        best.add_row(
+            mode,
+            format_bytes(p.point.chunk_bytes),
+            str(p.point.readers),
+            str(p.point.queue_depth),
+            f"{p.gbps:.2f}",
+            f"{p.limit_gbps:.2f} ({p.limit})",
+            f"{p.ratio:.2f}",
+        )
+    console.print(best)
+    if result.cold:
+        ok = "yes" if result.cold_drop_ok else "NO (some loads were warm)"
+        console.print(f"page cache dropped before every load: {ok}")
+    for note in result.notes:
+        console.print(f"note: {note}")

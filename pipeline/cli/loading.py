@@ -84,11 +84,12 @@ def render_report(report: LoadReport, console: Console) -> None:
             format_bytes(b.nbytes),
         )
     files = Table(title="files", title_justify="left")
-    for col in ("file", "direct", "reads", "bytes", "start s", "end s", "GB/s"):
-        files.add_column(col, justify="left" if col == "file" else "right")
+    for col in ("file", "disk", "direct", "reads", "bytes", "start s", "end s", "GB/s"):
+        files.add_column(col, justify="left" if col in ("file", "disk") else "right")
     for f in report.files:
         files.add_row(
             os.path.basename(f.path),
+            f.disk,
             "yes" if f.direct else "",
             str(f.reads),
             format_bytes(f.nbytes),

@@ -1,0 +1,560 @@
+"""Load benchmarks: one measured load, and the sweep behind ``aiogguf bench``.
+
+Every measured load runs in a fresh Python process (``measure_in_subprocess``), so its
+peak RSS (``VmHWM``) is that load's alone and no load inherits another's memory. Inside,
+a ticker task sleeps 1 ms at a time on the same event loop and records how late it
+wakes: that is the loop lag a server embedding the load would see. The machine's limits
+(``aiogguf.limits``) are measured in the parent between loads, mode by mode, so a load
+and the limit it is compared with see the same (noisy, shared) machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from aiogguf.limits import (
+    GB,
+    direct_gbps,
+    drop_or_warm,
+    memcpy_gbps,
+    mmap_touch_gbps,
+    np_memmap_touch_s,
+    pinned_copy_gbps,
+    preadv_fresh_gbps,
+    preadv_touched_gbps,
+)
+
+__all__ = [
+    "LIMIT_NOTES",
+    "MODES",
+    "LagStats",
+    "LoadSample",
+    "PointResult",
+    "SweepPoint",
+    "SweepResult",
+    "grid",
+    "limit_for_mode",
+    "load_in_subprocess",
+    "measure_in_subprocess",
+    "measure_limit",
+    "measure_load",
+    "plot_sweep",
+    "run_sweep",
+    "worker_main",
+]
+
+MODES = ("none", "direct", "mmap", "mlock")
+TICK_S = 0.001
+LIMIT_THREADS = 2  # the default reader count: limits and loads use as many threads
+_WORKER_TIMEOUT_S = 900.0
+
+
+# --- one load, measured -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LagStats:
+    """How late a 1 ms ticker woke up during a load, in milliseconds."""
+
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    samples: int
+
+    @classmethod
+    def from_seconds(cls, lags_s: Sequence[float]) -> LagStats:
+        if not lags_s:
+            return cls(0.0, 0.0, 0.0, 0)
+        ms = np.asarray(lags_s) * 1e3
+        return cls(
+            float(np.percentile(ms, 50)),
+            float(np.percentile(ms, 99)),
+            float(ms.max()),
+            len(lags_s),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """One load: ``seconds`` from the call to the model being ready (parse included);
+    ``close_s`` is the time the model took to free its memory afterwards (on the loop
+    thread: a stall the ticker does not see, reported separately)."""
+
+    mode: str
+    seconds: float
+    nbytes: int
+    report_gbps: float
+    lag: LagStats
+    idle_lag: LagStats  # the same ticker with nothing loading: the loop's own noise
+    peak_rss_bytes: int
+    base_rss_bytes: int
+    close_s: float
+    stages: tuple[tuple[str, float, float], ...]  # (name, wall_s, busy_s)
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / GB if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["gbps"] = self.gbps
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LoadSample:
+        return cls(
+            mode=data["mode"],
+            seconds=data["seconds"],
+            nbytes=data["nbytes"],
+            report_gbps=data["report_gbps"],
+            lag=LagStats(**data["lag"]),
+            idle_lag=LagStats(**data["idle_lag"]),
+            peak_rss_bytes=data["peak_rss_bytes"],
+            base_rss_bytes=data["base_rss_bytes"],
+            close_s=data["close_s"],
+            stages=tuple((str(n), float(w), float(b)) for n, w, b in data["stages"]),
+            warnings=tuple(data["warnings"]),
+        )
+
+
+def _proc_status_bytes(key: str) -> int:
+    """``VmHWM``/``VmRSS`` of this process in bytes (``ru_maxrss`` off Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+async def _tick(lags: list[float], tick_s: float) -> None:
+    while True:
+        start = time.perf_counter()
+        await anyio.sleep(tick_s)
+        lags.append(max(0.0, time.perf_counter() - start - tick_s))
+
+
+async def _idle_lag(seconds: float, tick_s: float) -> LagStats:
+    lags: list[float] = []
+    with anyio.move_on_after(seconds):
+        await _tick(lags, tick_s)
+    return LagStats.from_seconds(lags)
+
+
+async def measure_load(
+    path: str | os.PathLike[str],
+    overrides: Mapping[str, Any],
+    *,
+    config: str | None = None,
+    tick_s: float = TICK_S,
+) -> LoadSample:
+    """Load ``path`` with ``config`` (a TOML path or None) and ``overrides`` while a
+    ticker measures the loop lag."""
+    from aiogguf.api import load  # the worker imports the loader only when it needs it
+
+    idle = await _idle_lag(0.2, tick_s)
+    base_rss = _proc_status_bytes("VmRSS")
+    lags: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_tick, lags, tick_s)
+        start = time.perf_counter()
+        async with load(path, config, **overrides) as model:
+            seconds = time.perf_counter() - start
+            n_lags = len(lags)  # samples taken while loading; closing comes next
+            peak_rss = _proc_status_bytes("VmHWM")
+            report = model.report
+            closing = time.perf_counter()
+        close_s = time.perf_counter() - closing
+        tg.cancel_scope.cancel()
+    lags = lags[:n_lags]
+    return LoadSample(
+        mode=report.mode,
+        seconds=seconds,
+        nbytes=report.nbytes,
+        report_gbps=report.gbps,
+        lag=LagStats.from_seconds(lags),
+        idle_lag=idle,
+        peak_rss_bytes=peak_rss,
+        base_rss_bytes=base_rss,
+        close_s=close_s,
+        stages=tuple((s.name, s.wall_s, s.busy_s) for s in report.stages),
+        warnings=report.warnings,
+    )
+
+
+def gguf_py_copy(path: str | os.PathLike[str]) -> tuple[float, int, int]:
+    """``gguf.GGUFReader`` on ``path`` and ``np.array(t.data)`` for every tensor (the copies
+    are kept, as a loader keeps them). Returns (seconds, bytes copied, peak RSS)."""
+    import gguf
+
+    start = time.perf_counter()
+    reader = gguf.GGUFReader(os.fspath(path))
+    arrays = [np.array(t.data) for t in reader.tensors]
+    seconds = time.perf_counter() - start
+    return seconds, sum(a.nbytes for a in arrays), _proc_status_bytes("VmHWM")
+
+
+def worker_main() -> None:
+    """Entry point of a measuring subprocess: one JSON task in ``argv[1]``, one JSON line
+    out. Tasks: ``{"task": "load", "path", "overrides", "uvloop"}``, ``{"task":
+    "gguf_py", "path"}``."""
+    task = json.loads(sys.argv[1])
+    warnings.simplefilter("ignore")  # load warnings come back in the report instead
+    if task["task"] == "gguf_py":
+        seconds, nbytes, peak = gguf_py_copy(task["path"])
+        out: dict[str, Any] = {"seconds": seconds, "nbytes": nbytes, "peak_rss_bytes": peak}
+    else:
+        options = {"use_uvloop": True} if task.get("uvloop") else {}
+
+        async def main() -> LoadSample:
+            return await measure_load(task["path"], task["overrides"], config=task.get("config"))
+
+        out = anyio.run(main, backend_options=options).to_json()
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+
+
+def measure_in_subprocess(task: Mapping[str, Any], *, timeout_s: float = _WORKER_TIMEOUT_S) -> Any:
+    """Run one ``worker_main`` task in a fresh interpreter and return its JSON answer.
+
+    Raises ``RuntimeError`` with the worker's stderr if it fails.
+    """
+    code = "from aiogguf.benchmark import worker_main; worker_main()"
+    # -P: never put the working directory on sys.path (a repository root holds a
+    # folder named io that would shadow the standard library).
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", code, json.dumps(task)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        cwd=os.path.dirname(os.path.abspath(task["path"])),
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-12:]
+        raise RuntimeError(
+            f"measuring {task['task']} of {task['path']} failed (exit {proc.returncode}):\n"
+            + "\n".join(tail)
+        )
+    return json.loads(lines[-1])
+
+
+def load_in_subprocess(
+    path: str | os.PathLike[str],
+    overrides: Mapping[str, Any],
+    *,
+    config: str | os.PathLike[str] | None = None,
+    uvloop: bool = False,
+) -> LoadSample:
+    """``measure_load`` in a fresh process (peak RSS per load)."""
+    task: dict[str, Any] = {"task": "load", "path": os.fspath(path), "overrides": dict(overrides)}
+    task["config"] = os.path.abspath(config) if config is not None else None
+    task["uvloop"] = uvloop
+    return LoadSample.from_json(measure_in_subprocess(task))
+
+
+# --- limits -----------------------------------------------------------------------------
+
+
+def limit_for_mode(mode: str, cold: bool) -> str:
+    """The name of the limit a load in ``mode`` is compared with."""
+    if mode == "direct":
+        return "direct"
+    base = "preadv_fresh" if mode == "none" else "np_memmap_touch"
+    return f"{base}_cold" if cold else base
+
+
+def _np_memmap_gbps(path: Path, cold: bool = False) -> float:
+    return path.stat().st_size / np_memmap_touch_s(path, cold=cold) / GB
+
+
+# name → how to measure it on a file, in GB/s.
+_LIMITS: dict[str, Callable[[Path], float]] = {
+    "preadv_fresh": lambda p: preadv_fresh_gbps(p, threads=LIMIT_THREADS),
+    "preadv_fresh_cold": lambda p: preadv_fresh_gbps(p, threads=LIMIT_THREADS, cold=True),
+    "preadv_touched": lambda p: preadv_touched_gbps(p, threads=LIMIT_THREADS),
+    "direct": lambda p: direct_gbps(p, threads=LIMIT_THREADS),
+    "memcpy": lambda p: memcpy_gbps(p.stat().st_size, threads=LIMIT_THREADS),
+    "mmap_touch": lambda p: mmap_touch_gbps(p, threads=LIMIT_THREADS),
+    "mmap_touch_cold": lambda p: mmap_touch_gbps(p, threads=LIMIT_THREADS, cold=True),
+    "np_memmap_touch": _np_memmap_gbps,
+    "np_memmap_touch_cold": lambda p: _np_memmap_gbps(p, cold=True),
+}
+
+LIMIT_NOTES: dict[str, str] = {
+    "preadv_fresh": "preadv, 2 threads, into fresh page-aligned memory (first load)",
+    "preadv_fresh_cold": "the same from a dropped cache (disk + faults)",
+    "preadv_touched": "preadv, 2 threads, into touched memory (reload)",
+    "direct": "O_DIRECT, 2 threads, into touched aligned memory (the disk)",
+    "memcpy": "memory copy, 2 threads",
+    "mmap_touch": "mapping made resident, MADV_POPULATE_READ, 2 threads",
+    "mmap_touch_cold": "the same from a dropped cache",
+    "np_memmap_touch": "np.memmap, one byte read per page, 1 thread",
+    "np_memmap_touch_cold": "the same from a dropped cache",
+    "pinned_h2d": "pinned host → GPU 0 copy (CuPy)",
+}
+
+
+def measure_limit(name: str, path: str | os.PathLike[str]) -> float:
+    """One measurement of limit ``name`` on ``path``, in GB/s (KeyError: unknown name)."""
+    return _LIMITS[name](Path(path))
+
+
+# --- the sweep --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    mode: str
+    chunk_bytes: int
+    readers: int
+    queue_depth: int
+
+    def overrides(self, check_tensors: bool | None) -> dict[str, Any]:
+        settings: dict[str, Any] = {
+            "mode": self.mode,
+            "chunk_size": self.chunk_bytes,
+            "readers": self.readers,
+            "queue_depth": self.queue_depth,
+        }
+        if check_tensors is not None:
+            settings["check_tensors"] = check_tensors
+        return settings
+
+
+def grid(
+    modes: Sequence[str],
+    chunk_bytes: Sequence[int],
+    readers: Sequence[int],
+    queue_depths: Sequence[int],
+) -> list[SweepPoint]:
+    """Every combination, grouped by mode (the order the sweep runs them in)."""
+    return [
+        SweepPoint(m, c, r, q)
+        for m in modes
+        for c in chunk_bytes
+        for r in readers
+        for q in queue_depths
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class PointResult:
+    point: SweepPoint
+    samples: tuple[LoadSample, ...]
+    limit: str
+    limit_gbps: float
+
+    @property
+    def gbps(self) -> float:
+        return statistics.median(s.gbps for s in self.samples)
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.limit_gbps if self.limit_gbps > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **asdict(self.point),
+            "gbps": self.gbps,
+            "runs_gbps": [s.gbps for s in self.samples],
+            "limit": self.limit,
+            "limit_gbps": self.limit_gbps,
+            "ratio_to_limit": self.ratio,
+            "loop_lag_p99_ms": statistics.median(s.lag.p99_ms for s in self.samples),
+            "loop_lag_max_ms": max(s.lag.max_ms for s in self.samples),
+            "peak_rss_bytes": max(s.peak_rss_bytes for s in self.samples),
+            "warnings": sorted({w for s in self.samples for w in s.warnings}),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    path: str
+    size_bytes: int
+    runs: int
+    cold: bool
+    # None: warm sweep (nothing dropped); else whether every drop emptied the cache.
+    cold_drop_ok: bool | None
+    check_tensors: bool | None
+    limits: dict[str, float]  # median GB/s per limit name
+    limit_runs: dict[str, list[float]]
+    points: tuple[PointResult, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def best(self) -> dict[str, PointResult]:
+        """The fastest point of each mode."""
+        best: dict[str, PointResult] = {}
+        for p in self.points:
+            mode = p.point.mode
+            if mode not in best or p.gbps > best[mode].gbps:
+                best[mode] = p
+        return best
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "size_bytes": self.size_bytes,
+            "runs": self.runs,
+            "cold": self.cold,
+            "cold_drop_ok": self.cold_drop_ok,
+            "check_tensors": self.check_tensors,
+            "limits": self.limits,
+            "limit_runs": self.limit_runs,
+            "limit_notes": {k: LIMIT_NOTES.get(k, "") for k in self.limits},
+            "points": [p.to_json() for p in self.points],
+            "best": {mode: p.to_json() for mode, p in self.best().items()},
+            "notes": list(self.notes),
+        }
+
+
+def run_sweep(
+    path: str | os.PathLike[str],
+    points: Sequence[SweepPoint],
+    *,
+    runs: int = 1,
+    cold: bool = False,
+    check_tensors: bool | None = None,
+    config: str | os.PathLike[str] | None = None,
+    extra_limits: Sequence[str] = ("preadv_touched", "memcpy", "mmap_touch"),
+    pinned: bool = True,
+    say: Callable[[str], None] = lambda _: None,
+) -> SweepResult:
+    """Load ``path`` at every point, ``runs`` times; each run measures every mode's limit
+    right before that mode's points, so loads and limits interleave in time.
+
+    ``cold`` drops the file from the page cache before every load and every limit run
+    (``posix_fadvise(DONTNEED)``); otherwise the file is made fully resident first
+    (``direct`` reads bypass the cache either way).
+    """
+    p = Path(path)
+    modes = list(dict.fromkeys(pt.mode for pt in points))
+    limit_runs: dict[str, list[float]] = {}
+    samples: dict[SweepPoint, list[LoadSample]] = {pt: [] for pt in points}
+    drops: list[bool] = []
+    notes: list[str] = []
+    for run in range(runs):
+        for name in extra_limits:
+            limit_runs.setdefault(name, []).append(measure_limit(name, p))
+        for mode in modes:
+            name = limit_for_mode(mode, cold)
+            limit_runs.setdefault(name, []).append(measure_limit(name, p))
+            say(f"run {run + 1}/{runs} {mode}: limit {name} {limit_runs[name][-1]:.2f} GB/s")
+            for pt in (q for q in points if q.mode == mode):
+                ok = drop_or_warm(p, cold)
+                if cold:
+                    drops.append(ok)
+                sample = load_in_subprocess(p, pt.overrides(check_tensors), config=config)
+                samples[pt].append(sample)
+                say(
+                    f"  chunk {pt.chunk_bytes >> 20} MiB readers {pt.readers} "
+                    f"queue {pt.queue_depth}: {sample.gbps:.2f} GB/s"
+                )
+    if pinned:
+        h2d = pinned_copy_gbps()
+        if h2d is None:
+            notes.append("no GPU limit: CuPy is not importable or sees no GPU")
+        else:
+            limit_runs["pinned_h2d"] = [h2d]
+    limits = {name: statistics.median(v) for name, v in limit_runs.items()}
+    results = tuple(
+        PointResult(
+            pt,
+            tuple(samples[pt]),
+            limit_for_mode(pt.mode, cold),
+            limits[limit_for_mode(pt.mode, cold)],
+        )
+        for pt in points
+    )
+    if cold and drops and not all(drops):
+        notes.append(
+            f"the page cache could not be dropped before {drops.count(False)} of "
+            f"{len(drops)} loads (tmpfs? pages mapped by another process?): those were warm"
+        )
+    return SweepResult(
+        path=os.fspath(p),
+        size_bytes=p.stat().st_size,
+        runs=runs,
+        cold=cold,
+        cold_drop_ok=all(drops) if cold else None,
+        check_tensors=check_tensors,
+        limits=limits,
+        limit_runs=limit_runs,
+        points=results,
+        notes=tuple(notes),
+    )
+
+
+def plot_sweep(result: SweepResult, out: str | os.PathLike[str]) -> str | None:
+    """GB/s against chunk size, one panel per mode, one line per (readers, queue depth),
+    the mode's limit as a horizontal line. Returns None, or why no plot was written
+    (matplotlib missing: ``pip install 'aiogguf[plot]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        return "matplotlib is not installed (pip install 'aiogguf[plot]'): no plot written"
+    modes = list(dict.fromkeys(p.point.mode for p in result.points))
+    cols = min(2, len(modes))
+    rows = (len(modes) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax, mode in zip(axes.flat, modes, strict=False):
+        mine = [p for p in result.points if p.point.mode == mode]
+        series: dict[tuple[int, int], list[PointResult]] = {}
+        for p in mine:
+            series.setdefault((p.point.readers, p.point.queue_depth), []).append(p)
+        for (readers, depth), pts in sorted(series.items()):
+            pts.sort(key=lambda q: q.point.chunk_bytes)
+            ax.plot(
+                [q.point.chunk_bytes / 2**20 for q in pts],
+                [q.gbps for q in pts],
+                marker="o",
+                label=f"readers {readers}, queue {depth}",
+            )
+        # The mode's own limit, and the disk for the others (it caps cold loads).
+        shown = [mine[0].limit] + (["direct"] if mine[0].limit != "direct" else [])
+        for style, name in zip(("-", "--"), shown, strict=False):
+            if name in result.limits:
+                ax.axhline(
+                    result.limits[name],
+                    color="black",
+                    linestyle=style,
+                    linewidth=1,
+                    label=f"limit {name} {result.limits[name]:.2f} GB/s",
+                )
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.set_xlabel("chunk size (MiB)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"mode {mode}{' (cold)' if result.cold and mode != 'direct' else ''}")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(modes) :]:
+        ax.set_visible(False)
+    fig.suptitle(f"{Path(result.path).name}: {result.size_bytes / GB:.2f} GB, {result.runs} run(s)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return None

@@ -1,0 +1,284 @@
+"""The machine's own limits for bringing one file into memory, in GB/s (10^9 bytes/s).
+
+A load is only fast or slow compared with these, measured on the same file in the same
+run: ``preadv`` into fresh memory (what a first load into new buffers must pay: page
+faults plus the copy out of the page cache), ``preadv`` into touched memory (a reload),
+``O_DIRECT`` (the disk without the page cache), a plain memory copy, making a mapping
+resident (mmap mode's work), and, when CuPy sees a GPU, a pinned host-to-device copy.
+
+Each function does ``runs`` measurements and returns their median; callers that
+interleave limits with loads (``aiogguf bench``, ``bench/load.py``) call them with
+``runs=1`` between loads, so both see the same machine, noise included.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
+from aiogguf.io.files import align_up, open_file
+from aiogguf.io.mapping import open_mapping
+from aiogguf.io.pagecache import drop_from_cache, resident_bytes
+
+__all__ = [
+    "CHUNK_BYTES",
+    "GB",
+    "direct_gbps",
+    "drop_or_warm",
+    "memcpy_gbps",
+    "mmap_touch_gbps",
+    "np_memmap_touch_s",
+    "pinned_copy_gbps",
+    "preadv_fresh_gbps",
+    "preadv_touched_gbps",
+    "warm_file",
+]
+
+CHUNK_BYTES = 64 << 20
+GB = 1e9
+# memcpy bandwidth does not depend on size beyond the caches; capping it keeps the
+# limit's memory (two buffers) small next to a multi-GiB model.
+_MEMCPY_MAX_BYTES = 1 << 30
+
+
+def warm_file(path: str | os.PathLike[str]) -> None:
+    """Bring the whole file into the page cache (skipped when it is already resident)."""
+    size = os.path.getsize(path)
+    if resident_bytes(path) >= size:
+        return
+    with open(path, "rb", buffering=0) as f:
+        block = bytearray(16 << 20)
+        while f.readinto(block):
+            pass
+
+
+def drop_or_warm(path: str | os.PathLike[str], cold: bool) -> bool:
+    """Cold: evict ``path`` from the page cache, True if that worked; warm: cache it all."""
+    if cold:
+        return drop_from_cache(path)
+    warm_file(path)
+    return True
+
+
+def _chunks(nbytes: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    for offset in range(0, nbytes, chunk_bytes):
+        yield offset, min(chunk_bytes, nbytes - offset)
+
+
+def _parallel(
+    threads: int, work: Iterator[tuple[int, int]], step: Callable[[int, int], object]
+) -> None:
+    """Run ``step(offset, nbytes)`` for every chunk on ``threads`` threads (the GIL is
+    released by every step used here: preadv, madvise, numpy copies)."""
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while not errors:
+            with lock:
+                item = next(work, None)
+            if item is None:
+                return
+            try:
+                step(*item)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _median_gbps(
+    runs: int, nbytes: int, prepare: Callable[[], object], run: Callable[[], None]
+) -> float:
+    rates = []
+    for _ in range(max(runs, 1)):
+        prepare()
+        start = time.perf_counter()
+        run()
+        rates.append(nbytes / (time.perf_counter() - start) / GB)
+    return statistics.median(rates)
+
+
+def _prepare(path: Path, cold: bool) -> Callable[[], None]:
+    def prepare() -> None:
+        if not drop_or_warm(path, cold):
+            raise RuntimeError(f"{path}: cannot drop it from the page cache (tmpfs?)")
+
+    return prepare
+
+
+def preadv_fresh_gbps(
+    path: str | os.PathLike[str],
+    *,
+    threads: int = 2,
+    cold: bool = False,
+    runs: int = 1,
+    chunk_bytes: int = CHUNK_BYTES,
+    huge_pages: bool = False,
+) -> float:
+    """``preadv`` into a new, never-touched page-aligned buffer each run (the first-load
+    limit: page faults are paid inside the read, as they are in a real load)."""
+    p = Path(path)
+    nbytes = p.stat().st_size
+    with open_file(p) as f:
+
+        def run() -> None:
+            with HostBuffer(nbytes, huge_pages=huge_pages) as buf:
+                view = buf.memoryview
+                _parallel(
+                    threads,
+                    _chunks(nbytes, chunk_bytes),
+                    lambda off, n: f.read_into(view[off : off + n], off),
+                )
+
+        return _median_gbps(runs, nbytes, _prepare(p, cold), run)
+
+
+def preadv_touched_gbps(
+    path: str | os.PathLike[str],
+    *,
+    threads: int = 2,
+    cold: bool = False,
+    runs: int = 1,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> float:
+    """``preadv`` into a buffer whose pages are already backed (the reload limit)."""
+    p = Path(path)
+    nbytes = p.stat().st_size
+    with open_file(p) as f, HostBuffer(nbytes, prefault=True) as buf:
+        view = buf.memoryview
+
+        def run() -> None:
+            _parallel(
+                threads,
+                _chunks(nbytes, chunk_bytes),
+                lambda off, n: f.read_into(view[off : off + n], off),
+            )
+
+        return _median_gbps(runs, nbytes, _prepare(p, cold), run)
+
+
+def direct_gbps(
+    path: str | os.PathLike[str],
+    *,
+    threads: int = 2,
+    runs: int = 1,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> float:
+    """``O_DIRECT`` reads of aligned chunks into touched memory: the disk, no cache.
+
+    Raises ``RuntimeError`` when the filesystem refuses ``O_DIRECT``.
+    """
+    p = Path(path)
+    nbytes = p.stat().st_size
+    with (
+        open_file(p, direct=True) as f,
+        HostBuffer(align_up(nbytes, chunk_bytes), prefault=True) as buf,
+    ):
+        if not f.direct_ok:
+            raise RuntimeError(f"{p}: O_DIRECT refused: {f.direct_refusal}")
+        view = buf.memoryview
+
+        def run() -> None:
+            _parallel(
+                threads,
+                _chunks(nbytes, chunk_bytes),
+                lambda off, n: f.read_direct_into(view[off : off + align_up(n, 4096)], off),
+            )
+
+        # The cache is dropped anyway: O_DIRECT must first write back dirty pages.
+        return _median_gbps(runs, nbytes, lambda: drop_from_cache(p), run)
+
+
+def memcpy_gbps(
+    nbytes: int, *, threads: int = 2, runs: int = 1, chunk_bytes: int = CHUNK_BYTES
+) -> float:
+    """Copy between two touched buffers on ``threads`` threads (memory bandwidth)."""
+    n = max(min(nbytes, _MEMCPY_MAX_BYTES), PAGE_BYTES)
+    with HostBuffer(n, prefault=True) as src, HostBuffer(n, prefault=True) as dst:
+        a, b = src.as_array(), dst.as_array()
+
+        def run() -> None:
+            # numpy drops the GIL for plain byte copies.
+            _parallel(
+                threads,
+                _chunks(n, chunk_bytes),
+                lambda off, k: np.copyto(b[off : off + k], a[off : off + k]),
+            )
+
+        return _median_gbps(runs, n, lambda: None, run)
+
+
+def mmap_touch_gbps(
+    path: str | os.PathLike[str],
+    *,
+    threads: int = 2,
+    cold: bool = False,
+    runs: int = 1,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> float:
+    """Map the whole file and make it resident chunk by chunk (``MADV_POPULATE_READ``
+    on ``threads`` threads): the mmap mode's work, done by hand."""
+    p = Path(path)
+    nbytes = p.stat().st_size
+
+    def run() -> None:
+        with open_mapping(p, 0, nbytes) as m:
+            _parallel(threads, _chunks(nbytes, chunk_bytes), lambda off, n: m.touch(off, off + n))
+
+    return _median_gbps(runs, nbytes, _prepare(p, cold), run)
+
+
+def np_memmap_touch_s(path: str | os.PathLike[str], *, cold: bool = False) -> float:
+    """Seconds to map the file with ``np.memmap`` and read one byte of every page (one
+    thread): what "mapped and resident" costs the simplest way."""
+    p = Path(path)
+    _prepare(p, cold)()
+    start = time.perf_counter()
+    m = np.memmap(p, dtype=np.uint8, mode="r")
+    m[::PAGE_BYTES].sum(dtype=np.uint64)
+    took = time.perf_counter() - start
+    m._mmap.close()  # type: ignore[attr-defined]  # unmap now, not at some later GC
+    del m
+    return took
+
+
+def pinned_copy_gbps(nbytes: int = 256 << 20, *, runs: int = 3) -> float | None:
+    """Host-to-device copy from pinned memory on GPU 0 (CuPy), or None without one."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        pinned = cupy.cuda.alloc_pinned_memory(nbytes)
+        host = np.frombuffer(pinned, dtype=np.uint8, count=nbytes)
+        host[::PAGE_BYTES] = 1
+        dev = cupy.empty(nbytes, dtype=np.uint8)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        dev.set(host, stream=stream)  # first copy: driver setup, not counted
+        stream.synchronize()
+        rates = []
+        for _ in range(max(runs, 1)):
+            start = time.perf_counter()
+            dev.set(host, stream=stream)
+            stream.synchronize()
+            rates.append(nbytes / (time.perf_counter() - start) / GB)
+        return statistics.median(rates)
+    except Exception:  # a broken driver means "no GPU limit", not a failed benchmark
+        return None

@@ -1,0 +1,105 @@
+"""``aiogguf bench --quick`` end to end on a tiny model: the JSON shape and the plot.
+
+Speed is never asserted here (that is what ``bench/`` is for); only that every point
+was measured against a limit from the same run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiogguf.benchmark import grid, limit_for_mode
+from aiogguf.cli import main
+
+POINT_KEYS = {
+    "mode",
+    "chunk_bytes",
+    "readers",
+    "queue_depth",
+    "gbps",
+    "runs_gbps",
+    "limit",
+    "limit_gbps",
+    "ratio_to_limit",
+    "loop_lag_p99_ms",
+    "loop_lag_max_ms",
+    "peak_rss_bytes",
+    "warnings",
+}
+
+
+@pytest.mark.timeout(90)
+def test_quick_sweep_writes_json_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    status = main(
+        [
+            "bench",
+            "--quick",
+            "--size",
+            "16MiB",
+            "--dir",
+            str(tmp_path),
+            "--modes",
+            "none,mmap",
+            "--chunk-sizes",
+            "1MiB,4MiB",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+            "--quiet",
+        ]
+    )
+    assert status == 0
+    result: dict[str, Any] = json.loads(out_json.read_text())
+    assert result["runs"] == 1
+    assert result["cold"] is False
+    assert result["cold_drop_ok"] is None
+    points = result["points"]
+    assert [(p["mode"], p["chunk_bytes"]) for p in points] == [
+        ("none", 1 << 20),
+        ("none", 4 << 20),
+        ("mmap", 1 << 20),
+        ("mmap", 4 << 20),
+    ]
+    assert all(set(p) == POINT_KEYS for p in points)
+    # Each point is compared with its mode's limit, measured in this run.
+    for p in points:
+        assert p["limit"] == limit_for_mode(p["mode"], cold=False)
+        assert p["limit_gbps"] == result["limits"][p["limit"]] > 0
+        assert p["gbps"] > 0
+        assert len(p["runs_gbps"]) == 1
+        assert p["peak_rss_bytes"] > 16 << 20  # the whole model was resident at once
+    assert {"preadv_touched", "memcpy", "preadv_fresh", "np_memmap_touch"} <= set(result["limits"])
+    assert set(result["best"]) == {"none", "mmap"}
+    pytest.importorskip("matplotlib")
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "best setting per mode" in capsys.readouterr().out
+
+
+def test_bad_mode_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["bench", "--quick", "--dir", str(tmp_path), "--modes", "none,fast"])
+    assert status == 2
+    assert "--modes" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # failed before writing a model
+
+
+def test_grid_groups_points_by_mode() -> None:
+    points = grid(["direct", "none"], [1, 2], [1, 2], [8])
+    assert [p.mode for p in points] == ["direct"] * 4 + ["none"] * 4
+    assert points[0].overrides(False) == {
+        "mode": "direct",
+        "chunk_size": 1,
+        "readers": 1,
+        "queue_depth": 8,
+        "check_tensors": False,
+    }
+    assert "check_tensors" not in points[0].overrides(None)
+    assert limit_for_mode("direct", cold=True) == "direct"
+    assert limit_for_mode("none", cold=True) == "preadv_fresh_cold"

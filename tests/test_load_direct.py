@@ -1,0 +1,132 @@
+"""``mode="direct"``: O_DIRECT reads really bypass the page cache, land the right bytes,
+and fall back to plain reads (with a warning) where the filesystem refuses O_DIRECT."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+import aiogguf
+from aiogguf.engine import LoadWarning
+from aiogguf.io.pagecache import drop_from_cache, resident_bytes
+from aiogguf.synth import SynthModel, write_synthetic_model
+
+MiB = 1024**2
+
+
+def _fs_type(path: Path) -> str:
+    """The filesystem type of ``path`` from /proc/self/mounts (longest mount prefix)."""
+    best, fstype = "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, mount, kind, *_ = line.split()
+            if os.path.commonpath([str(path), mount]) == mount and len(mount) > len(best):
+                best, fstype = mount, kind
+    return fstype
+
+
+_MEMORY_FS = {"tmpfs", "ramfs", "overlay"}
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Iterator[Path]:
+    """A folder on a real disk filesystem (page cache can be dropped, O_DIRECT works):
+    ``tmp_path`` unless that is in memory (tmpfs), else a temporary folder elsewhere."""
+    if _fs_type(tmp_path.resolve()) not in _MEMORY_FS:
+        yield tmp_path
+        return
+    for d in (Path.home(), Path(__file__).resolve().parent):
+        if _fs_type(d.resolve()) not in _MEMORY_FS and os.access(d, os.W_OK):
+            target = Path(tempfile.mkdtemp(dir=d, prefix=".aiogguf-direct-"))
+            try:
+                yield target
+            finally:
+                shutil.rmtree(target, ignore_errors=True)
+            return
+    pytest.skip("no writable disk-backed filesystem for a page-cache test")
+
+
+@pytest.fixture
+def cold_model(disk_dir: Path) -> SynthModel:
+    m = write_synthetic_model(disk_dir / "cold.gguf", size_bytes="24MiB", seed=4)
+    if not drop_from_cache(m.path):
+        pytest.skip(f"{_fs_type(m.path)} keeps {m.path} in the page cache")
+    return m
+
+
+def test_direct_load_leaves_the_file_out_of_the_page_cache(cold_model: SynthModel) -> None:
+    path = cold_model.path
+    size = path.stat().st_size
+    with aiogguf.load_sync(path, mode="direct") as model:
+        assert model.report.mode == "direct"
+        assert [f.direct for f in model.report.files] == [True]
+        cached = resident_bytes(path)
+        # Only the header (parsed with buffered reads) may be cached, not the 24 MiB.
+        header_end = min(t.file_offset for t in cold_model.tensors)
+        assert cached <= header_end + 2 * MiB, (cached, size)
+        assert cached < size // 8
+        first = cold_model.tensors[-1]
+        assert bytes(model.raw(first.name))[:64] == _file_bytes(path, first.file_offset, 64)
+    assert resident_bytes(path) <= header_end + 2 * MiB
+
+
+def test_buffered_load_fills_the_page_cache(cold_model: SynthModel) -> None:
+    """The control: the same measurement sees a buffered load's pages."""
+    path = cold_model.path
+    with aiogguf.load_sync(path, mode="none"):
+        pass
+    assert resident_bytes(path) >= cold_model.tensor_bytes * 0.9
+
+
+def _file_bytes(path: Path, offset: int, n: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(n)
+
+
+@pytest.mark.parametrize("chunk", ["4KiB", "64KiB", "1MiB"])
+def test_direct_unaligned_tensors_and_small_chunks(disk_dir: Path, chunk: str) -> None:
+    """Tensors at 32-byte file alignment, reads cut into aligned chunks: exact bytes."""
+    m = write_synthetic_model(
+        disk_dir / f"u{chunk}.gguf", size_bytes="2MiB", types="all-types", include_q2_0=False
+    )
+    reader = gguf.GGUFReader(m.path)
+    assert any(int(t.data_offset) % 4096 for t in reader.tensors)
+    with aiogguf.load_sync(m.path, mode="direct", chunk_size=chunk) as model:
+        assert model.report.files[0].direct
+        for t in reader.tensors:
+            want = np.asarray(t.data).view(np.uint8).tobytes()
+            assert bytes(model.raw(t.name)) == want, t.name
+
+
+def test_direct_falls_back_with_a_warning_when_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that refuses O_DIRECT at open (tmpfs before Linux 6.6, some FUSE and
+    network filesystems; simulated here): buffered reads, one warning naming the file."""
+    m = write_synthetic_model(tmp_path / "t.gguf", size_bytes="1MiB", seed=1)
+    real_open = os.open
+
+    def refusing_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.warns(LoadWarning, match="mode 'none'") as record:
+        with aiogguf.load_sync(m.path, mode="direct") as model:
+            assert model.report.mode == "direct"
+            assert [f.direct for f in model.report.files] == [False]
+            assert any(str(m.path) in w for w in model.report.warnings)
+            for t in m.tensors:
+                assert bytes(model.raw(t.name)) == _file_bytes(m.path, t.file_offset, t.nbytes)
+    assert str(m.path) in str(record[0].message)

@@ -1,0 +1,158 @@
+"""``mode="mmap"``: only host-resident tensors' file ranges are mapped (lazy ones too);
+the ranges of tensors offloaded to (simulated) GPUs never are. Checked in
+``/proc/self/maps`` during the load (from the progress callback) and while the model is
+open; after close nothing of the file is mapped."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import pytest
+
+import aiogguf
+from aiogguf.events import Progress
+from aiogguf.io.buffers import PAGE_BYTES
+from aiogguf.synth import SynthModel, write_synthetic_model
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """A mapping of the file: file bytes ``[start, end)``."""
+
+    start: int
+    end: int
+    perms: str
+
+
+def mapped_extents(path: Path) -> list[Extent]:
+    """Every mapping of ``path`` in this process, as file offset ranges."""
+    st = os.stat(path)
+    out: list[Extent] = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or int(parts[4]) != st.st_ino:
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            offset = int(parts[2], 16)
+            out.append(Extent(offset, offset + hi - lo, parts[1]))
+    return out
+
+
+def _down(x: int) -> int:
+    return x - x % PAGE_BYTES
+
+
+def _up(x: int) -> int:
+    return -(-x // PAGE_BYTES) * PAGE_BYTES
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+def check_extents(model: aiogguf.Model, extents: list[Extent]) -> None:
+    """Every extent lies inside a page-aligned host range; no offloaded tensor byte
+    outside the pages it shares with host ranges is mapped."""
+    host = [
+        (_down(r.start), _up(r.end))
+        for b in model.plan.buffers
+        if b.host
+        for r in b.ranges
+        if r.file_index == 0
+    ]
+    assert host, "the plan keeps nothing on the host"
+    for e in extents:
+        assert any(lo <= e.start and e.end <= hi for lo, hi in host), (e, host)
+    offloaded = [n for b in model.plan.buffers if not b.host for n in b.tensors]
+    assert offloaded, "the plan offloads nothing"
+    for name in offloaded:
+        entry = model.index[name]
+        # Pages the tensor shares with host ranges may be mapped; its other pages not.
+        for page in range(_down(entry.offset), _up(entry.end), PAGE_BYTES):
+            if any(_overlap(page, page + PAGE_BYTES, lo, hi) for lo, hi in host):
+                continue
+            for e in extents:
+                assert not _overlap(page, page + PAGE_BYTES, e.start, e.end), (name, page, e)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
+    path = tmp_path_factory.mktemp("mmap") / "m.gguf"
+    return write_synthetic_model(path, size_bytes="8MiB", seed=9, n_layer=6)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("lazy", ["off", "auto"])
+async def test_only_host_ranges_are_mapped(model_file: SynthModel, lazy: str) -> None:
+    path = model_file.path
+    assert mapped_extents(path) == []
+    during: list[list[Extent]] = []
+
+    def on_progress(event: Progress) -> None:
+        during.append(mapped_extents(path))
+
+    async def poll(stop: anyio.Event) -> None:
+        """Snapshot the maps while the load runs (its reads yield to the loop)."""
+        while not stop.is_set():
+            during.append(mapped_extents(path))
+            await anyio.sleep(0.002)
+
+    handle = aiogguf.load(
+        path,
+        mode="mmap",
+        sim_gpus=["1GiB", "1GiB"],
+        n_gpu_layers=4,
+        lazy=lazy,
+        lazy_min_bytes="256KiB",
+        chunk_size="64KiB",
+        progress=on_progress,
+    )
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poll, stop)
+        model = await handle.__aenter__()
+        stop.set()
+    try:
+        assert model.report.mode == "mmap"
+        devices = {b.device for b in model.plan.buffers if not b.host}
+        assert len(devices) == 2, model.plan.buffers
+        if lazy == "auto":
+            assert any(b.lazy and b.host for b in model.plan.buffers), model.plan.buffers
+        now = mapped_extents(path)
+        assert now, "an mmap load maps its host ranges"
+        # Mapped bytes ~ host bytes: never the whole file.
+        host_ranges = [r for b in model.plan.buffers if b.host for r in b.ranges]
+        mapped = sum(e.end - e.start for e in now)
+        assert mapped <= sum(r.nbytes for r in host_ranges) + 2 * PAGE_BYTES * len(host_ranges)
+        check_extents(model, now)
+        snapshots = [ext for ext in during if ext]
+        assert len(snapshots) >= 2, len(during)
+        for ext in snapshots:
+            check_extents(model, ext)
+        # Every tensor reads back as the file's bytes, offloaded and lazy alike.
+        with open(path, "rb") as f:
+            for t in model_file.tensors:
+                f.seek(t.file_offset)
+                assert bytes(model.raw(t.name)) == f.read(t.nbytes), t.name
+    finally:
+        await handle.__aexit__(None, None, None)
+    assert mapped_extents(path) == []
+
+
+def test_host_only_mmap_maps_only_tensor_data(model_file: SynthModel) -> None:
+    """Without GPUs the mapping starts at the data, not at the header."""
+    with aiogguf.load_sync(model_file.path, mode="mmap") as model:
+        extents = mapped_extents(model_file.path)
+        first = min(t.file_offset for t in model_file.tensors)
+        assert extents
+        assert min(e.start for e in extents) >= _down(first)
+        check_host = [(_down(r.start), _up(r.end)) for b in model.plan.buffers for r in b.ranges]
+        for e in extents:
+            assert any(lo <= e.start and e.end <= hi for lo, hi in check_host)
+    assert mapped_extents(model_file.path) == []

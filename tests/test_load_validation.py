@@ -1,0 +1,156 @@
+"""A model with several bad tensors fails its load with ONE ``TensorValidationError``
+that names every bad tensor and its first bad index; ``check_tensors=False`` (CLI
+``--no-check``) loads it anyway; ``aiogguf validate`` exits 2 and lists them all.
+
+Oracle: ``corrupt.expected_bad`` decodes the file's bytes with numpy's own float
+conversions, independently of the validator's bit masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aiogguf
+from aiogguf.cli import main
+from aiogguf.errors import TensorValidationError
+from aiogguf.io.ggml_types import GGML_TYPES
+from aiogguf.synth import Corruption, SynthModel, write_synthetic_model
+from corrupt import expected_bad
+
+
+@dataclass(frozen=True, slots=True)
+class Damaged:
+    clean: SynthModel
+    bad: SynthModel
+    # name → (type name, first bad index, how many bad) by the oracle
+    expected: dict[str, tuple[str, int, int]]
+
+
+def _file_bytes(path: Path, offset: int, n: int) -> np.ndarray:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return np.frombuffer(f.read(n), dtype=np.uint8).copy()
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: pytest.TempPathFactory) -> Damaged:
+    d = tmp_path_factory.mktemp("bad")
+    args = {"size_bytes": "3MiB", "types": "all-types", "include_q2_0": False, "seed": 21}
+    clean = write_synthetic_model(d / "clean.gguf", **args)  # type: ignore[arg-type]
+    q4k = clean.tensors_of_type("Q4_K")[0].name
+    f16 = clean.tensors_of_type("F16")[-1].name
+    q80 = clean.tensors_of_type("Q8_0")[0].name
+    bf16 = clean.tensors_of_type("BF16")[0].name
+    corruptions = [
+        Corruption(q4k, "nan_scale", 5),
+        Corruption(q4k, "nan_scale", 9),
+        Corruption(f16, "inf_element", 1234),
+        # A failed flash write: three whole Q8_0 blocks (34 bytes each) of 0xFF.
+        Corruption(q80, "ff_fill", 17, length=3 * 34),
+        Corruption(bf16, "bf16_nan", 77),
+    ]
+    bad = write_synthetic_model(d / "bad.gguf", corruptions=corruptions, **args)  # type: ignore[arg-type]
+    expected: dict[str, tuple[str, int, int]] = {}
+    for t in bad.tensors:
+        ggml = GGML_TYPES[t.type_id]
+        first, count = expected_bad(_file_bytes(bad.path, t.file_offset, t.nbytes), ggml)
+        if count:
+            assert first is not None
+            expected[t.name] = (ggml.name, first, count)
+    assert expected == {
+        q4k: ("Q4_K", 5, 2),
+        f16: ("F16", 1234, 1),
+        q80: ("Q8_0", 17, 3),
+        bf16: ("BF16", 77, 1),
+    }
+    return Damaged(clean, bad, expected)
+
+
+def _assert_names_every_failure(exc: TensorValidationError, damaged: Damaged) -> None:
+    got = {f.name: (f.type_name, f.first_index, f.count) for f in exc.failures}
+    assert got == damaged.expected
+    message = str(exc)
+    assert str(damaged.bad.path) in message
+    assert f"found {len(damaged.expected)} " in message
+    for name, (type_name, first, _count) in damaged.expected.items():
+        line = next(ln for ln in message.splitlines() if f"'{name}'" in ln)
+        assert f"({type_name})" in line and f"first at index {first}" in line, line
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap", "direct"])
+def test_every_bad_tensor_in_one_error(damaged: Damaged, mode: str) -> None:
+    with pytest.raises(TensorValidationError) as info:
+        with aiogguf.load_sync(damaged.bad.path, mode=mode):
+            pytest.fail("a model with bad tensors must not be returned")
+    _assert_names_every_failure(info.value, damaged)
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap"])
+def test_bad_tensors_on_simulated_gpus_are_found_too(damaged: Damaged, mode: str) -> None:
+    with pytest.raises(TensorValidationError) as info:
+        with aiogguf.load_sync(
+            damaged.bad.path, mode=mode, sim_gpus=["1GiB", "1GiB"], n_gpu_layers=-1
+        ):
+            pass
+    _assert_names_every_failure(info.value, damaged)
+
+
+def test_clean_twin_passes(damaged: Damaged) -> None:
+    with aiogguf.load_sync(damaged.clean.path) as model:
+        assert model.failures == ()
+        assert model.report.validated == damaged.clean.n_tensors
+        assert model.report.stage("validate").items == damaged.clean.n_tensors
+
+
+def test_no_check_loads_the_damaged_bytes(damaged: Damaged) -> None:
+    with aiogguf.load_sync(damaged.bad.path, check_tensors=False) as model:
+        assert model.failures == ()
+        assert model.report.validated == 0
+        with pytest.raises(KeyError):
+            model.report.stage("validate")
+        for name in damaged.expected:
+            t = damaged.bad.tensor(name)
+            assert (
+                bytes(model.raw(name))
+                == _file_bytes(damaged.bad.path, t.file_offset, t.nbytes).tobytes()
+            )
+
+
+def test_keep_invalid_returns_the_model_with_its_failures(damaged: Damaged) -> None:
+    with aiogguf.load_sync(damaged.bad.path, keep_invalid=True) as model:
+        got = {f.name: (f.type_name, f.first_index, f.count) for f in model.failures}
+        assert got == damaged.expected
+        assert len(model.tensors) == damaged.bad.n_tensors
+
+
+def test_cli_validate_lists_every_bad_tensor(
+    damaged: Damaged, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["validate", str(damaged.bad.path)]) == 2
+    out = capsys.readouterr().out
+    assert f"{len(damaged.expected)} bad tensors" in out
+    for name, (type_name, first, count) in damaged.expected.items():
+        line = next(ln for ln in out.splitlines() if name in ln)
+        assert type_name in line and str(first) in line and str(count) in line, line
+
+
+def test_cli_validate_clean_model(damaged: Damaged, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(damaged.clean.path)]) == 0
+    assert f"{damaged.clean.n_tensors} tensors valid" in capsys.readouterr().out
+
+
+def test_cli_load_no_check(damaged: Damaged, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["load", str(damaged.bad.path), "--no-check"]) == 0
+    assert "loaded" in capsys.readouterr().out
+
+
+def test_cli_load_with_checks_fails(damaged: Damaged, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["load", str(damaged.bad.path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aiogguf load: ")
+    for name in damaged.expected:
+        assert name in err
