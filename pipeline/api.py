@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 
 from aiogguf.config import Config, load_config
-from aiogguf.engine import run_load
+from aiogguf.engine import one_error, run_load
 from aiogguf.events import Progress, ProgressCallback, ProgressHub, Stage
 from aiogguf.io.devices.base import Device
 from aiogguf.model import Model
@@ -46,6 +46,10 @@ class LoadHandle:
         return self.hub.events()
 
     async def __aenter__(self) -> Model:
+        with one_error():
+            return await self._load()
+
+    async def _load(self) -> Model:
         stack = AsyncExitStack()
         try:
             model = await run_load(

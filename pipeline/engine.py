@@ -18,8 +18,8 @@ from __future__ import annotations
 import bisect
 import os
 import warnings
-from collections.abc import Sequence
-from contextlib import AsyncExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
@@ -30,7 +30,7 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.config import Config
-from aiogguf.errors import BigEndianError
+from aiogguf.errors import BigEndianError, GGUFError
 from aiogguf.events import ProgressHub, Stage
 from aiogguf.io.byteswap import can_convert, needs_swap, to_native
 from aiogguf.io.devices.base import Device
@@ -90,6 +90,32 @@ class _TensorProgress:
                     done.append(name)
             i += 1
         return done
+
+
+@contextmanager
+def one_error() -> Iterator[None]:
+    """Surface a failed task group as its first real error, not as an exception group:
+    the caller of a load gets one clear exception (the others ride along as notes)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        cancelled = anyio.get_cancelled_exc_class()
+        real = [e for e in leaves if not isinstance(e, cancelled)]
+        if not real:
+            raise
+        first = next((e for e in real if isinstance(e, GGUFError)), real[0])
+        for other in real:
+            if other is not first:
+                first.add_note(f"also: {type(other).__name__}: {other}")
+        raise first from None
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return found
 
 
 class _Load:
@@ -156,25 +182,27 @@ class _Load:
         check = self.config.load.check_tensors
         t_read = self.hub.elapsed()
         validator = ValidationCollector(self.config.pipeline.validate_workers)
-        async with validator:
-            queue = self.config.pipeline.queue_depth
-            landed_send, landed_recv = anyio.create_memory_object_stream[ReadJob](queue)
-            ready_send, ready_recv = anyio.create_memory_object_stream[str](queue)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._allocate_all, files, uploader)
-                jobs = self._jobs(uploader)
-                for file_index, file_jobs in enumerate(jobs):
-                    send, recv = anyio.create_memory_object_stream[ReadJob](queue)
-                    tg.start_soon(self._emit, file_jobs, send)
-                    n_readers = limiters[file_index].total_tokens
-                    async with recv:
-                        for _ in range(int(n_readers)):
-                            tg.start_soon(
-                                self._read_loop, reader, recv.clone(), landed_send.clone()
-                            )
-                landed_send.close()
-                tg.start_soon(self._track, landed_recv, ready_send, uploader)
-                tg.start_soon(self._validate_loop, ready_recv, validator if check else None)
+        # A stage that fails cancels the others; the caller sees its error, unwrapped.
+        with one_error():
+            async with validator:
+                queue = self.config.pipeline.queue_depth
+                landed_send, landed_recv = anyio.create_memory_object_stream[ReadJob](queue)
+                ready_send, ready_recv = anyio.create_memory_object_stream[str](queue)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._allocate_all, files, uploader)
+                    jobs = self._jobs(uploader)
+                    for file_index, file_jobs in enumerate(jobs):
+                        send, recv = anyio.create_memory_object_stream[ReadJob](queue)
+                        tg.start_soon(self._emit, file_jobs, send)
+                        n_readers = limiters[file_index].total_tokens
+                        async with recv:
+                            for _ in range(int(n_readers)):
+                                tg.start_soon(
+                                    self._read_loop, reader, recv.clone(), landed_send.clone()
+                                )
+                    landed_send.close()
+                    tg.start_soon(self._track, landed_recv, ready_send, uploader)
+                    tg.start_soon(self._validate_loop, ready_recv, validator if check else None)
         read_s = self.hub.elapsed() - t_read
         if check:
             self.validated = validator.submitted
