@@ -36,7 +36,7 @@ MiB = 1 << 20
 # mode → the limits measured right before its loads; the first is the one it is judged by.
 MODE_LIMITS: dict[str, tuple[str, ...]] = {
     "none": ("preadv_fresh",),
-    "direct": ("direct",),
+    "direct": ("direct", "direct_fresh"),
     "mmap": ("np_memmap_touch", "mmap_touch"),
     "mlock": ("np_memmap_touch",),
 }

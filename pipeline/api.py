@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
@@ -65,6 +66,10 @@ class LoadHandle:
             # why, so that the uploader frees its buffers rather than handing them over.
             with anyio.CancelScope(shield=True):
                 await stack.__aexit__(type(exc), exc, exc.__traceback__)
+            # Frames of cancelled tasks sit in reference cycles with their tracebacks and
+            # can hold views of closed mappings and buffers, which are freed only when
+            # the last view goes: collect them now, so a failed load leaves nothing behind.
+            gc.collect()
             self.hub.emit(Stage.FAILED, 0, 0, 0, 0, str(exc) or type(exc).__name__, force=True)
             raise
         with anyio.CancelScope(shield=True):

@@ -287,6 +287,8 @@ class _Load:
                 mapped_image = await anyio.to_thread.run_sync(
                     partial(allocate_mapped, layout, files, writable=self.swap)
                 )
+                # Owned at once: cancelled at the next await, it must still be unmapped.
+                self.images[k] = mapped_image
                 await anyio.to_thread.run_sync(self._advise, mapped_image, numa)
                 image = mapped_image
             else:

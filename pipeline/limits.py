@@ -24,7 +24,7 @@ import numpy as np
 
 from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
 from aiogguf.io.files import align_up, open_file
-from aiogguf.io.mapping import open_mapping
+from aiogguf.io.mapping import FileMapping, open_mapping
 from aiogguf.io.pagecache import drop_from_cache, resident_bytes
 
 __all__ = [
@@ -102,14 +102,23 @@ def _parallel(
 
 
 def _median_gbps(
-    runs: int, nbytes: int, prepare: Callable[[], object], run: Callable[[], None]
+    runs: int,
+    nbytes: int,
+    prepare: Callable[[], object],
+    run: Callable[[], None],
+    cleanup: Callable[[], None] = lambda: None,
 ) -> float:
+    """``cleanup`` runs after the clock stops: freeing GiBs of memory takes a while
+    (about 0.1 s per GiB here) and a load does not pay it either."""
     rates = []
     for _ in range(max(runs, 1)):
         prepare()
-        start = time.perf_counter()
-        run()
-        rates.append(nbytes / (time.perf_counter() - start) / GB)
+        try:
+            start = time.perf_counter()
+            run()
+            rates.append(nbytes / (time.perf_counter() - start) / GB)
+        finally:
+            cleanup()
     return statistics.median(rates)
 
 
@@ -134,18 +143,29 @@ def preadv_fresh_gbps(
     limit: page faults are paid inside the read, as they are in a real load)."""
     p = Path(path)
     nbytes = p.stat().st_size
+    warm_or_drop = _prepare(p, cold)
+    bufs: list[HostBuffer] = []
+
+    def prepare() -> None:
+        warm_or_drop()
+        # Mapping is instant; its pages are backed during the reads, inside the clock.
+        bufs.append(HostBuffer(nbytes, huge_pages=huge_pages))
+
+    def cleanup() -> None:
+        while bufs:
+            bufs.pop().close()
+
     with open_file(p) as f:
 
         def run() -> None:
-            with HostBuffer(nbytes, huge_pages=huge_pages) as buf:
-                view = buf.memoryview
-                _parallel(
-                    threads,
-                    _chunks(nbytes, chunk_bytes),
-                    lambda off, n: f.read_into(view[off : off + n], off),
-                )
+            view = bufs[-1].memoryview
+            _parallel(
+                threads,
+                _chunks(nbytes, chunk_bytes),
+                lambda off, n: f.read_into(view[off : off + n], off),
+            )
 
-        return _median_gbps(runs, nbytes, _prepare(p, cold), run)
+        return _median_gbps(runs, nbytes, prepare, run, cleanup)
 
 
 def preadv_touched_gbps(
@@ -178,30 +198,45 @@ def direct_gbps(
     threads: int = 2,
     runs: int = 1,
     chunk_bytes: int = CHUNK_BYTES,
+    fresh: bool = False,
 ) -> float:
     """``O_DIRECT`` reads of aligned chunks into touched memory: the disk, no cache.
+    ``fresh=True``: into never-touched memory, whose page faults then delay each read
+    (what a direct load into new buffers pays).
 
     Raises ``RuntimeError`` when the filesystem refuses ``O_DIRECT``.
     """
     p = Path(path)
     nbytes = p.stat().st_size
-    with (
-        open_file(p, direct=True) as f,
-        HostBuffer(align_up(nbytes, chunk_bytes), prefault=True) as buf,
-    ):
+    bufs: list[HostBuffer] = []
+
+    def prepare() -> None:
+        # The cache is dropped anyway: O_DIRECT must first write back dirty pages.
+        drop_from_cache(p)
+        if fresh or not bufs:
+            bufs.append(HostBuffer(align_up(nbytes, chunk_bytes), prefault=not fresh))
+
+    def cleanup() -> None:
+        while fresh and bufs:
+            bufs.pop().close()
+
+    with open_file(p, direct=True) as f:
         if not f.direct_ok:
             raise RuntimeError(f"{p}: O_DIRECT refused: {f.direct_refusal}")
-        view = buf.memoryview
 
         def run() -> None:
+            view = bufs[-1].memoryview
             _parallel(
                 threads,
                 _chunks(nbytes, chunk_bytes),
                 lambda off, n: f.read_direct_into(view[off : off + align_up(n, 4096)], off),
             )
 
-        # The cache is dropped anyway: O_DIRECT must first write back dirty pages.
-        return _median_gbps(runs, nbytes, lambda: drop_from_cache(p), run)
+        try:
+            return _median_gbps(runs, nbytes, prepare, run, cleanup)
+        finally:
+            while bufs:
+                bufs.pop().close()
 
 
 def memcpy_gbps(
@@ -236,11 +271,22 @@ def mmap_touch_gbps(
     p = Path(path)
     nbytes = p.stat().st_size
 
-    def run() -> None:
-        with open_mapping(p, 0, nbytes) as m:
-            _parallel(threads, _chunks(nbytes, chunk_bytes), lambda off, n: m.touch(off, off + n))
+    warm_or_drop = _prepare(p, cold)
+    maps: list[FileMapping] = []
 
-    return _median_gbps(runs, nbytes, _prepare(p, cold), run)
+    def prepare() -> None:
+        warm_or_drop()
+        maps.append(open_mapping(p, 0, nbytes))
+
+    def run() -> None:
+        m = maps[-1]
+        _parallel(threads, _chunks(nbytes, chunk_bytes), lambda off, n: m.touch(off, off + n))
+
+    def cleanup() -> None:
+        while maps:
+            maps.pop().close()
+
+    return _median_gbps(runs, nbytes, prepare, run, cleanup)
 
 
 def np_memmap_touch_s(path: str | os.PathLike[str], *, cold: bool = False) -> float:
@@ -251,7 +297,7 @@ def np_memmap_touch_s(path: str | os.PathLike[str], *, cold: bool = False) -> fl
     start = time.perf_counter()
     m = np.memmap(p, dtype=np.uint8, mode="r")
     m[::PAGE_BYTES].sum(dtype=np.uint64)
-    took = time.perf_counter() - start
+    took = time.perf_counter() - start  # unmapping is not counted, as for the loads
     m._mmap.close()  # type: ignore[attr-defined]  # unmap now, not at some later GC
     del m
     return took

@@ -17,13 +17,13 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from conftest import reference_files
+from helpers_gguf import write_gguf
 
 import aiogguf
 from aiogguf.errors import BigEndianError, SplitError
 from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.synth import SynthModel, write_synthetic_model
-from conftest import reference_files
-from helpers_gguf import write_gguf
 
 MODES = ("mmap", "mlock", "none", "direct")
 SPLIT_FIRST = "tiny-llama-Q4_K_M-split-00001-of-00003.gguf"
@@ -132,7 +132,8 @@ def test_reference_split_equals_unsplit(reference_dir: Path) -> None:
         aiogguf.load_sync(reference_dir / SPLIT_FIRST, mode="none") as split,
         aiogguf.load_sync(reference_dir / "tiny-llama-Q4_K_M.gguf", mode="mmap") as whole,
     ):
-        assert list(split.tensors) and set(split.tensors) == set(whole.tensors)
+        assert list(split.tensors)
+        assert set(split.tensors) == set(whole.tensors)
         for name in whole.tensors:
             assert bytes(split.raw(name)) == bytes(whole.raw(name)), name
         assert split.metadata["general.architecture"] == "llama"
@@ -140,9 +141,8 @@ def test_reference_split_equals_unsplit(reference_dir: Path) -> None:
 
 def test_later_shard_alone_is_refused(reference_dir: Path) -> None:
     later = reference_dir / "tiny-llama-Q4_K_M-split-00002-of-00003.gguf"
-    with pytest.raises(SplitError, match="00001-of-00003"):
-        with aiogguf.load_sync(later):
-            pass
+    with pytest.raises(SplitError, match="00001-of-00003"), aiogguf.load_sync(later):
+        pass
 
 
 # --- synthetic files of every type ------------------------------------------------------
@@ -285,9 +285,8 @@ def test_big_endian_synthetic_model_is_swapped(tmp_path: Path, mode: str) -> Non
 def test_big_endian_quantized_file_is_refused(tmp_path: Path, mode: str) -> None:
     m = write_synthetic_model(tmp_path / "q.gguf", size_bytes="1MiB", types="Q4_K", big_endian=True)
     (first_q4k, *_) = m.tensors_of_type("Q4_K")
-    with pytest.raises(BigEndianError) as info:
-        with aiogguf.load_sync(m.path, mode=mode):
-            pass
+    with pytest.raises(BigEndianError) as info, aiogguf.load_sync(m.path, mode=mode):
+        pass
     message = str(info.value)
     assert "Q4_K" in message
     assert f"'{first_q4k.name}'" in message or any(f"'{t.name}'" in message for t in m.tensors)

@@ -3,6 +3,7 @@ and fall back to plain reads (with a warning) where the filesystem refuses O_DIR
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -122,11 +123,12 @@ def test_direct_falls_back_with_a_warning_when_refused(
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    with pytest.warns(LoadWarning, match="mode 'none'") as record:
-        with aiogguf.load_sync(m.path, mode="direct") as model:
-            assert model.report.mode == "direct"
-            assert [f.direct for f in model.report.files] == [False]
-            assert any(str(m.path) in w for w in model.report.warnings)
-            for t in m.tensors:
-                assert bytes(model.raw(t.name)) == _file_bytes(m.path, t.file_offset, t.nbytes)
-    assert str(m.path) in str(record[0].message)
+    with contextlib.ExitStack() as stack:
+        with pytest.warns(LoadWarning, match="mode 'none'") as record:
+            model = stack.enter_context(aiogguf.load_sync(m.path, mode="direct"))
+        assert str(m.path) in str(record[0].message)
+        assert model.report.mode == "direct"
+        assert [f.direct for f in model.report.files] == [False]
+        assert any(str(m.path) in w for w in model.report.warnings)
+        for t in m.tensors:
+            assert bytes(model.raw(t.name)) == _file_bytes(m.path, t.file_offset, t.nbytes)

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from corrupt import expected_bad
 
 import aiogguf
 from aiogguf.cli import main
 from aiogguf.errors import TensorValidationError
 from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.synth import Corruption, SynthModel, write_synthetic_model
-from corrupt import expected_bad
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,24 +78,27 @@ def _assert_names_every_failure(exc: TensorValidationError, damaged: Damaged) ->
     assert f"found {len(damaged.expected)} " in message
     for name, (type_name, first, _count) in damaged.expected.items():
         line = next(ln for ln in message.splitlines() if f"'{name}'" in ln)
-        assert f"({type_name})" in line and f"first at index {first}" in line, line
+        assert f"({type_name})" in line, line
+        assert f"first at index {first}" in line, line
 
 
 @pytest.mark.parametrize("mode", ["none", "mmap", "direct"])
 def test_every_bad_tensor_in_one_error(damaged: Damaged, mode: str) -> None:
-    with pytest.raises(TensorValidationError) as info:
-        with aiogguf.load_sync(damaged.bad.path, mode=mode):
-            pytest.fail("a model with bad tensors must not be returned")
+    with (
+        pytest.raises(TensorValidationError) as info,
+        aiogguf.load_sync(damaged.bad.path, mode=mode),
+    ):
+        pytest.fail("a model with bad tensors must not be returned")
     _assert_names_every_failure(info.value, damaged)
 
 
 @pytest.mark.parametrize("mode", ["none", "mmap"])
 def test_bad_tensors_on_simulated_gpus_are_found_too(damaged: Damaged, mode: str) -> None:
-    with pytest.raises(TensorValidationError) as info:
-        with aiogguf.load_sync(
-            damaged.bad.path, mode=mode, sim_gpus=["1GiB", "1GiB"], n_gpu_layers=-1
-        ):
-            pass
+    with (
+        pytest.raises(TensorValidationError) as info,
+        aiogguf.load_sync(damaged.bad.path, mode=mode, sim_gpus=["1GiB", "1GiB"], n_gpu_layers=-1),
+    ):
+        pass
     _assert_names_every_failure(info.value, damaged)
 
 
@@ -135,7 +138,9 @@ def test_cli_validate_lists_every_bad_tensor(
     assert f"{len(damaged.expected)} bad tensors" in out
     for name, (type_name, first, count) in damaged.expected.items():
         line = next(ln for ln in out.splitlines() if name in ln)
-        assert type_name in line and str(first) in line and str(count) in line, line
+        assert type_name in line, line
+        assert str(first) in line, line
+        assert str(count) in line, line
 
 
 def test_cli_validate_clean_model(damaged: Damaged, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from aiogguf.cli.loading import load_with_progress, render_report
 from aiogguf.cli.options import add_placement_options, config_from_args
+from aiogguf.errors import ConfigError
 from aiogguf.synth import default_demo_path, ensure_synthetic_model
 from aiogguf.units import format_bytes, parse_size
 
@@ -25,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    size = parse_size(args.size)
+    try:
+        size = parse_size(args.size)
+    except ValueError as exc:
+        # A bad argument is the user's error (exit 2 with one line), not a crash.
+        raise ConfigError("--size", None, str(exc)) from exc
     path = default_demo_path(args.dir, size_bytes=size, seed=args.seed)
     t0 = time.perf_counter()
     with console.status(f"writing a {format_bytes(size)} synthetic model to {path}"):
