@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PAGE_BYTES",
     "ByteRegion",
+    "Closeable",
     "ClosedResourceError",
     "ExternalBuffer",
     "HostBuffer",
@@ -68,6 +69,36 @@ class ClosedResourceError(ValueError):
     def __init__(self, what: str) -> None:
         self.what = what
         super().__init__(f"{what} is closed")
+
+
+class Closeable:
+    """The lifecycle every closeable object here shares: an explicit state, ``with``
+    support, and a ``ResourceWarning`` (then a close) if it is collected while open."""
+
+    _state: ResourceState = ResourceState.CLOSED
+
+    @property
+    def state(self) -> ResourceState:
+        return self._state
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self._state is ResourceState.OPEN:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+            self.close()
 
 
 def buffer_address(buffer: Buffer) -> int:
@@ -108,7 +139,7 @@ class ByteRegion(Protocol):
     def close(self) -> None: ...
 
 
-class HostBuffer:
+class HostBuffer(Closeable):
     """``nbytes`` of page-aligned, zero-filled host memory (an anonymous mmap).
 
     ``prefault=True`` backs every page now (see ``prefault``); ``huge_pages`` asks for
@@ -122,7 +153,6 @@ class HostBuffer:
     """
 
     # Class-level defaults so __del__ is safe even when __init__ failed half-way.
-    _state: ResourceState = ResourceState.CLOSED
     _mmap: mmap.mmap | None = None
 
     def __init__(self, nbytes: int, *, prefault: bool = False, huge_pages: bool = False) -> None:
@@ -155,10 +185,6 @@ class HostBuffer:
     # -- lifecycle ---------------------------------------------------------------
 
     @property
-    def state(self) -> ResourceState:
-        return self._state
-
-    @property
     def memory_released(self) -> bool:
         """True once the memory is unmapped (after ``close`` and the last view's release)."""
         mapping = self._mmap_ref()
@@ -181,22 +207,6 @@ class HostBuffer:
             # Views are alive (numpy arrays, slices held by a reader): we have dropped
             # our references; the mmap is unmapped when the last view goes away.
             pass
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if self._state is ResourceState.OPEN:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
-            self.close()
 
     def __repr__(self) -> str:
         return f"<HostBuffer nbytes={self._nbytes} state={self._state.value}>"
@@ -251,14 +261,12 @@ class HostBuffer:
         del array
 
 
-class ExternalBuffer:
+class ExternalBuffer(Closeable):
     """Memory owned elsewhere (e.g. a CuPy pinned buffer) behind the ``ByteRegion`` face.
 
     ``memory`` must be a writable, C-contiguous buffer. ``release`` is called once, by the
     first ``close()``; the wrapped object itself is dropped at that point too.
     """
-
-    _state: ResourceState = ResourceState.CLOSED
 
     def __init__(
         self,
@@ -279,10 +287,6 @@ class ExternalBuffer:
         self._release = release
         self._name = name
         self._state = ResourceState.OPEN
-
-    @property
-    def state(self) -> ResourceState:
-        return self._state
 
     @property
     def nbytes(self) -> int:
@@ -312,22 +316,6 @@ class ExternalBuffer:
             self._view, release, self._release = None, self._release, None
         if release is not None:
             release()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if self._state is ResourceState.OPEN:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
-            self.close()
 
     def __repr__(self) -> str:
         return f"<ExternalBuffer {self._name!r} nbytes={self._nbytes} state={self._state.value}>"

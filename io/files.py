@@ -17,16 +17,12 @@ import enum
 import errno
 import os
 import threading
-import warnings
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 from aiogguf.errors import LoadError
-from aiogguf.io.buffers import ClosedResourceError, ResourceState, buffer_address
+from aiogguf.io.buffers import Closeable, ClosedResourceError, ResourceState, buffer_address
 
 if TYPE_CHECKING:
-    from typing import Self
-
     from typing_extensions import Buffer
 
 __all__ = [
@@ -78,10 +74,8 @@ def open_file(
     return DataFile(path, direct=direct, alignment=alignment)
 
 
-class DataFile:
+class DataFile(Closeable):
     """An open model file: positional reads into caller-owned memory. Use ``open_file``."""
-
-    _state: ResourceState = ResourceState.CLOSED
 
     def __init__(
         self, path: str | os.PathLike[str], *, direct: bool, alignment: int = DIRECT_ALIGNMENT
@@ -138,10 +132,6 @@ class DataFile:
     # -- lifecycle ---------------------------------------------------------------
 
     @property
-    def state(self) -> ResourceState:
-        return self._state
-
-    @property
     def direct_ok(self) -> bool:
         """True while ``read_direct_into`` really uses ``O_DIRECT``."""
         return self._direct_enabled
@@ -181,22 +171,6 @@ class DataFile:
             last = self._inflight == 0 and self._state is ResourceState.CLOSED
         if last:
             self._close_fds()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if self._state is ResourceState.OPEN:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
-            self.close()
 
     def __repr__(self) -> str:
         mode = "direct" if self.direct_ok else "buffered"

@@ -31,11 +31,9 @@ import mmap
 import os
 import resource
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,12 +41,18 @@ import numpy.typing as npt
 
 from aiogguf.errors import LoadError
 from aiogguf.io import _libc
-from aiogguf.io.buffers import PAGE_BYTES, ClosedResourceError, ResourceState, buffer_address
+from aiogguf.io.buffers import (
+    PAGE_BYTES,
+    Closeable,
+    ClosedResourceError,
+    ResourceState,
+    buffer_address,
+)
 from aiogguf.io.files import DataFile, align_down, align_up
 from aiogguf.units import format_bytes
 
 if TYPE_CHECKING:
-    from typing import Self
+    pass
 
 __all__ = [
     "FileMapping",
@@ -137,10 +141,8 @@ def open_mapping(
     return FileMapping(source, file_start, file_end, writable=writable, populate=populate)
 
 
-class FileMapping:
+class FileMapping(Closeable):
     """One mapped file range. Offsets in every method are absolute file offsets."""
-
-    _state: ResourceState = ResourceState.CLOSED
 
     def __init__(
         self,
@@ -212,10 +214,6 @@ class FileMapping:
     # -- lifecycle ---------------------------------------------------------------
 
     @property
-    def state(self) -> ResourceState:
-        return self._state
-
-    @property
     def nbytes(self) -> int:
         """Mapped bytes: ``map_end - map_start``."""
         return self.map_end - self.map_start
@@ -253,22 +251,6 @@ class FileMapping:
             mapping.close()
         except BufferError:
             pass  # views alive: the mapping is unmapped when the last one is released
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if self._state is ResourceState.OPEN:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
-            self.close()
 
     def __repr__(self) -> str:
         return (
