@@ -70,7 +70,10 @@ class LoadHandle:
             # can hold views of closed mappings and buffers, which are freed only when
             # the last view goes: collect them now, so a failed load leaves nothing behind.
             gc.collect()
-            self.hub.emit(Stage.FAILED, 0, 0, 0, 0, str(exc) or type(exc).__name__, force=True)
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                self.hub.end(Stage.CANCELLED, "cancelled")
+            else:
+                self.hub.end(Stage.FAILED, str(exc) or type(exc).__name__)
             raise
         with anyio.CancelScope(shield=True):
             await stack.aclose()  # files and staging rings; the model owns its buffers
@@ -84,7 +87,9 @@ class LoadHandle:
         tb: TracebackType | None,
     ) -> None:
         if self.model is not None:
-            self.model.close()
+            # Unmapping and freeing many GiB takes a while: not on the loop's thread.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.model.close)
 
 
 def load(

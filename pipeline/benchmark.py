@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from aiogguf.api import load
 from aiogguf.limits import (
     GB,
     direct_gbps,
@@ -168,8 +169,6 @@ async def measure_load(
 ) -> LoadSample:
     """Load ``path`` with ``config`` (a TOML path or None) and ``overrides`` while a
     ticker measures the loop lag."""
-    from aiogguf.api import load  # the worker imports the loader only when it needs it
-
     idle = await _idle_lag(0.2, tick_s)
     base_rss = _proc_status_bytes("VmRSS")
     lags: list[float] = []

@@ -162,7 +162,7 @@ class _Load:
         files = await self._open_files(stack)
         # Registered before the uploader: on failure the uploader first waits for its
         # copies in flight, and only then are the buffers they write into freed.
-        stack.callback(self._close_images_on_failure)
+        stack.push_async_callback(anyio.to_thread.run_sync, self._close_images_on_failure)
         uploader: Uploader | None = None
         if any(not lay.plan.host for lay in self.layouts):
             uploader = await stack.enter_async_context(
@@ -570,8 +570,16 @@ async def run_load(
     devices = tuple(devices) if devices is not None else enumerate_devices(config)
     plan = make_plan(index, devices, config)
     t2 = hub.elapsed()
-    hub.emit(Stage.PLAN, 0, 0, 0, 0, f"{len(plan.buffers)} buffers", force=True)
     load = _Load(index, plan, devices, config, hub, limiter)
     load.stage_busy["parse"] = t1 - t0
     load.stage_busy["plan"] = t2 - t1
+    hub.emit(
+        Stage.PLAN,
+        0,
+        load.bytes_total,
+        0,
+        load.tensors_total,
+        f"{len(plan.buffers)} buffers",
+        force=True,
+    )
     return await load.run(stack)

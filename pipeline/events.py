@@ -27,6 +27,7 @@ class Stage(StrEnum):
     VALIDATE = "validate"
     DONE = "done"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,7 @@ class Progress:
 
     @property
     def final(self) -> bool:
-        return self.stage in (Stage.DONE, Stage.FAILED)
+        return self.stage in (Stage.DONE, Stage.FAILED, Stage.CANCELLED)
 
 
 ProgressCallback = Callable[[Progress], None]
@@ -126,6 +127,22 @@ class ProgressHub:
                     send.send_nowait(event)
         if event.final:
             self.close()
+
+    def end(self, stage: Stage, message: str) -> None:
+        """The final event of a load that did not finish: the last counts, and why."""
+        last = self.last
+        if last is None:
+            self.emit(stage, 0, 0, 0, 0, message, force=True)
+        else:
+            self.emit(
+                stage,
+                last.bytes_done,
+                last.bytes_total,
+                last.tensors_done,
+                last.tensors_total,
+                message,
+                force=True,
+            )
 
     def close(self) -> None:
         if self._closed:

@@ -116,9 +116,10 @@ class LoadLimiter:
         self._readers = 0
         self._staging = 0
         self._waiting = 0
-        # FIFO order among waiters: only the holder of ``_turn`` checks for room.
-        self._turn = anyio.Lock()
-        self._freed = anyio.Event()
+        # FIFO order among waiters: only the holder of ``_turn`` checks for room. Both
+        # are made on first use: a limiter may be built before the event loop runs.
+        self._turn: anyio.Lock | None = None
+        self._freed: anyio.Event | None = None
 
     def statistics(self) -> LimiterStats:
         return LimiterStats(self._loads, self._readers, self._staging, self._waiting)
@@ -135,10 +136,14 @@ class LoadLimiter:
         """Hold one load's share of the budget for the ``async with`` block."""
         readers = min(max(readers, 1), self.max_readers)
         staging_bytes = min(max(staging_bytes, 0), self.max_staging_bytes)
+        if self._turn is None:
+            self._turn = anyio.Lock()
         self._waiting += 1
         try:
             async with self._turn:
                 while not self._fits(readers, staging_bytes):
+                    if self._freed is None:
+                        self._freed = anyio.Event()
                     await self._freed.wait()
         finally:
             self._waiting -= 1
@@ -151,9 +156,10 @@ class LoadLimiter:
             self._loads -= 1
             self._readers -= readers
             self._staging -= staging_bytes
-            # Wake the head waiter; a fresh event for the next round of waiting.
-            self._freed.set()
-            self._freed = anyio.Event()
+            # Wake the head waiter; it makes a fresh event if it has to wait again.
+            if self._freed is not None:
+                self._freed.set()
+                self._freed = None
 
 
 # --- one load -------------------------------------------------------------------------
@@ -185,6 +191,8 @@ class _Entry:
         self.unload = anyio.Event()
         self.finished = anyio.Event()
         self._subscribers: list[MemoryObjectSendStream[dict[str, Any]]] = []
+        # Set (and replaced) whenever subscribers may have something new.
+        self.changed = anyio.Event()
 
     @property
     def settled(self) -> bool:
@@ -217,7 +225,7 @@ class _Entry:
     # Progress arrives on the loop thread, from the load's own task.
     def on_progress(self, progress: Progress) -> None:
         self.progress = progress
-        # The engine's final event (done / failed) is followed at once by the state
+        # The engine's final event (done / failed / cancelled) is followed at once by the state
         # change, which publishes the snapshot that ends the stream.
         if not progress.final:
             self.publish()
@@ -235,9 +243,8 @@ class _Entry:
                 ):
                     send.send_nowait(snapshot)
         if final:
-            for send in self._subscribers:
-                send.close()
-            self._subscribers.clear()
+            self.close_subscribers()
+        self._notify()
 
     def subscribe(self, buffer: int = 32) -> MemoryObjectReceiveStream[dict[str, Any]]:
         """Snapshots from now on, starting with the current one; ends once settled."""
@@ -253,6 +260,11 @@ class _Entry:
         for send in self._subscribers:
             send.close()
         self._subscribers.clear()
+        self._notify()
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
 
 
 def _device_memory(devices: Sequence[Device]) -> dict[str, int]:
@@ -309,13 +321,16 @@ class LoaderRegistry:
     waits until each has closed its model, and ends the supervisor.
     """
 
-    def __init__(self, config: Config, limiter: LoadLimiter) -> None:
+    def __init__(
+        self, config: Config, limiter: LoadLimiter, roots: Sequence[str] | None = None
+    ) -> None:
         self.config = config
         self.limiter = limiter
+        self.roots = tuple(os.path.realpath(r) for r in roots) if roots is not None else None
         self.entries: dict[str, _Entry] = {}
         self._ids = itertools.count(1)
         self._tg: TaskGroup | None = None
-        self._stop = anyio.Event()
+        self._stop: anyio.Event | None = None  # made in ``start``, inside the loop
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -324,23 +339,28 @@ class LoaderRegistry:
         return self._tg is not None and not self._closing
 
     async def start(self) -> None:
+        self._stop = anyio.Event()
         started = anyio.Event()
         # The one task the registry creates outside a task group; ``aclose`` joins it.
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(started))
         await started.wait()
 
     async def _supervise(self, started: anyio.Event) -> None:
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            started.set()
-            await self._stop.wait()
-            tg.cancel_scope.cancel()
-        self._tg = None
+        assert self._stop is not None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                started.set()
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            self._tg = None
 
     async def aclose(self) -> None:
         """Cancel every load and close every model; idempotent."""
         self._closing = True
-        self._stop.set()
+        if self._stop is not None:
+            self._stop.set()
         if self._supervisor is not None:
             with anyio.CancelScope(shield=True):
                 await self._supervisor
@@ -410,9 +430,14 @@ class _BadRequest(Exception):
         self.status = status
 
 
-def _existing_file(path: str) -> str | None:
+def _locate(path: str, roots: Sequence[str] | None) -> tuple[str, bool, bool]:
+    """``path`` made absolute, whether it is a file, whether ``roots`` allow it."""
     full = os.path.abspath(os.path.expanduser(path))
-    return full if os.path.isfile(full) else None
+    if roots is None:
+        return full, os.path.isfile(full), True
+    real = os.path.realpath(full)  # a symlink out of the roots does not count as inside
+    allowed = any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+    return full, os.path.isfile(full), allowed
 
 
 def _split_count(path: str) -> int:
@@ -446,10 +471,13 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
     except (TypeError, ValueError) as exc:  # a JSON value of a shape no key takes
         raise _BadRequest(f"request config: {_one_line(exc)}") from exc
     # A stat and device discovery (CuPy initialisation) may block: not on the loop.
-    found = await anyio.to_thread.run_sync(_existing_file, path)
-    if found is None:
+    full, exists, allowed = await anyio.to_thread.run_sync(_locate, path, registry.roots)
+    if not allowed:
+        # Said the same way whether or not the file exists: nothing leaks from outside.
+        raise _BadRequest(f"{path}: not under a served directory", status=403)
+    if not exists:
         raise _BadRequest(f"{path}: no such file")
-    path = found
+    path = full
     try:
         devices = await anyio.to_thread.run_sync(enumerate_devices, config)
     except ConfigError as exc:
@@ -469,6 +497,9 @@ _REGISTRY = web.AppKey("aiogguf_registry", LoaderRegistry)
 
 # How long DELETE waits for a load to wind down before answering 202.
 _STOP_WAIT_S = 30.0
+# An event stream with nothing to say (a load queued behind others) says this often
+# that it is alive.
+_KEEPALIVE_S = 15.0
 
 
 def _error(status: int, reason: str) -> web.Response:
@@ -522,7 +553,19 @@ async def _model_events(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     async with entry.subscribe() as snapshots:
         try:
-            async for snapshot in snapshots:
+            while True:
+                try:
+                    snapshot = snapshots.receive_nowait()
+                except anyio.EndOfStream:
+                    break
+                except anyio.WouldBlock:
+                    # Wait for news on an event, not on the stream: a timeout that hit
+                    # ``receive()`` just as a snapshot arrived would lose that snapshot.
+                    with anyio.move_on_after(_KEEPALIVE_S) as idle:
+                        await entry.changed.wait()
+                    if idle.cancelled_caught:
+                        await response.write(b": keep-alive\n\n")  # an SSE comment
+                    continue
                 await response.write(f"data: {json.dumps(snapshot)}\n\n".encode())
         except ConnectionError:
             return response  # the client left; the load goes on
@@ -584,18 +627,25 @@ def create_app(
     *,
     config: Config | str | os.PathLike[str] | None = None,
     limiter: LoadLimiter | None = None,
+    roots: Sequence[str | os.PathLike[str]] | None = None,
 ) -> web.Application:
     """The load server as an aiohttp application, standalone or mounted with
     ``parent.add_subapp(prefix, create_app())``.
 
     ``config``: the base of every load (a ``Config``, a TOML path or None); a request's
     ``config`` overrides keys of it. ``limiter``: the budget shared by the loads (pass
-    the same one to several apps to share it); default ``LoadLimiter()``.
+    the same one to several apps to share it); default ``LoadLimiter()``. ``roots``:
+    directories whose files may be loaded (others get 403); None allows any path the
+    process can read, so bind such a server to a trusted interface only.
 
     Raises ``ConfigError`` for a bad ``config``.
     """
     app = web.Application()
-    registry = LoaderRegistry(load_config(config), limiter or LoadLimiter())
+    registry = LoaderRegistry(
+        load_config(config),
+        limiter or LoadLimiter(),
+        [os.fspath(r) for r in roots] if roots is not None else None,
+    )
     app[_REGISTRY] = registry
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)

@@ -211,3 +211,25 @@ def test_missing_file_is_a_load_error(tmp_path: Path) -> None:
         aiogguf.load_sync(tmp_path / "missing.gguf"),
     ):
         pass
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_load_ends_with_a_cancelled_event(model_file: SynthModel) -> None:
+    """The final event of a cancelled load says so, and keeps the counts it had."""
+    seen: list[Progress] = []
+
+    def on_progress(event: Progress) -> None:
+        seen.append(event)
+        if event.stage is Stage.PLAN:
+            scope.cancel()
+
+    with anyio.CancelScope() as scope:
+        async with aiogguf.load(
+            model_file.path, mode="none", chunk_size="64KiB", progress=on_progress
+        ):
+            pytest.fail("the load was cancelled: the body must not run")
+    last = seen[-1]
+    assert last.stage is Stage.CANCELLED
+    assert last.final
+    assert last.message == "cancelled"
+    assert (last.bytes_done, last.tensors_done) == (seen[-2].bytes_done, seen[-2].tensors_done)

@@ -23,7 +23,7 @@ from aiogguf.synth import default_demo_path, ensure_synthetic_model
 from aiogguf.units import format_bytes, parse_size
 
 # (size, chunk sizes, readers, queue depths, runs): the full sweep and --quick.
-FULL = ("1GiB", "1MiB,4MiB,16MiB,64MiB,256MiB", "1,2,4", "8", 3)
+FULL = ("1GiB", "1MiB,4MiB,16MiB,64MiB,256MiB", "1,2,4", "2,8", 3)
 QUICK = ("256MiB", "4MiB,64MiB", "2", "8", 1)
 
 

@@ -43,7 +43,7 @@ def load_with_progress(
         def on_progress(event: LoadProgress) -> None:
             if event.stage in (Stage.READ, Stage.DONE):
                 bar.update(task, completed=event.bytes_done, total=event.bytes_total or None)
-            elif event.stage is Stage.FAILED:
+            elif event.stage in (Stage.FAILED, Stage.CANCELLED):
                 bar.update(task, description=f"{os.path.basename(os.fspath(path))} (failed)")
 
         async def go() -> LoadReport:

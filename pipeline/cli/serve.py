@@ -7,6 +7,7 @@ cancelling every load and closing every model first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,11 +16,19 @@ from aiogguf.units import parse_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
+    )
     parser.add_argument(
         "--port", type=int, default=8765, help="port; 0 picks a free one (default: %(default)s)"
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file: the base of every load")
+    parser.add_argument(
+        "--root",
+        action="append",
+        metavar="DIR",
+        help="serve only files under DIR (repeatable; default: any readable path)",
+    )
     parser.add_argument(
         "--max-loads", type=int, default=4, metavar="N", help="loads at once (default: 4)"
     )
@@ -43,7 +52,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from aiogguf.server import LoadLimiter, create_app, serve
     except ImportError as exc:
-        print(f"aiogguf serve: needs aiohttp (pip install 'aiogguf[server]'): {exc}", file=sys.stderr)
+        print(
+            f"aiogguf serve: needs aiohttp (pip install 'aiogguf[server]'): {exc}",
+            file=sys.stderr,
+        )
         return 1
     from aiogguf.api import run as run_loop
 
@@ -52,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"aiogguf serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(config=args.config, limiter=limiter)
+    app = create_app(config=args.config, limiter=limiter, roots=args.root)
 
     def started(addresses: Sequence[Any]) -> None:
         for address in addresses:
@@ -63,9 +75,8 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         await serve(app, host=args.host, port=args.port, on_started=started)
 
-    try:
+    # The loop runner turns SIGINT into cancellation first, so shutdown has run.
+    with contextlib.suppress(KeyboardInterrupt):
         run_loop(main)
-    except KeyboardInterrupt:
-        pass  # the loop runner turns SIGINT into cancellation first: shutdown has run
     print("aiogguf serve: stopped", flush=True)
     return 0
