@@ -45,10 +45,14 @@ def parse_size(value: int | str) -> int:
 
 
 def format_bytes(n: int | float) -> str:
-    """``n`` bytes in binary units with three significant digits: ``"1.50 GiB"``."""
+    """``n`` bytes in binary units with three significant digits: ``"1.50 GiB"``,
+    ``"1023 MiB"``."""
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.3g} {unit}"
+            if unit == "B":
+                return f"{int(size)} B"
+            digits = 2 if abs(size) < 10 else 1 if abs(size) < 100 else 0
+            return f"{size:.{digits}f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")

@@ -70,7 +70,8 @@ def render_report(report: LoadReport, console: Console) -> None:
             f"{s.busy_s:.3f}",
             str(s.items),
             format_bytes(s.nbytes) if s.nbytes else "-",
-            _gbps(s.nbytes, s.wall_s) if s.nbytes else "-",
+            # Throughput only where bytes flow; allocation only reserves them.
+            _gbps(s.nbytes, s.wall_s) if s.nbytes and s.name != "allocate" else "-",
         )
     buffers = Table(title="buffers", title_justify="left")
     for col in ("device", "buffer type", "lazy", "tensors", "size"):
