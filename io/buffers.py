@@ -247,17 +247,22 @@ class HostBuffer(Closeable):
         """A writable uint8 numpy view of exactly ``nbytes`` bytes."""
         return np.frombuffer(self._open_mmap(), dtype=np.uint8, count=self._nbytes)
 
-    def prefault(self) -> None:
-        """Back every page with real memory now, so later reads take no page faults."""
+    def prefault(self, start: int = 0, end: int | None = None) -> None:
+        """Back the pages of ``[start, end)`` (default: all) with real memory now, so that
+        later reads into them take no page faults."""
         mapping = self._open_mmap()
+        end = self._capacity_bytes if end is None else min(end, self._capacity_bytes)
+        start -= start % PAGE_BYTES
+        if start >= end:
+            return
         # Holding an array keeps the mapping alive even if another thread closes us.
         array = np.frombuffer(mapping, dtype=np.uint8)
         try:
-            _libc.madvise(self._address, self._capacity_bytes, _libc.MADV_POPULATE_WRITE)
+            _libc.madvise(self._address + start, end - start, _libc.MADV_POPULATE_WRITE)
         except OSError:
             # Kernels before 5.14: write one byte per page (reading would only map the
             # shared zero page and allocate nothing).
-            array[::PAGE_BYTES] = 0
+            array[start:end:PAGE_BYTES] = 0
         del array
 
 

@@ -148,6 +148,7 @@ class _Load:
         self.disks: list[str] = []  # per file: the disk it is read from
         self.swap = needs_swap(index.byte_order)
         self._lock_refused = False
+        self._prefaulter = anyio.CapacityLimiter(1)
         loaded = [t for t in plan.tensors if not t.lazy]
         self.bytes_total = sum(t.nbytes for t in loaded)
         self.tensors_total = len(loaded)
@@ -338,9 +339,16 @@ class _Load:
         return per_file
 
     async def _emit(self, jobs: Sequence[ReadJob], send: MemoryObjectSendStream[ReadJob]) -> None:
+        """Hand out one file's jobs in load order, each once its buffer exists. In
+        ``direct`` mode the CPU waits for the disk anyway: the destination pages of the
+        jobs queued ahead are backed meanwhile, so the reads take no page faults."""
+        prefault = self.mode == "direct" and self.config.load.prefetch
         async with send:
             for job in jobs:
                 await self.ready_events[job.buffer_index].wait()
+                image = self.images[job.buffer_index]
+                if prefault and isinstance(image, HostImage):
+                    await anyio.to_thread.run_sync(image.prefault, job, limiter=self._prefaulter)
                 await send.send(job)
 
     async def _read_loop(

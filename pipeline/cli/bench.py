@@ -135,9 +135,12 @@ def render(result: SweepResult, console: Console) -> None:
     for name, gbps in result.limits.items():
         limits.add_row(name, f"{gbps:.2f}", LIMIT_NOTES.get(name, ""))
     console.print(limits)
-    points = Table(title=f"{format_bytes(result.size_bytes)} model, median of {result.runs} run(s)")
-    for col in ("mode", "chunk", "readers", "queue", "GB/s", "limit", "ratio", "lag p99 ms"):
-        points.add_column(col, justify="left" if col in ("mode", "limit") else "right")
+    points = Table(
+        title=f"{result.size_bytes / 1e9:.2f} GB model, median of {result.runs} run(s); "
+        "ratio = GB/s / the mode's limit"
+    )
+    for col in ("mode", "chunk", "readers", "queue", "GB/s", "limit GB/s", "ratio", "lag p99 ms"):
+        points.add_column(col, justify="left" if col == "mode" else "right")
     for p in result.points:
         data = p.to_json()
         points.add_row(
@@ -146,7 +149,7 @@ def render(result: SweepResult, console: Console) -> None:
             str(p.point.readers),
             str(p.point.queue_depth),
             f"{p.gbps:.2f}",
-            p.limit,
+            f"{p.limit_gbps:.2f}",
             f"{p.ratio:.2f}",
             f"{data['loop_lag_p99_ms']:.1f}",
         )
