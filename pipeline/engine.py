@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
 from typing import Any
@@ -30,14 +31,14 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.config import Config
-from aiogguf.errors import BigEndianError, GGUFError
+from aiogguf.errors import BigEndianError, GGUFError, TensorFailure, TensorValidationError
 from aiogguf.events import ProgressHub, Stage
 from aiogguf.io.byteswap import can_convert, needs_swap, to_native
 from aiogguf.io.devices.base import Device
 from aiogguf.io.devices.registry import enumerate_devices
 from aiogguf.io.files import DataFile, FileAdvice, align_up, open_file
 from aiogguf.io.mapping import MapAdvice, numa_nodes
-from aiogguf.jobs import ReadJob, TensorSlot
+from aiogguf.jobs import BufferLayout, ReadJob, TensorSlot
 from aiogguf.model import Model
 from aiogguf.records import Plan, TensorEntry, WeightIndex
 from aiogguf.report import BufferReport, FileReport, LoadReport, StageReport
@@ -57,7 +58,7 @@ from aiogguf.stages.index import open_index
 from aiogguf.stages.plan import make_plan
 from aiogguf.stages.read import Reader
 from aiogguf.stages.upload import Uploader
-from aiogguf.stages.validate import ValidationCollector
+from aiogguf.stages.validate import PieceCheck, ValidationCollector
 
 __all__ = ["LoadWarning", "run_load"]
 
@@ -66,30 +67,36 @@ class LoadWarning(UserWarning):
     """Something about a load the user should know (a fallback, a low limit)."""
 
 
-@dataclass(slots=True)
-class _TensorProgress:
-    """Bytes still missing per tensor, for telling when a tensor has fully landed."""
+class _Spans:
+    """Each buffer's tensors by file offset, for finding the tensors a read touched.
+    Built once, read-only afterwards: reader threads may use it."""
 
-    remaining: dict[str, int]
-    # per (buffer, file): sorted tensor starts and their names/ends, for overlap lookups
-    starts: dict[tuple[int, int], list[tuple[int, int, str]]] = field(default_factory=dict)
+    def __init__(self, index: WeightIndex, layouts: Sequence[BufferLayout]) -> None:
+        self._spans: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+        for layout in layouts:
+            if layout.plan.lazy:
+                continue
+            for rs in layout.slots:
+                spans = self._spans.setdefault((layout.index, rs.range.file_index), [])
+                spans.extend((index[n].offset, index[n].end, n) for n in rs.range.tensors)
+        for spans in self._spans.values():
+            spans.sort()
 
-    def landed(self, job: ReadJob) -> list[str]:
-        """Names of the tensors that ``job`` completed."""
-        entries = self.starts.get((job.buffer_index, job.file_index), [])
-        i = bisect.bisect_right(entries, job.useful_start, key=lambda e: e[0]) - 1
-        i = max(i, 0)
-        done: list[str] = []
-        while i < len(entries) and entries[i][0] < job.useful_end:
-            start, end, name = entries[i]
-            overlap = min(end, job.useful_end) - max(start, job.useful_start)
-            if overlap > 0:
-                left = self.remaining[name] - overlap
-                self.remaining[name] = left
-                if left == 0:
-                    done.append(name)
+    def names(self) -> Iterator[str]:
+        return (name for spans in self._spans.values() for _, _, name in spans)
+
+    def overlapping(
+        self, buffer_index: int, file_index: int, start: int, end: int
+    ) -> Iterator[tuple[int, int, str]]:
+        """``(lo, hi, name)``: the part ``[lo, hi)`` of each tensor inside ``[start, end)``."""
+        spans = self._spans.get((buffer_index, file_index), [])
+        i = max(bisect.bisect_right(spans, start, key=lambda e: e[0]) - 1, 0)
+        while i < len(spans) and spans[i][0] < end:
+            t_start, t_end, name = spans[i]
+            lo, hi = max(t_start, start), min(t_end, end)
+            if lo < hi:
+                yield lo, hi, name
             i += 1
-        return done
 
 
 @contextmanager
@@ -140,6 +147,7 @@ class _Load:
         self.alignment = config.pipeline.alignment
         self.layouts = layout_buffers(plan, self.alignment)
         self.slots: dict[str, TensorSlot] = tensor_slots(index, self.layouts)
+        self.spans = _Spans(index, self.layouts)
         self.images: list[Image | None] = [None] * len(self.layouts)
         self.ready_events = [anyio.Event() for _ in self.layouts]
         self.warnings: list[str] = list(plan.warnings)
@@ -149,6 +157,13 @@ class _Load:
         self.swap = needs_swap(index.byte_order)
         self._lock_refused = False
         self._prefaulter = anyio.CapacityLimiter(1)
+        # Host tensors read by preadv/O_DIRECT are checked piece by piece by the readers
+        # (mapped and device tensors by the validation stage, after they have landed).
+        self.piece_checks = self._piece_checks()
+        self.piece_failures: list[TensorFailure] = []
+        self._piece_lock = threading.Lock()
+        self.piece_busy_s = 0.0
+        self.piece_bytes = 0
         loaded = [t for t in plan.tensors if not t.lazy]
         self.bytes_total = sum(t.nbytes for t in loaded)
         self.tensors_total = len(loaded)
@@ -179,6 +194,7 @@ class _Load:
             clock=self.hub.elapsed,
             swap=self._swap_job if self.swap else None,
             shared=self.shared_limiter,
+            check=self._check_piece if self.piece_checks else None,
         )
         check = self.config.load.check_tensors
         t_read = self.hub.elapsed()
@@ -205,10 +221,11 @@ class _Load:
                     tg.start_soon(self._track, landed_recv, ready_send, uploader)
                     tg.start_soon(self._validate_loop, ready_recv, validator if check else None)
         read_s = self.hub.elapsed() - t_read
+        failures = self._failures(validator)
         if check:
-            self.validated = validator.submitted
-            if validator.failures and not self.config.load.keep_invalid:
-                validator.raise_if_failed(self.index.files[0].path)
+            self.validated = validator.submitted + len(self.piece_checks)
+            if failures and not self.config.load.keep_invalid:
+                raise TensorValidationError(failures, self.index.files[0].path)
         self.hub.emit(
             Stage.DONE,
             self.bytes_done,
@@ -220,7 +237,7 @@ class _Load:
         report = self._report(reader, read_s, validator if check else None)
         images = list(self.images)
         self.images[:] = [None] * len(self.images)  # the model owns them now
-        return Model(self.index, self.plan, images, self.slots, report, failures=validator.failures)
+        return Model(self.index, self.plan, images, self.slots, report, failures=failures)
 
     # --- open, allocate ---------------------------------------------------------------
 
@@ -250,6 +267,16 @@ class _Load:
             for f in files:
                 await anyio.to_thread.run_sync(f.fadvise, FileAdvice.SEQUENTIAL)
         return files
+
+    def _piece_checks(self) -> dict[str, PieceCheck]:
+        if not self.config.load.check_tensors or self.swap or self.mode not in ("none", "direct"):
+            return {}
+        return {
+            name: PieceCheck(name, self.index[name].type, self.index[name].nbytes)
+            for layout in self.layouts
+            if layout.plan.host and not layout.plan.lazy
+            for name in layout.plan.tensors
+        }
 
     def _disk_limiters(self, files: Sequence[DataFile]) -> list[anyio.CapacityLimiter]:
         """One reader limiter per disk, shared by the files on it: a disk is a
@@ -393,13 +420,19 @@ class _Load:
     ) -> None:
         """Turn landed jobs into ready tensors. Device tensors are ready once their
         copies completed: after the upload stage drained."""
-        progress = self._tensor_progress()
+        remaining = {name: self.index[name].nbytes for name in self.spans.names()}
         device_tensors: list[str] = []
         async with landed, ready:
             async for job in landed:
                 self.bytes_done += job.useful_end - job.useful_start
                 on_device = not self.layouts[job.buffer_index].plan.host
-                for name in progress.landed(job):
+                spans = self.spans.overlapping(
+                    job.buffer_index, job.file_index, job.useful_start, job.useful_end
+                )
+                for lo, hi, name in spans:
+                    remaining[name] -= hi - lo
+                    if remaining[name]:
+                        continue
                     if on_device:
                         device_tensors.append(name)
                     else:
@@ -416,21 +449,6 @@ class _Load:
             for name in device_tensors:
                 await ready.send(name)
 
-    def _tensor_progress(self) -> _TensorProgress:
-        progress = _TensorProgress(remaining={})
-        for layout in self.layouts:
-            if layout.plan.lazy:
-                continue
-            for rs in layout.slots:
-                key = (layout.index, rs.range.file_index)
-                for name in rs.range.tensors:
-                    entry = self.index[name]
-                    progress.remaining[name] = entry.nbytes
-                    progress.starts.setdefault(key, []).append((entry.offset, entry.end, name))
-        for entries in progress.starts.values():
-            entries.sort()
-        return progress
-
     async def _validate_loop(
         self,
         ready: MemoryObjectReceiveStream[str],
@@ -441,10 +459,17 @@ class _Load:
             async for name in ready:
                 if lock:
                     await self._lock(name)
-                if validator is not None:
+                piece_check = self.piece_checks.get(name)
+                if piece_check is not None:
+                    # Its pieces were checked as they landed: only the units that
+                    # straddled two pieces are left.
+                    data, _ = self._tensor_data(self.index[name], self._image_of(name))
+                    failure = await anyio.to_thread.run_sync(piece_check.finish, data)
+                    if failure is not None:
+                        self.piece_failures.append(failure)
+                elif validator is not None:
                     entry = self.index[name]
-                    image = self.images[self.slots[name].buffer_index]
-                    data, xp = self._tensor_data(entry, image)
+                    data, xp = self._tensor_data(entry, self._image_of(name))
                     await validator.submit(name, entry.type, data, xp=xp)
                 self.tensors_done += 1
                 self.hub.emit(
@@ -454,6 +479,30 @@ class _Load:
                     self.tensors_done,
                     self.tensors_total,
                 )
+
+    def _image_of(self, name: str) -> Image | None:
+        return self.images[self.slots[name].buffer_index]
+
+    def _check_piece(self, job: ReadJob, file_offset: int, piece: memoryview) -> None:
+        """Reader thread: validate the tensors' bytes in a piece that has just landed."""
+        began = time.perf_counter()
+        data = np.frombuffer(piece, dtype=np.uint8)
+        end = file_offset + len(data)
+        for lo, hi, name in self.spans.overlapping(
+            job.buffer_index, job.file_index, file_offset, end
+        ):
+            self.piece_checks[name].check_piece(
+                data[lo - file_offset : hi - file_offset], lo - self.index[name].offset
+            )
+        with self._piece_lock:
+            self.piece_busy_s += time.perf_counter() - began
+            self.piece_bytes += len(data)
+
+    def _failures(self, validator: ValidationCollector) -> tuple[TensorFailure, ...]:
+        """Every bad tensor, from both ways of checking, in index order."""
+        order = {t.name: i for i, t in enumerate(self.index.tensors)}
+        found = [*validator.failures, *self.piece_failures]
+        return tuple(sorted(found, key=lambda f: order[f.name]))
 
     def _tensor_data(self, entry: TensorEntry, image: Image | None) -> tuple[Any, ModuleType]:
         slot = self.slots[entry.name]
@@ -536,9 +585,9 @@ class _Load:
                 StageReport(
                     "validate",
                     read_s,
-                    validator.busy_s,
-                    validator.submitted,
-                    validator.bytes_checked,
+                    validator.busy_s + self.piece_busy_s,
+                    validator.submitted + len(self.piece_checks),
+                    validator.bytes_checked + self.piece_bytes,
                 )
             )
         buffers = tuple(

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 __all__ = ["BufferReport", "DiskReport", "FileReport", "LoadReport", "StageReport"]
 
 
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class StageReport:
     """``busy_s`` sums the time the stage's workers spent working (it can exceed the
@@ -43,8 +47,7 @@ class FileReport:
 
     @property
     def gbps(self) -> float:
-        span = self.end_s - self.start_s
-        return self.nbytes / span / 1e9 if span > 0 else 0.0
+        return _gbps(self.nbytes, self.end_s - self.start_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +62,7 @@ class DiskReport:
 
     @property
     def gbps(self) -> float:
-        span = self.end_s - self.start_s
-        return self.nbytes / span / 1e9 if span > 0 else 0.0
+        return _gbps(self.nbytes, self.end_s - self.start_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,7 @@ class LoadReport:
 
     @property
     def gbps(self) -> float:
-        return self.nbytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+        return _gbps(self.nbytes, self.total_s)
 
     @property
     def disks(self) -> tuple[DiskReport, ...]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from aiogguf.io.files import DataFile
+from aiogguf.io.files import MAX_CALL_BYTES, DataFile
 from aiogguf.jobs import ReadJob
 from aiogguf.stages.allocate import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.stages.upload import Uploader
@@ -41,7 +41,9 @@ class FileStats:
 class Reader:
     """Executes read jobs for one load. ``swap`` (big-endian files) converts the bytes of
     a landed job in place before anyone else sees them; ``shared`` bounds the reads in
-    flight across every load that shares it."""
+    flight across every load that shares it; ``check(job, file_offset, piece)`` validates
+    each piece of a host buffer as soon as it has landed, while it is still in the CPU's
+    cache, on the reader's own thread."""
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class Reader:
         clock: Callable[[], float],
         swap: Callable[[ReadJob, memoryview], None] | None = None,
         shared: anyio.CapacityLimiter | None = None,
+        check: Callable[[ReadJob, int, memoryview], None] | None = None,
     ) -> None:
         self._files = files
         self._images = images
@@ -63,6 +66,7 @@ class Reader:
         self._clock = clock
         self._swap = swap
         self._shared = shared
+        self._check = check
         self.stats = [FileStats() for _ in files]
 
     @property
@@ -107,9 +111,23 @@ class Reader:
                 self._swap(job, mapping.view(job.file_offset, job.nbytes))
             return
         dest = image.dest(job)
+        if self._check is not None and not self._direct[job.file_index]:
+            # Piece by piece: each piece is checked right after it lands, still hot.
+            useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
+            for lo in range(0, len(useful), MAX_CALL_BYTES):
+                piece = useful[lo : lo + MAX_CALL_BYTES]
+                self._files[job.file_index].read_into(piece, job.useful_start + lo)
+                self._check(job, job.useful_start + lo, piece)
+            return
         self._read_into(job, dest)
         if self._swap is not None:
             self._swap(job, dest)
+        if self._check is not None:
+            # O_DIRECT lands by DMA, not through the cache: check the job in pieces now,
+            # on this thread, so that no tensor waits for a separate pass at the end.
+            useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
+            for lo in range(0, len(useful), MAX_CALL_BYTES):
+                self._check(job, job.useful_start + lo, useful[lo : lo + MAX_CALL_BYTES])
 
     def _read_into(self, job: ReadJob, dest: memoryview) -> None:
         file = self._files[job.file_index]

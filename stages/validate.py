@@ -25,7 +25,9 @@ dtypes because CuPy has no byte-swapped dtypes); big-endian files are converted 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -40,6 +42,7 @@ from aiogguf.errors import TensorFailure, TensorValidationError
 from aiogguf.io.ggml_types import GGMLType, ScaleField, ScaleKind, TypeKind
 
 __all__ = [
+    "PieceCheck",
     "TensorChecker",
     "ValidationCollector",
     "check_tensor",
@@ -154,23 +157,32 @@ _NOTHING = _Found(0, 0, "")
 
 @dataclass(slots=True)
 class _Tally:
+    """Bad units of one tensor so far; scans may be added in any order."""
+
     count: int = 0
     nans: int = 0
     first_index: int | None = None
     first_what: str = ""
 
     def add(self, found: _Found, base: int) -> None:
+        """Add ``found``, a scan of the units starting at unit ``base``."""
         if not found.count:
             return
         self.count += found.count
         self.nans += found.nans
-        if self.first_index is None:
-            self.first_index = base + found.first
+        first = base + found.first
+        if self.first_index is None or first < self.first_index:
+            self.first_index = first
             self.first_what = found.what
+
+    def merge(self, other: _Tally) -> None:
+        """Add another tally of other units of the same tensor."""
+        if other.first_index is not None:
+            self.add(_Found(other.count, other.first_index, other.first_what, other.nans), 0)
 
 
 class _Scratch:
-    """Reusable scratch arrays, so scanning a slice allocates nothing."""
+    """Reusable scratch arrays, so scanning a slice allocates nothing. One per thread."""
 
     def __init__(self, xp: ModuleType) -> None:
         self._xp = xp
@@ -303,13 +315,96 @@ def precheck(name: str, type: GGMLType, nbytes: int) -> TensorFailure | None:
 
 
 # ---------------------------------------------------------------------------------------
-# The checker.
+# The scanning core both checkers share.
 
 
 class _Scan(Enum):
     NONE = "none"  # nothing to look at (integer types, NVFP4, failed types)
     ELEMENTS = "elements"
     SCALES = "scales"
+
+
+class _Scanner:
+    """How to scan one type's units; holds no per-tensor state, so threads may share it.
+
+    A unit is a block for quantized types, an element for plain ones.
+    """
+
+    def __init__(self, type: GGMLType, xp: ModuleType, slice_bytes: int) -> None:
+        self.type = type
+        self.xp = xp
+        self.unit_bytes = max(type.block_bytes, 1)
+        self.element_check = _ELEMENT_CHECKS.get(type.name)
+        self.fields: tuple[tuple[ScaleField, _ScaleCheck], ...] = tuple(
+            (field, _SCALE_CHECKS[field.kind])
+            for field in type.scales
+            if field.checked and field.kind in _SCALE_CHECKS
+        )
+        if _type_failure("", type) is not None:
+            self.mode = _Scan.NONE
+        elif type.kind is TypeKind.FLOAT and self.element_check is not None:
+            self.mode = _Scan.ELEMENTS
+        elif type.kind is TypeKind.QUANT and self.fields:
+            self.mode = _Scan.SCALES
+        else:
+            self.mode = _Scan.NONE
+        self.slice_bytes = max(slice_bytes // self.unit_bytes, 1) * self.unit_bytes
+
+    def scan(self, data: Bytes, scratch: _Scratch) -> _Found:
+        """Scan ``data``, a whole number of units, slice by slice; indices relative to it."""
+        count = nans = 0
+        first, what = 0, ""
+        nbytes = int(data.shape[0])
+        for start in range(0, nbytes, self.slice_bytes):
+            found = self._scan_slice(data[start : start + self.slice_bytes], scratch)
+            if found.count:
+                if not count:  # slices go in order: the first hit is the minimum
+                    first, what = start // self.unit_bytes + found.first, found.what
+                count += found.count
+                nans += found.nans
+        return _Found(count, first, what, nans) if count else _NOTHING
+
+    def _scan_slice(self, data: Bytes, scratch: _Scratch) -> _Found:
+        if self.mode is _Scan.ELEMENTS:
+            assert self.element_check is not None
+            return self.element_check.scan(data, self.xp, scratch)
+        return self._scan_scales(data)
+
+    def _scan_scales(self, data: Bytes) -> _Found:
+        xp = self.xp
+        blocks = data.reshape(-1, self.type.block_bytes)
+        bad: BoolArray | None = None
+        for field, check in self.fields:
+            field_bad = check.bad(blocks, field.offset)
+            bad = field_bad if bad is None else xp.logical_or(bad, field_bad, out=bad)
+        count = int(xp.count_nonzero(bad))
+        if not count:
+            return _NOTHING
+        first = int(xp.argmax(bad))
+        block = _host_bytes(blocks[first])
+        # Which field to name: the first bad one in table order (ggml tests d before m).
+        for field, check in self.fields:
+            if bool(check.bad(numpy.frombuffer(block, numpy.uint8)[None, :], field.offset)[0]):
+                what = f"{check.describe(block, field.offset)} in scale '{field.name}'"
+                return _Found(count, first, what)
+        raise AssertionError("a bad block with no bad field")  # pragma: no cover
+
+    def failure(self, name: str, nbytes: int, tally: _Tally) -> TensorFailure | None:
+        """The verdict on a tensor of ``nbytes`` whose every unit went into ``tally``."""
+        failure = precheck(name, self.type, nbytes)
+        if failure is not None or not tally.count:
+            return failure
+        if self.mode is _Scan.ELEMENTS:
+            assert self.element_check is not None
+            n_units = nbytes // self.unit_bytes
+            problem = self.element_check.problem(tally, n_units, self.type.name)
+        else:
+            problem = f"found {tally.first_what}"
+        return TensorFailure(name, self.type.name, problem, tally.first_index, tally.count)
+
+
+# ---------------------------------------------------------------------------------------
+# The in-order checker.
 
 
 class TensorChecker:
@@ -347,24 +442,9 @@ class TensorChecker:
         self._tally = _Tally()
         self._finished = False
         self._scratch = _Scratch(xp)
-        self._element_check = _ELEMENT_CHECKS.get(type.name)
-        self._fields: tuple[tuple[ScaleField, _ScaleCheck], ...] = tuple(
-            (field, _SCALE_CHECKS[field.kind])
-            for field in type.scales
-            if field.checked and field.kind in _SCALE_CHECKS
-        )
-        if _type_failure(name, type) is not None:
-            self._scan = _Scan.NONE
-        elif type.kind is TypeKind.FLOAT and self._element_check is not None:
-            self._scan = _Scan.ELEMENTS
-        elif type.kind is TypeKind.QUANT and self._fields:
-            self._scan = _Scan.SCALES
-        else:
-            self._scan = _Scan.NONE
         if slice_bytes is None:
             slice_bytes = HOST_SLICE_BYTES if xp is numpy else DEVICE_SLICE_BYTES
-        unit = max(type.block_bytes, 1)
-        self._slice_bytes = max(slice_bytes // unit, 1) * unit
+        self._scanner = _Scanner(type, xp, slice_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -387,7 +467,7 @@ class TensorChecker:
             )
         n = int(chunk.shape[0])
         self._nbytes += n
-        if self._scan is _Scan.NONE or n == 0:
+        if self._scanner.mode is _Scan.NONE or n == 0:
             return
         unit = self.type.block_bytes
         if self._carry is not None:
@@ -400,40 +480,16 @@ class TensorChecker:
             chunk = chunk[need:]
             n -= need
         whole = n - n % unit
-        for start in range(0, whole, self._slice_bytes):
-            self._scan_whole(chunk[start : min(start + self._slice_bytes, whole)])
+        if whole:
+            self._scan_whole(chunk[:whole])
         if whole < n:
             # A copy: the caller may reuse the chunk's buffer once we return.
             self._carry = chunk[whole:].copy()
 
     def _scan_whole(self, data: Bytes) -> None:
         """Scan ``data``, a whole number of units, and add it to the tally."""
-        units = int(data.shape[0]) // self.type.block_bytes
-        if self._scan is _Scan.ELEMENTS:
-            assert self._element_check is not None
-            found = self._element_check.scan(data, self._xp, self._scratch)
-        else:
-            found = self._scan_scales(data)
-        self._tally.add(found, self._done_units)
-        self._done_units += units
-
-    def _scan_scales(self, data: Bytes) -> _Found:
-        blocks = data.reshape(-1, self.type.block_bytes)
-        bad: BoolArray | None = None
-        for field, check in self._fields:
-            field_bad = check.bad(blocks, field.offset)
-            bad = field_bad if bad is None else self._xp.logical_or(bad, field_bad, out=bad)
-        count = int(self._xp.count_nonzero(bad))
-        if not count:
-            return _NOTHING
-        first = int(self._xp.argmax(bad))
-        block = _host_bytes(blocks[first])
-        # Which field to name: the first bad one in table order (ggml tests d before m).
-        for field, check in self._fields:
-            if bool(check.bad(numpy.frombuffer(block, numpy.uint8)[None, :], field.offset)[0]):
-                what = f"{check.describe(block, field.offset)} in scale '{field.name}'"
-                return _Found(count, first, what)
-        raise AssertionError("a bad block with no bad field")  # pragma: no cover
+        self._tally.add(self._scanner.scan(data, self._scratch), self._done_units)
+        self._done_units += int(data.shape[0]) // self.type.block_bytes
 
     def finish(self) -> TensorFailure | None:
         """The verdict on everything fed: a ``TensorFailure``, or None if the tensor is good.
@@ -442,16 +498,7 @@ class TensorChecker:
         """
         self._finished = True
         self._carry = None
-        failure = precheck(self.name, self.type, self._nbytes)
-        if failure is not None or not self._tally.count:
-            return failure
-        tally = self._tally
-        if self._scan is _Scan.ELEMENTS:
-            assert self._element_check is not None
-            problem = self._element_check.problem(tally, self._done_units, self.type.name)
-        else:
-            problem = f"found {tally.first_what}"
-        return TensorFailure(self.name, self.type.name, problem, tally.first_index, tally.count)
+        return self._scanner.failure(self.name, self._nbytes, self._tally)
 
 
 def check_tensor(
@@ -479,6 +526,171 @@ def check_tensor(
     checker = TensorChecker(name, type, xp=xp)
     checker.update(data)
     return checker.finish()
+
+
+# ---------------------------------------------------------------------------------------
+# The piece checker: out of order, from several threads.
+
+# Scratch arrays of the host scans that ``PieceCheck`` runs, one set per thread: a thread
+# scans one slice at a time, so every PieceCheck may share its thread's set.
+_thread_local = threading.local()
+
+
+def _thread_scratch() -> _Scratch:
+    scratch: _Scratch | None = getattr(_thread_local, "scratch", None)
+    if scratch is None:
+        scratch = _thread_local.scratch = _Scratch(numpy)
+    return scratch
+
+
+class _Coverage:
+    """Disjoint unit intervals ``[start, end)``, kept sorted and merged when they touch."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def claim(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Mark ``[lo, hi)`` covered; return its parts that were not covered yet."""
+        starts, ends = self._starts, self._ends
+        # Intervals i..j-1 overlap or touch [lo, hi): end >= lo and start <= hi.
+        i = bisect_left(ends, lo)
+        j = bisect_right(starts, hi)
+        gaps: list[tuple[int, int]] = []
+        cursor = lo
+        for k in range(i, j):
+            if starts[k] > cursor:
+                gaps.append((cursor, starts[k]))
+            cursor = max(cursor, ends[k])
+        if cursor < hi:
+            gaps.append((cursor, hi))
+        merged_start = min(lo, starts[i]) if i < j else lo
+        merged_end = max(hi, ends[j - 1]) if i < j else hi
+        starts[i:j] = [merged_start]
+        ends[i:j] = [merged_end]
+        return gaps
+
+    @property
+    def intervals(self) -> list[tuple[int, int]]:
+        """The covered intervals, sorted."""
+        return list(zip(self._starts, self._ends, strict=True))
+
+
+class PieceCheck:
+    """Validation of one tensor fed as pieces, in any order, from any thread.
+
+    A reader thread calls ``check_piece`` on each piece right after reading it, while its
+    bytes are still in the CPU cache; the whole units inside the piece are checked there.
+    ``finish`` then checks only the units no piece covered (those cut by a piece edge)
+    and gives the same verdict as ``check_tensor`` on the whole tensor. Host memory only.
+    """
+
+    def __init__(self, name: str, type: GGMLType, nbytes: int) -> None:
+        """Prepare to check tensor ``name`` of ``type``, ``nbytes`` long (without padding).
+
+        Raises:
+            ValueError: if ``nbytes`` is negative.
+        """
+        if nbytes < 0:
+            raise ValueError(f"tensor '{name}': negative size {nbytes}")
+        self.name = name
+        self.type = type
+        self.nbytes = nbytes
+        self._scanner = _Scanner(type, numpy, HOST_SLICE_BYTES)
+        # A tensor that fails before any value is looked at needs no scan at all.
+        self._scan = precheck(name, type, nbytes) is None and self._scanner.mode is not _Scan.NONE
+        self._units = nbytes // self._scanner.unit_bytes
+        self._lock = threading.Lock()  # guards the four fields below
+        self._tally = _Tally()
+        self._covered = _Coverage()
+        self._finished = False
+        # Set when a scan raised after its units were claimed: finish() rescans it all.
+        self._broken = False
+
+    def check_piece(self, data: numpy.ndarray[Any, Any], byte_offset: int) -> None:
+        """Check the whole units in ``data``, the tensor's bytes from ``byte_offset`` on.
+
+        Pieces may start and end anywhere (mid-block too) and come in any order from any
+        thread. A unit covered by two pieces is scanned and counted once. The numpy work
+        runs outside the lock, so threads check their pieces in parallel.
+
+        Raises:
+            ValueError: if ``data`` is not a 1-D uint8 array or lies outside the tensor.
+            RuntimeError: after ``finish()``.
+        """
+        if self._finished:  # a caller bug, so an unlocked look is enough here
+            raise RuntimeError(f"tensor '{self.name}': check_piece() after finish()")
+        n = self._validate(data, "check_piece")
+        if byte_offset < 0 or byte_offset + n > self.nbytes:
+            raise ValueError(
+                f"tensor '{self.name}': piece [{byte_offset}, {byte_offset + n}) lies "
+                f"outside its {self.nbytes} bytes"
+            )
+        if not self._scan:
+            return
+        unit = self._scanner.unit_bytes
+        lo = -(-byte_offset // unit)  # the first unit that starts inside the piece
+        hi = (byte_offset + n) // unit  # one past the last unit that ends inside it
+        if lo >= hi:
+            return
+        with self._lock:
+            if self._finished:
+                raise RuntimeError(f"tensor '{self.name}': check_piece() after finish()")
+            gaps = self._covered.claim(lo, hi)
+        try:
+            self._scan_gaps(data, byte_offset, gaps)
+        except BaseException:
+            with self._lock:
+                self._broken = True
+            raise
+
+    def finish(self, data: numpy.ndarray[Any, Any]) -> TensorFailure | None:
+        """Check what no piece covered; the verdict of ``check_tensor(name, type, data)``.
+
+        ``data`` is the whole tensor, every byte landed. Call it once every
+        ``check_piece`` call has returned.
+
+        Raises:
+            ValueError: if ``data`` is not a 1-D uint8 array of ``nbytes`` bytes.
+        """
+        n = self._validate(data, "finish")
+        if n != self.nbytes:
+            raise ValueError(
+                f"tensor '{self.name}': finish() got {n} bytes, expected {self.nbytes}"
+            )
+        with self._lock:
+            self._finished = True
+            if self._broken:
+                self._tally = _Tally()
+                gaps = [(0, self._units)] if self._scan and self._units else []
+            else:
+                gaps = self._covered.claim(0, self._units) if self._scan and self._units else []
+        self._scan_gaps(data, 0, gaps)
+        return self._scanner.failure(self.name, self.nbytes, self._tally)
+
+    def _validate(self, data: numpy.ndarray[Any, Any], what: str) -> int:
+        if data.ndim != 1 or data.dtype != numpy.uint8:
+            raise ValueError(
+                f"tensor '{self.name}': {what}() expected a 1-D uint8 array, "
+                f"got {data.ndim}-D {data.dtype}"
+            )
+        return int(data.shape[0])
+
+    def _scan_gaps(
+        self, data: numpy.ndarray[Any, Any], byte_offset: int, gaps: list[tuple[int, int]]
+    ) -> None:
+        """Scan units ``[lo, hi)`` of each gap in ``data`` (which starts at ``byte_offset``)."""
+        if not gaps:
+            return
+        unit = self._scanner.unit_bytes
+        scratch = _thread_scratch()
+        tally = _Tally()
+        for lo, hi in gaps:
+            start = lo * unit - byte_offset
+            tally.add(self._scanner.scan(data[start : start + (hi - lo) * unit], scratch), lo)
+        if tally.count:
+            with self._lock:
+                self._tally.merge(tally)
 
 
 # ---------------------------------------------------------------------------------------

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from aiogguf.io.pagecache import drop_from_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = ROOT.parent / "shared" / "testdata" / "reference"
@@ -39,3 +44,26 @@ def reference_files() -> list[str]:
     if not REFERENCE_DIR.is_dir():
         return ["<missing>"]
     return sorted(p.name for p in REFERENCE_DIR.glob("*.gguf"))
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Iterator[Path]:
+    """A folder whose files can leave the page cache (and take O_DIRECT): ``tmp_path``
+    unless that lives in memory (tmpfs), else a temporary folder in /var/tmp."""
+    for directory in (tmp_path, None):
+        own = directory is None
+        folder = Path(tempfile.mkdtemp(prefix="aiogguf-test-", dir="/var/tmp")) if own else tmp_path
+        probe = folder / "probe.bin"
+        probe.write_bytes(b"x" * 65536)
+        droppable = drop_from_cache(probe)
+        probe.unlink()
+        if droppable:
+            try:
+                yield folder
+            finally:
+                if own:
+                    shutil.rmtree(folder, ignore_errors=True)
+            return
+        if own:
+            shutil.rmtree(folder, ignore_errors=True)
+    pytest.skip("no folder here lets pages leave the page cache (all tmpfs?)")

@@ -6,8 +6,6 @@ import errno
 import gc
 import os
 import resource
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,30 +40,6 @@ def data_file(tmp_path: Path) -> tuple[Path, bytes]:
     payload = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
     path.write_bytes(payload)
     return path, _Payload(payload)
-
-
-@pytest.fixture(scope="module")
-def disk_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A directory where the page cache can be dropped (not tmpfs): tmp, else /var/tmp."""
-    candidates = [tmp_path_factory.mktemp("disk")]
-    if os.path.isdir("/var/tmp"):
-        candidates.append(Path(tempfile.mkdtemp(prefix="aiogguf-test-", dir="/var/tmp")))
-    chosen = None
-    for directory in candidates:
-        probe = directory / "probe.bin"
-        probe.write_bytes(b"x" * 65536)
-        if drop_from_cache(probe):
-            chosen = directory
-        probe.unlink()
-        if chosen:
-            break
-    if chosen is None:
-        pytest.skip("no directory here lets pages leave the page cache (all tmpfs?)")
-    yield chosen
-    for directory in candidates[1:]:
-        for child in directory.iterdir():
-            child.unlink()
-        directory.rmdir()
 
 
 def _mapped_extents(path: Path) -> list[tuple[int, int]]:

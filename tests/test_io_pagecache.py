@@ -18,30 +18,6 @@ SIZE = 6 * (1 << 20) + 1000
 MIB2 = 2 << 20  # the kernel drops whole folios, up to 2 MiB on file systems with large folios
 
 
-@pytest.fixture(scope="module")
-def disk_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A directory where the page cache can be dropped (not tmpfs): tmp, else /var/tmp."""
-    candidates = [tmp_path_factory.mktemp("disk")]
-    if os.path.isdir("/var/tmp"):
-        candidates.append(Path(tempfile.mkdtemp(prefix="aiogguf-test-", dir="/var/tmp")))
-    chosen = None
-    for directory in candidates:
-        probe = directory / "probe.bin"
-        probe.write_bytes(b"x" * 65536)
-        if drop_from_cache(probe):
-            chosen = directory
-        probe.unlink()
-        if chosen:
-            break
-    if chosen is None:
-        pytest.skip("no directory here lets pages leave the page cache (all tmpfs?)")
-    yield chosen
-    for directory in candidates[1:]:
-        for child in directory.iterdir():
-            child.unlink()
-        directory.rmdir()
-
-
 @pytest.fixture
 def cached_file(disk_dir: Path) -> Iterator[Path]:
     path = disk_dir / "cache.bin"

@@ -6,9 +6,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,27 +30,6 @@ def _fs_type(path: Path) -> str:
             if os.path.commonpath([str(path), mount]) == mount and len(mount) > len(best):
                 best, fstype = mount, kind
     return fstype
-
-
-_MEMORY_FS = {"tmpfs", "ramfs", "overlay"}
-
-
-@pytest.fixture
-def disk_dir(tmp_path: Path) -> Iterator[Path]:
-    """A folder on a real disk filesystem (page cache can be dropped, O_DIRECT works):
-    ``tmp_path`` unless that is in memory (tmpfs), else a temporary folder elsewhere."""
-    if _fs_type(tmp_path.resolve()) not in _MEMORY_FS:
-        yield tmp_path
-        return
-    for d in (Path.home(), Path(__file__).resolve().parent):
-        if _fs_type(d.resolve()) not in _MEMORY_FS and os.access(d, os.W_OK):
-            target = Path(tempfile.mkdtemp(dir=d, prefix=".aiogguf-direct-"))
-            try:
-                yield target
-            finally:
-                shutil.rmtree(target, ignore_errors=True)
-            return
-    pytest.skip("no writable disk-backed filesystem for a page-cache test")
 
 
 @pytest.fixture
