@@ -226,14 +226,7 @@ class _Load:
             self.validated = validator.submitted + len(self.piece_checks)
             if failures and not self.config.load.keep_invalid:
                 raise TensorValidationError(failures, self.index.files[0].path)
-        self.hub.emit(
-            Stage.DONE,
-            self.bytes_done,
-            self.bytes_total,
-            self.tensors_done,
-            self.tensors_total,
-            force=True,
-        )
+        self._progress(Stage.DONE)
         report = self._report(reader, read_s, validator if check else None)
         images = list(self.images)
         self.images[:] = [None] * len(self.images)  # the model owns them now
@@ -437,13 +430,7 @@ class _Load:
                         device_tensors.append(name)
                     else:
                         await ready.send(name)
-                self.hub.emit(
-                    Stage.READ,
-                    self.bytes_done,
-                    self.bytes_total,
-                    self.tensors_done,
-                    self.tensors_total,
-                )
+                self._progress(Stage.READ)
             if uploader is not None:
                 await uploader.drain()
             for name in device_tensors:
@@ -472,13 +459,18 @@ class _Load:
                     data, xp = self._tensor_data(entry, self._image_of(name))
                     await validator.submit(name, entry.type, data, xp=xp)
                 self.tensors_done += 1
-                self.hub.emit(
-                    Stage.READ,
-                    self.bytes_done,
-                    self.bytes_total,
-                    self.tensors_done,
-                    self.tensors_total,
-                )
+                self._progress(Stage.READ)
+
+    def _progress(self, stage: Stage) -> None:
+        """Report the counts so far (throttled, except the final event)."""
+        self.hub.emit(
+            stage,
+            self.bytes_done,
+            self.bytes_total,
+            self.tensors_done,
+            self.tensors_total,
+            force=stage is Stage.DONE,
+        )
 
     def _image_of(self, name: str) -> Image | None:
         return self.images[self.slots[name].buffer_index]
