@@ -38,6 +38,7 @@ from aiogguf.io.devices.base import Device
 from aiogguf.io.devices.registry import enumerate_devices
 from aiogguf.io.files import DataFile, FileAdvice, align_up, open_file
 from aiogguf.io.mapping import MapAdvice, numa_nodes
+from aiogguf.io.workers import ReaderThreads
 from aiogguf.jobs import BufferLayout, ReadJob, TensorSlot
 from aiogguf.model import Model
 from aiogguf.records import Plan, TensorEntry, WeightIndex
@@ -185,6 +186,9 @@ class _Load:
                 Uploader(self.devices, self.config, self.mode)
             )
         limiters = self._disk_limiters(files)
+        threads = await stack.enter_async_context(
+            ReaderThreads(int(sum(lim.total_tokens for lim in set(limiters))))
+        )
         reader = Reader(
             files,
             self.images,
@@ -195,6 +199,7 @@ class _Load:
             swap=self._swap_job if self.swap else None,
             shared=self.shared_limiter,
             check=self._check_piece if self.piece_checks else None,
+            threads=threads,
         )
         check = self.config.load.check_tensors
         t_read = self.hub.elapsed()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import anyio
 
 from aiogguf.io.files import MAX_CALL_BYTES, DataFile
+from aiogguf.io.workers import ReaderThreads
 from aiogguf.jobs import ReadJob
 from aiogguf.stages.allocate import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.stages.upload import Uploader
@@ -57,6 +58,7 @@ class Reader:
         swap: Callable[[ReadJob, memoryview], None] | None = None,
         shared: anyio.CapacityLimiter | None = None,
         check: Callable[[ReadJob, int, memoryview], None] | None = None,
+        threads: ReaderThreads | None = None,
     ) -> None:
         self._files = files
         self._images = images
@@ -67,6 +69,7 @@ class Reader:
         self._swap = swap
         self._shared = shared
         self._check = check
+        self._threads = threads
         self.stats = [FileStats() for _ in files]
 
     @property
@@ -92,9 +95,12 @@ class Reader:
             await self._uploader.write(job, image.buffer, self._filler(job))
         else:
             assert image is not None
-            await anyio.to_thread.run_sync(
-                self._host_read, job, image, limiter=self._limiters[job.file_index]
-            )
+            limiter = self._limiters[job.file_index]
+            if self._threads is None:
+                await anyio.to_thread.run_sync(self._host_read, job, image, limiter=limiter)
+            else:
+                async with limiter:
+                    await self._threads.run_sync(self._host_read, job, image)
         end = self._clock()
         stats = self.stats[job.file_index]
         stats.nbytes += job.useful_end - job.useful_start

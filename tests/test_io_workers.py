@@ -1,0 +1,60 @@
+"""A load's own reader threads: results and errors come back, a cancelled caller still
+waits for the call it started, the threads run at a lower priority and end with the load."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import anyio
+import pytest
+
+from aiogguf.io.workers import READER_NICE, ReaderThreads
+
+
+def _names() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("aiogguf-reader")}
+
+
+@pytest.mark.asyncio
+async def test_results_errors_and_priority() -> None:
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    async with ReaderThreads(2) as threads:
+        assert len(_names()) == 2
+        assert await threads.run_sync(lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ZeroDivisionError):
+            await threads.run_sync(lambda: 1 // 0)
+        nice = await threads.run_sync(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        )
+        # Root may raise priority too; anyone may lower it: the readers sit below the loop.
+        assert nice == base + READER_NICE or nice > base
+    assert _names() == set()
+
+
+@pytest.mark.asyncio
+async def test_calls_run_at_once_on_every_thread() -> None:
+    barrier = threading.Barrier(3, timeout=10)
+    async with ReaderThreads(3) as threads, anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(threads.run_sync, barrier.wait)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_caller_waits_for_its_call() -> None:
+    """The call writes into memory its caller owns: the caller must not leave before it."""
+    finished: list[float] = []
+
+    def slow() -> None:
+        time.sleep(0.2)
+        finished.append(time.perf_counter())
+
+    async with ReaderThreads(1) as threads:
+        with anyio.move_on_after(0.02) as scope:
+            await threads.run_sync(slow)
+        left = time.perf_counter()
+        assert scope.cancelled_caught
+        assert finished
+        assert finished[0] <= left
+    assert _names() == set()
