@@ -4,14 +4,13 @@ offset and size. The first split of the split set stands for all three files."""
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import pytest
+from gguf_oracle import json_metadata, reader_metadata, run_inspect
 
 from aiogguf.cli import main
 from aiogguf.records import TensorClass
@@ -20,53 +19,6 @@ from aiogguf.stages.index import layer_of, tensor_class
 REFERENCE_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "reference"
 NAMES = sorted(p.name for p in REFERENCE_DIR.glob("*.gguf")) or ["<missing>"]
 LATER_SPLITS = {n for n in NAMES if "-split-" in n and "-00001-of-" not in n}
-ARRAY = gguf.GGUFValueType.ARRAY
-# key → (type, item type or None, value)
-KV = dict[str, tuple[str, str | None, Any]]
-
-
-def _norm(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, list):
-        return [_norm(v) for v in value]
-    return value
-
-
-def _flatten(value: Any) -> list[Any]:
-    out: list[Any] = []
-    for v in value:
-        out.extend(_flatten(v) if isinstance(v, list) else [v])
-    return out
-
-
-def reader_metadata(reader: gguf.GGUFReader) -> KV:
-    """key → (type, item type, value) as gguf-py reads them (nested arrays come flat)."""
-    out: KV = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        main_type = field.types[0]
-        if main_type == ARRAY:
-            # parts: key length, key, value type, item type, count, items…
-            item_type = gguf.GGUFValueType(int(field.parts[3][0]))
-            value = field.contents() if len(field.data) else []
-            out[key] = ("array", item_type.name.lower(), _norm(value))
-        else:
-            out[key] = (main_type.name.lower(), None, _norm(field.contents()))
-    return out
-
-
-def json_metadata(
-    metadata: dict[str, Any], *, flat: bool
-) -> dict[str, tuple[str, str | None, Any]]:
-    out: KV = {}
-    for key, entry in metadata.items():
-        value = entry["value"]
-        if flat and entry["type"] == "array" and entry["item_type"] == "array":
-            value = _flatten(value)
-        out[key] = (entry["type"], entry.get("item_type"), value)
-    return out
 
 
 def reader_tensors(reader: gguf.GGUFReader) -> dict[str, dict[str, Any]]:
@@ -102,14 +54,6 @@ def assert_agrees_with_reader(result: dict[str, Any], paths: list[Path]) -> None
             got = ours[name]
             assert got["file"] == file_index
             assert {k: got[k] for k in want} == want, name
-
-
-def run_inspect(capsys: pytest.CaptureFixture[str], path: Path) -> dict[str, Any]:
-    assert main(["inspect", "--json", str(path)]) == 0
-    captured = capsys.readouterr()
-    assert captured.err == ""
-    result: dict[str, Any] = json.loads(captured.out)
-    return result
 
 
 def _split_set(reference_dir: Path, name: str) -> list[Path]:

@@ -4,7 +4,6 @@ vocabulary, zero tensors, both byte orders."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -12,8 +11,8 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from gguf_oracle import json_metadata, norm, reader_metadata, run_inspect
 
-from aiogguf.cli import main
 from aiogguf.records import GGUFArray, ParsedFile, ValueType
 from aiogguf.stages.parse import (
     FIRST_READ_BYTES,
@@ -26,7 +25,6 @@ from aiogguf.stages.parse import (
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
 LITTLE, BIG = gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG
-KV = dict[str, tuple[str, str | None, Any]]
 
 
 class Writer(gguf.GGUFWriter):  # type: ignore[misc]
@@ -123,54 +121,6 @@ def write_model(
 # --- the oracles ---------------------------------------------------------------------
 
 
-def _norm(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, list):
-        return [_norm(v) for v in value]
-    return value
-
-
-def _flatten(value: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for v in value:
-        out.extend(_flatten(v) if isinstance(v, list) else [v])
-    return out
-
-
-def reader_metadata(reader: gguf.GGUFReader) -> KV:
-    """key → (type, item type, value) as gguf-py reads them (it flattens nested arrays)."""
-    out: KV = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if field.types[0] == VT.ARRAY:
-            # parts: key length, key, value type, item type, count, items…
-            item = VT(int(field.parts[3][0])).name.lower()
-            value = field.contents() if len(field.data) else []
-            out[key] = ("array", item, _norm(value))
-        else:
-            out[key] = (field.types[0].name.lower(), None, _norm(field.contents()))
-    return out
-
-
-def json_metadata(metadata: dict[str, Any]) -> KV:
-    out: KV = {}
-    for key, entry in metadata.items():
-        value = entry["value"]
-        if entry["type"] == "array" and entry["item_type"] == "array":
-            value = _flatten(value)
-        out[key] = (entry["type"], entry.get("item_type"), value)
-    return out
-
-
-def run_inspect(capsys: pytest.CaptureFixture[str], path: Path) -> dict[str, Any]:
-    assert main(["inspect", "--json", str(path)]) == 0
-    captured = capsys.readouterr()
-    result: dict[str, Any] = json.loads(captured.out)
-    return result
-
-
 def assert_agrees_with_reader(result: dict[str, Any], path: Path) -> None:
     reader = gguf.GGUFReader(path)
     assert json_metadata(result["metadata"]) == reader_metadata(reader)
@@ -193,7 +143,7 @@ def expected_json(vt: VT, value: Any) -> Any:
     """What ``inspect --json`` must print for a written value."""
     if vt == VT.FLOAT32:
         value = float(np.float32(value))
-    return _norm(value)
+    return norm(value)
 
 
 # --- tests ---------------------------------------------------------------------------
