@@ -48,12 +48,14 @@ __all__ = [
     "SweepResult",
     "grid",
     "limit_for_mode",
+    "limit_in_subprocess",
     "load_in_subprocess",
     "measure_in_subprocess",
     "measure_limit",
     "measure_load",
     "plot_sweep",
     "run_sweep",
+    "settle",
     "worker_main",
 ]
 
@@ -61,6 +63,9 @@ MODES = ("none", "direct", "mmap", "mlock")
 TICK_S = 0.001
 LIMIT_THREADS = 2  # the default reader count: limits and loads use as many threads
 _WORKER_TIMEOUT_S = 900.0
+# The pause before each measurement of bench/load.py (see ``settle``): Linux reports
+# freed pages after 2 s.
+SETTLE_S = 3.0
 
 
 # --- one load, measured -----------------------------------------------------------------
@@ -214,12 +219,14 @@ def gguf_py_copy(path: str | os.PathLike[str]) -> tuple[float, int, int]:
 def worker_main() -> None:
     """Entry point of a measuring subprocess: one JSON task in ``argv[1]``, one JSON line
     out. Tasks: ``{"task": "load", "path", "overrides", "uvloop"}``, ``{"task":
-    "gguf_py", "path"}``."""
+    "limit", "name", "path"}``, ``{"task": "gguf_py", "path"}``."""
     task = json.loads(sys.argv[1])
     warnings.simplefilter("ignore")  # load warnings come back in the report instead
     if task["task"] == "gguf_py":
         seconds, nbytes, peak = gguf_py_copy(task["path"])
         out: dict[str, Any] = {"seconds": seconds, "nbytes": nbytes, "peak_rss_bytes": peak}
+    elif task["task"] == "limit":
+        out = {"gbps": measure_limit(task["name"], task["path"])}
     else:
         options = {"use_uvloop": True} if task.get("uvloop") else {}
 
@@ -318,6 +325,25 @@ LIMIT_NOTES: dict[str, str] = {
 def measure_limit(name: str, path: str | os.PathLike[str]) -> float:
     """One measurement of limit ``name`` on ``path``, in GB/s (KeyError: unknown name)."""
     return _LIMITS[name](Path(path))
+
+
+def limit_in_subprocess(name: str, path: str | os.PathLike[str]) -> float:
+    """``measure_limit`` in a fresh process, like the loads it is compared with."""
+    return float(
+        measure_in_subprocess({"task": "limit", "name": name, "path": os.fspath(path)})["gbps"]
+    )
+
+
+def settle(seconds: float = SETTLE_S) -> None:
+    """Wait until memory freed by the previous measurement is back with the hypervisor.
+
+    Virtual machines with free page reporting (virtio-balloon) hand freed guest memory
+    back to the host about 2 s after it is freed; a process that allocates before then
+    gets pages the host still backs, afterwards pages whose first touch faults in the
+    host too, at a third of the speed on the VM these figures come from. Starting every
+    measurement after the same pause gives limits and loads the same kind of memory.
+    """
+    time.sleep(seconds)
 
 
 # --- the sweep --------------------------------------------------------------------------

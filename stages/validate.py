@@ -121,19 +121,60 @@ def _e8m0_bad(blocks: Bytes, offset: int) -> BoolArray:
 
 
 @dataclass(frozen=True, slots=True)
+class _Screen:
+    """A one-pass test that clears a whole column of unsigned integers: no value reaches
+    ``unsigned_min``, and none reaches ``signed_min`` when read as signed (None: skip).
+
+    Two ``max`` reductions read the data and write nothing, which makes them several
+    times faster than the mask-and-compare of the full scan (numpy's elementwise bitwise
+    ops run at a fraction of its reductions' speed). A column the screen does not clear
+    goes to the full scan, which alone decides; a screen may flag good data, never pass
+    bad data. Host only: on a device each reduction would be a synchronising launch.
+    """
+
+    unsigned_min: int
+    signed_min: int | None
+
+    def clear(self, column: Bytes) -> bool:
+        if int(column.max()) >= self.unsigned_min:
+            return False
+        if self.signed_min is None:
+            return True
+        signed = column.view(_SIGNED[column.dtype.itemsize])
+        return int(signed.max()) < self.signed_min
+
+
+_SIGNED = {1: numpy.int8, 2: numpy.int16, 4: numpy.int32}
+
+
+@dataclass(frozen=True, slots=True)
 class _ScaleCheck:
     bad: Callable[[Bytes, int], BoolArray]
     describe: Callable[[bytes, int], str]
+    # Which byte of the field the screen reads (relative to its offset), and the screen.
+    screen_byte: int
+    screen: _Screen
 
 
 _SCALE_CHECKS: dict[ScaleKind, _ScaleCheck] = {
-    ScaleKind.FP16: _ScaleCheck(_fp16_bad, lambda b, o: _fp16_class(_fp16_bits(b, o))),
+    # The high byte's exponent bits 0x7C all set <=> the byte is in 0x7C-0x7F or 0xFC-0xFF.
+    ScaleKind.FP16: _ScaleCheck(
+        _fp16_bad, lambda b, o: _fp16_class(_fp16_bits(b, o)), 1, _Screen(0xFC, 0x7C)
+    ),
+    # Flags 0x7F/0xFF top bytes; the full scan then looks at byte +2 too.
     ScaleKind.F32: _ScaleCheck(
         _f32_bad,
         lambda b, o: _f32_class(int.from_bytes(b[o : o + 4], "little")),
+        3,
+        _Screen(0xFF, 0x7F),
     ),
-    ScaleKind.IQ1M: _ScaleCheck(_iq1m_bad, lambda b, o: _fp16_class(_iq1m_bits(b, o))),
-    ScaleKind.E8M0: _ScaleCheck(_e8m0_bad, lambda b, o: f"invalid e8m0 value {b[o]}"),
+    # Flags byte +5 >= 0xC0; the full scan then looks at byte +7 too.
+    ScaleKind.IQ1M: _ScaleCheck(
+        _iq1m_bad, lambda b, o: _fp16_class(_iq1m_bits(b, o)), 5, _Screen(0xC0, None)
+    ),
+    ScaleKind.E8M0: _ScaleCheck(
+        _e8m0_bad, lambda b, o: f"invalid e8m0 value {b[o]}", 0, _Screen(0xFF, None)
+    ),
     # UE4M3 has no entry: ggml considers every UE4M3 value valid.
 }
 
@@ -196,6 +237,13 @@ class _Scratch:
         return array[:n]
 
 
+# Exponent all ones, sign either way: the bit patterns from each ``signed_min`` up to the
+# signed maximum, and from each ``unsigned_min`` up to the unsigned one.
+_F16_SCREEN = _Screen(0xFC00, 0x7C00)
+_BF16_SCREEN = _Screen(0xFF80, 0x7F80)
+_F32_SCREEN = _Screen(0xFF800000, 0x7F800000)
+
+
 # ---------------------------------------------------------------------------------------
 # Element checkers for the plain float types, keyed by type name. ``scan`` takes a uint8
 # slice holding whole elements; ``problem`` words the final report from the tally.
@@ -204,6 +252,10 @@ class _Scratch:
 class _ElementCheck:
     def scan(self, data: Bytes, xp: ModuleType, scratch: _Scratch) -> _Found:
         raise NotImplementedError
+
+    def clear(self, data: numpy.ndarray[Any, Any]) -> bool:
+        """Host fast path: True only if every element of ``data`` is good."""
+        return False
 
     def problem(self, tally: _Tally, n_elements: int, type_name: str) -> str:
         return f"found {tally.first_what}"
@@ -221,6 +273,10 @@ class _F16Elements(_ElementCheck):
         first = int(xp.argmax(bad))
         return _Found(count, first, _fp16_class(int(bits[first])))
 
+    def clear(self, data: numpy.ndarray[Any, Any]) -> bool:
+        # Exponent all ones <=> bits in 0x7C00-0x7FFF or 0xFC00-0xFFFF.
+        return _F16_SCREEN.clear(data.view(numpy.uint16))
+
 
 class _F32Elements(_ElementCheck):
     def scan(self, data: Bytes, xp: ModuleType, scratch: _Scratch) -> _Found:
@@ -232,6 +288,9 @@ class _F32Elements(_ElementCheck):
             return _NOTHING
         first = int(xp.argmin(finite))
         return _Found(count, first, _f32_class(int(data.view(xp.uint32)[first])))
+
+    def clear(self, data: numpy.ndarray[Any, Any]) -> bool:
+        return _F32_SCREEN.clear(data.view(numpy.uint32))
 
 
 class _F64Elements(_ElementCheck):
@@ -250,6 +309,11 @@ class _F64Elements(_ElementCheck):
         what = "nan value" if bool(xp.isnan(values[first])) else "inf value"
         return _Found(count, first, what)
 
+    def clear(self, data: numpy.ndarray[Any, Any]) -> bool:
+        # A NaN makes max() NaN and both comparisons false.
+        values = data.view(numpy.float64)
+        return bool(values.max() < _F64_TO_F32_INF) and bool(values.min() > -_F64_TO_F32_INF)
+
 
 class _BF16Elements(_ElementCheck):
     def scan(self, data: Bytes, xp: ModuleType, scratch: _Scratch) -> _Found:
@@ -265,6 +329,9 @@ class _BF16Elements(_ElementCheck):
         nans = int(xp.count_nonzero(xp.greater(magnitude, 0x7F80, out=bad)))
         what = "nan value" if int(magnitude[first]) > 0x7F80 else "inf value"
         return _Found(count, first, what, nans=nans)
+
+    def clear(self, data: numpy.ndarray[Any, Any]) -> bool:
+        return _BF16_SCREEN.clear(data.view(numpy.uint16))
 
     def problem(self, tally: _Tally, n_elements: int, type_name: str) -> str:
         infs = tally.count - tally.nans
@@ -349,6 +416,7 @@ class _Scanner:
         else:
             self.mode = _Scan.NONE
         self.slice_bytes = max(slice_bytes // self.unit_bytes, 1) * self.unit_bytes
+        self.host = xp is numpy
 
     def scan(self, data: Bytes, scratch: _Scratch) -> _Found:
         """Scan ``data``, a whole number of units, slice by slice; indices relative to it."""
@@ -367,8 +435,24 @@ class _Scanner:
     def _scan_slice(self, data: Bytes, scratch: _Scratch) -> _Found:
         if self.mode is _Scan.ELEMENTS:
             assert self.element_check is not None
+            if self.host and self.element_check.clear(data):
+                return _NOTHING
             return self.element_check.scan(data, self.xp, scratch)
+        if self.host and self._scales_clear(data, scratch):
+            return _NOTHING
         return self._scan_scales(data)
+
+    def _scales_clear(self, data: numpy.ndarray[Any, Any], scratch: _Scratch) -> bool:
+        """Host fast path: True only if every checked scale of every block is good."""
+        blocks = data.reshape(-1, self.type.block_bytes)
+        # Gathered into a contiguous column first: the two reductions then run on it at
+        # full speed instead of striding through the blocks twice.
+        column = scratch.get("uint8", blocks.shape[0])
+        for field, check in self.fields:
+            numpy.copyto(column, blocks[:, field.offset + check.screen_byte])
+            if not check.screen.clear(column):
+                return False
+        return True
 
     def _scan_scales(self, data: Bytes) -> _Found:
         xp = self.xp

@@ -201,6 +201,58 @@ def test_checker_rejects_wrong_input() -> None:
         checker.update(np.zeros(4, np.uint8))
 
 
+# --- the host screens (a fast pass that clears good data; never passes bad data) --------
+
+
+@pytest.mark.parametrize("name", ["F16", "BF16"])
+def test_screen_is_exact_on_every_16_bit_pattern(name: str) -> None:
+    type_ = by_name(name)
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    exponent = 0x7C00 if name == "F16" else 0x7F80
+    bad = (patterns & exponent) == exponent
+    # One bad pattern among good ones, for every bad pattern; every good one alone.
+    good_fill = np.zeros(8, np.uint16)
+    for p in patterns[bad]:
+        data = good_fill.copy()
+        data[5] = p
+        failure = check_tensor("w", type_, data.view(np.uint8))
+        assert failure is not None, hex(p)
+        assert failure.first_index == 5
+    clean = patterns[~bad]
+    assert check_tensor("w", type_, clean.view(np.uint8)) is None
+
+
+def test_f32_screen_edges() -> None:
+    f32 = by_name("F32")
+    good = np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80000000, 0x7F000000], np.uint32)
+    assert check_tensor("w", f32, good.view(np.uint8)) is None
+    for bad in (0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF, 0x7F800001):
+        data = np.append(good, np.uint32(bad))
+        failure = check_tensor("w", f32, data.view(np.uint8))
+        assert failure is not None, hex(bad)
+        assert failure.first_index == 5
+
+
+FIELD_BYTES = {ScaleKind.FP16: 2, ScaleKind.F32: 4, ScaleKind.IQ1M: 8, ScaleKind.E8M0: 1}
+
+
+@pytest.mark.parametrize("type_", list(dict.fromkeys(t for t, _ in CHECKED_FIELDS)), ids=ids)
+def test_scale_screen_lets_no_bad_byte_through(type_: GGMLType, rng: np.random.Generator) -> None:
+    # Every value of every byte of every checked field, in the last of 40 good blocks:
+    # the verdict must be the full scan's (the oracle), whatever the screen makes of it.
+    for field in [f for f in type_.scales if f.checked]:
+        for k in range(FIELD_BYTES[field.kind]):
+            data = make_valid(type_, 40, rng)
+            blocks = data.reshape(40, type_.block_bytes)
+            for value in range(256):
+                blocks[39, field.offset + k] = value
+                first, count = expected_bad(data, type_)
+                failure = check_tensor("w", type_, data)
+                assert (failure is None) == (count == 0), (field.name, k, value)
+                if failure is not None:
+                    assert (failure.first_index, failure.count) == (first, count)
+
+
 # --- properties against numpy's float conversions -------------------------------------
 
 ORACLE_TYPES = [t for t in SUPPORTED if t.kind is TypeKind.FLOAT or t.is_quantized]
