@@ -35,6 +35,7 @@ import numpy
 
 from aiogguf.config import SimDeviceConfig
 from aiogguf.errors import ConfigError, GGUFError, LoadError
+from aiogguf.io.buffers import PRIVATE_ANONYMOUS
 from aiogguf.io.devices.base import (
     BufferRole,
     BufferType,
@@ -302,7 +303,7 @@ class SimStagingSlot:
         self._stream = stream
         # An anonymous mapping is page-aligned; larger alignments need slack.
         extra = alignment if alignment > mmap.PAGESIZE else 0
-        self._mm: mmap.mmap | None = mmap.mmap(-1, max(nbytes + extra, 1))
+        self._mm: mmap.mmap | None = mmap.mmap(-1, max(nbytes + extra, 1), flags=PRIVATE_ANONYMOUS)
         start = (-_address(self._mm)) % alignment
         self._view: memoryview | None = memoryview(self._mm)[start : start + nbytes]
         self.pending = 0  # sequence number of the last copy issued out of this slot
