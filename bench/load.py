@@ -129,6 +129,8 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
     limit_runs: dict[str, list[float]] = {}
     loads: dict[tuple[str, bool], list[LoadSample]] = {}
     ratios: dict[tuple[str, bool], list[float]] = {}
+    # Ratios to the mode's other limits (e.g. direct to O_DIRECT into fresh memory).
+    other_ratios: dict[tuple[str, bool], dict[str, list[float]]] = {}
     gguf_py: list[dict[str, Any]] = []
     drops: list[bool] = []
 
@@ -162,6 +164,9 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
                 loads.setdefault((mode, check), []).append(sample)
                 ratio = sample.gbps / judged_by if judged_by else 0.0
                 ratios.setdefault((mode, check), []).append(ratio)
+                others = other_ratios.setdefault((mode, check), {})
+                for name, value in zip(MODE_LIMITS[mode][1:], measured[1:], strict=True):
+                    others.setdefault(name, []).append(sample.gbps / value if value else 0.0)
                 say(
                     f"  load  {mode:<6} check={check!s:<5} {sample.gbps:6.2f} GB/s "
                     f"({sample.seconds:.2f} s, {ratio:.2f} x limit) "
@@ -188,6 +193,10 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
             )
             for mode in modes
         }
+        for mode in modes:
+            tables[check][mode]["ratio_to_other_limits"] = {
+                name: _median(values) for name, values in other_ratios[(mode, check)].items()
+            }
     headline = [s for mode in modes for s in loads[(mode, True)]]
     gguf_gbps = _median([g["nbytes"] / g["seconds"] / GB for g in gguf_py])
     return {
@@ -245,6 +254,8 @@ def print_tables(result: dict[str, Any]) -> None:
                 f"{stages.get('read', {}).get('busy_s', 0.0):10.2f}"
                 f"{stages.get('validate', {}).get('busy_s', 0.0):11.2f}"
             )
+            for name, ratio in m["ratio_to_other_limits"].items():
+                print(f"      {mode}: {ratio:.2f} x {name}")
             for w in m["warnings"]:
                 print(f"      warning: {w[:150]}")
     print(f"\ngguf-py GGUFReader + np.array(t.data) per tensor: {result['gguf_py_gbps']:.2f} GB/s")

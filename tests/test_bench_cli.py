@@ -7,6 +7,8 @@ was measured against a limit from the same run.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +105,35 @@ def test_grid_groups_points_by_mode() -> None:
     assert "check_tensors" not in points[0].overrides(None)
     assert limit_for_mode("direct", cold=True) == "direct"
     assert limit_for_mode("none", cold=True) == "preadv_fresh_cold"
+
+
+@pytest.mark.timeout(180)
+def test_bench_load_script_prints_the_issue_json(tmp_path: Path) -> None:
+    # bench/load.py is a script, not part of the package: run it as a user would.
+    script = Path(__file__).resolve().parent.parent / "bench" / "load.py"
+    args = ["--size", "32MiB", "--dir", str(tmp_path), "--runs", "1", "--modes", "none,mmap"]
+    proc = subprocess.run(
+        [sys.executable, "-P", str(script), *args, "--settle", "0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    model = Path(result["path"])
+    assert model.parent == tmp_path
+    assert result["size_bytes"] == model.stat().st_size
+    assert set(result["limits"]) >= {"preadv_fresh", "np_memmap_touch"}
+    for table in ("modes", "modes_check_tensors_off"):
+        assert set(result[table]) == {"none", "mmap"}
+        for mode in result[table].values():
+            assert mode["gbps"] > 0
+            assert mode["limit_gbps"] == result["limits"][mode["limit"]]
+            # Judged against the limit measured in the same run (one run here).
+            assert mode["ratio_to_limit"] == pytest.approx(mode["runs_ratio"][0])
+    assert {"p50", "p99", "max"} <= set(result["loop_lag_ms"])
+    assert result["peak_rss_bytes"] > 32 << 20
+    assert result["gguf_py_gbps"] > 0
+    assert set(result["targets"]) == set(result["targets_check_tensors_off"])
+    assert "none >= 0.9 x preadv_fresh" in result["targets"]
