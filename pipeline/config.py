@@ -142,9 +142,10 @@ class PipelineConfig(_Section):
     @field_validator("alignment")
     @classmethod
     def _power_of_two(cls, alignment: int) -> int:
-        # O_DIRECT offsets and buffer addresses are aligned by masking.
-        if alignment & (alignment - 1):
-            raise ValueError(f"expected a power of two, got {alignment}")
+        # O_DIRECT offsets and buffer addresses are aligned by masking, and no block
+        # device has a logical block smaller than 512 bytes.
+        if alignment & (alignment - 1) or alignment < 512:
+            raise ValueError(f"expected a power of two of at least 512, got {alignment}")
         return alignment
 
     @field_validator("path")

@@ -256,7 +256,9 @@ class _Load:
         direct = self.mode == "direct"
         files: list[DataFile] = []
         for parsed in self.index.files:
-            f = await anyio.to_thread.run_sync(partial(open_file, parsed.path, direct=direct))
+            f = await anyio.to_thread.run_sync(
+                partial(open_file, parsed.path, direct=direct, alignment=self.alignment)
+            )
             stack.callback(f.close)
             files.append(f)
             if direct and not f.direct_ok:

@@ -96,6 +96,9 @@ BAD_FILES = [
         "[pipeline]\nalignment = 3000\n", "pipeline.alignment", "power of two", id="alignment"
     ),
     pytest.param(
+        "[pipeline]\nalignment = 256\n", "pipeline.alignment", "at least 512", id="alignment-small"
+    ),
+    pytest.param(
         '[[device]]\nfree = "2GiB"\ntotal = "1GiB"\n',
         "device[0].total",
         "at least free (2GiB), got 1GiB",
