@@ -367,16 +367,30 @@ class _Load:
 
     async def _emit(self, jobs: Sequence[ReadJob], send: MemoryObjectSendStream[ReadJob]) -> None:
         """Hand out one file's jobs in load order, each once its buffer exists. In
-        ``direct`` mode the CPU waits for the disk anyway: the destination pages of the
-        jobs queued ahead are backed meanwhile, so the reads take no page faults."""
-        prefault = self.mode == "direct" and self.config.load.prefetch
-        async with send:
-            for job in jobs:
+        ``direct`` mode the CPU waits for the disk anyway: a helper backs the destination
+        pages of the jobs not handed out yet, so that their reads take no page faults.
+        It never holds a job back: a reader that catches up faults its own pages (two
+        readers then back memory side by side, faster than the one helper)."""
+        handed = 0  # jobs handed out so far
+
+        async def prefault_ahead() -> None:
+            i = 0
+            while (i := max(i, handed)) < len(jobs):
+                job = jobs[i]
                 await self.ready_events[job.buffer_index].wait()
                 image = self.images[job.buffer_index]
-                if prefault and isinstance(image, HostImage):
+                if isinstance(image, HostImage):
                     await anyio.to_thread.run_sync(image.prefault, job, limiter=self._prefaulter)
+                i += 1
+
+        async with send, anyio.create_task_group() as tg:
+            if self.mode == "direct" and self.config.load.prefetch:
+                tg.start_soon(prefault_ahead)
+            for job in jobs:
+                await self.ready_events[job.buffer_index].wait()
                 await send.send(job)
+                handed += 1
+            tg.cancel_scope.cancel()  # nothing is left to back ahead of the readers
 
     async def _read_loop(
         self,
