@@ -61,9 +61,13 @@ def _median(values: list[float]) -> float:
 
 
 def _mode_summary(
-    samples: list[LoadSample], limit: str, limit_gbps: float, ratios: list[float]
+    samples: list[LoadSample],
+    limit: str,
+    limit_gbps: float,
+    ratios_by_limit: dict[str, list[float]],
 ) -> dict[str, Any]:
     gbps = _median([s.gbps for s in samples])
+    ratios = ratios_by_limit[limit]
     return {
         "gbps": gbps,
         "runs_gbps": [s.gbps for s in samples],
@@ -95,6 +99,9 @@ def _mode_summary(
             for name, _, _ in samples[0].stages
         },
         "warnings": sorted({w for s in samples for w in s.warnings}),
+        "ratio_to_other_limits": {
+            name: _median(values) for name, values in ratios_by_limit.items() if name != limit
+        },
     }
 
 
@@ -128,14 +135,16 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
     size = path.stat().st_size
     limit_runs: dict[str, list[float]] = {}
     loads: dict[tuple[str, bool], list[LoadSample]] = {}
-    ratios: dict[tuple[str, bool], list[float]] = {}
-    # Ratios to the mode's other limits (e.g. direct to O_DIRECT into fresh memory).
-    other_ratios: dict[tuple[str, bool], dict[str, list[float]]] = {}
+    # Per load, its ratio to each limit of its mode measured in the same run (the first
+    # judges it; e.g. direct is also compared with O_DIRECT into fresh memory).
+    ratios: dict[tuple[str, bool], dict[str, list[float]]] = {}
     gguf_py: list[dict[str, Any]] = []
     drops: list[bool] = []
 
     # Every limit and every load runs in a fresh process, after the same pause.
     def limit(name: str) -> float:
+        # Cached before the pause: a limit that had to read the file first would fill
+        # the page cache right before its timed run.
         drop_or_warm(path, cold=False)
         settle(settle_s)
         value = limit_in_subprocess(name, path)
@@ -148,8 +157,7 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
         for name in PER_RUN_LIMITS:
             limit(name)
         for mode in modes:
-            measured = [limit(name) for name in MODE_LIMITS[mode]]
-            judged_by = measured[0]  # the first limit is the one the mode is judged by
+            measured = {name: limit(name) for name in MODE_LIMITS[mode]}
             # Headline (default config: check_tensors on) then checks off.
             for check in (True, False):
                 cold = mode == "direct"
@@ -162,11 +170,10 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
                 settle(settle_s)
                 sample = load_in_subprocess(path, overrides)
                 loads.setdefault((mode, check), []).append(sample)
-                ratio = sample.gbps / judged_by if judged_by else 0.0
-                ratios.setdefault((mode, check), []).append(ratio)
-                others = other_ratios.setdefault((mode, check), {})
-                for name, value in zip(MODE_LIMITS[mode][1:], measured[1:], strict=True):
-                    others.setdefault(name, []).append(sample.gbps / value if value else 0.0)
+                by_limit = ratios.setdefault((mode, check), {})
+                for name, value in measured.items():
+                    by_limit.setdefault(name, []).append(sample.gbps / value if value else 0.0)
+                ratio = by_limit[MODE_LIMITS[mode][0]][-1]
                 say(
                     f"  load  {mode:<6} check={check!s:<5} {sample.gbps:6.2f} GB/s "
                     f"({sample.seconds:.2f} s, {ratio:.2f} x limit) "
@@ -193,10 +200,6 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
             )
             for mode in modes
         }
-        for mode in modes:
-            tables[check][mode]["ratio_to_other_limits"] = {
-                name: _median(values) for name, values in other_ratios[(mode, check)].items()
-            }
     headline = [s for mode in modes for s in loads[(mode, True)]]
     gguf_gbps = _median([g["nbytes"] / g["seconds"] / GB for g in gguf_py])
     return {
