@@ -147,29 +147,43 @@ class ByteRegion(Protocol):
 class HostBuffer(Closeable):
     """``nbytes`` of page-aligned, zero-filled host memory (an anonymous mmap).
 
-    ``prefault=True`` backs every page now (see ``prefault``); ``huge_pages`` asks for
-    transparent huge pages on buffers of 2 MiB and more.
+    ``alignment`` (a power of two) raises the guarantee above the page for ``O_DIRECT``
+    on devices with larger logical blocks: the mapping is over-sized and the buffer
+    starts at the first aligned address inside it. ``prefault=True`` backs every page
+    now (see ``prefault``); ``huge_pages`` asks for transparent huge pages on buffers of
+    2 MiB and more.
 
     Thread-safe: any thread may read into the memory while others do the same; ``close``
     may race with them safely (see the module docstring).
 
-    Raises ``ValueError`` for a negative size and ``MemoryError`` if the kernel refuses
-    the mapping.
+    Raises ``ValueError`` for a negative size or a bad ``alignment`` and ``MemoryError``
+    if the kernel refuses the mapping.
     """
 
     # Class-level defaults so __del__ is safe even when __init__ failed half-way.
     _mmap: mmap.mmap | None = None
 
-    def __init__(self, nbytes: int, *, prefault: bool = False, huge_pages: bool = False) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        alignment: int = PAGE_BYTES,
+        prefault: bool = False,
+        huge_pages: bool = False,
+    ) -> None:
         if nbytes < 0:
             raise ValueError(f"buffer size must be >= 0, got {nbytes}")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
         self._nbytes = nbytes
         self._lock = threading.Lock()
         # mmap refuses length 0; a zero-byte buffer still gets one page so that it has
         # an address and behaves like any other buffer.
         capacity = max(_round_up_to_page(nbytes), PAGE_BYTES)
+        # mmap only promises page alignment; the slack is untouched, so costs no memory.
+        slack = max(alignment - PAGE_BYTES, 0)
         try:
-            self._mmap = mmap.mmap(-1, capacity, flags=PRIVATE_ANONYMOUS)
+            self._mmap = mmap.mmap(-1, capacity + slack, flags=PRIVATE_ANONYMOUS)
         except OSError as exc:
             raise MemoryError(f"cannot map {capacity} bytes of host memory: {exc}") from exc
         self._capacity_bytes = capacity
@@ -182,8 +196,12 @@ class HostBuffer(Closeable):
             with contextlib.suppress(OSError):
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._mmap_ref: weakref.ref[mmap.mmap] = weakref.ref(self._mmap)
-        self._view: builtins.memoryview | None = builtins.memoryview(self._mmap)[:nbytes]
-        self._address = buffer_address(self._mmap)
+        base = buffer_address(self._mmap)
+        self._start = -base % alignment
+        self._address = base + self._start
+        self._view: builtins.memoryview | None = builtins.memoryview(self._mmap)[
+            self._start : self._start + nbytes
+        ]
         self._state = ResourceState.OPEN
         if prefault:
             self.prefault()
@@ -232,12 +250,13 @@ class HostBuffer(Closeable):
 
     @property
     def capacity_bytes(self) -> int:
-        """Bytes actually mapped: ``nbytes`` rounded up to a whole page (at least one)."""
+        """Usable bytes from ``address``: ``nbytes`` rounded up to a whole page (at least
+        one)."""
         return self._capacity_bytes
 
     @property
     def address(self) -> int:
-        """Address of the first byte; always a multiple of ``PAGE_BYTES``."""
+        """Address of the first byte; a multiple of ``PAGE_BYTES`` and of ``alignment``."""
         self._open_mmap()
         return self._address
 
@@ -251,7 +270,9 @@ class HostBuffer(Closeable):
 
     def as_array(self) -> npt.NDArray[np.uint8]:
         """A writable uint8 numpy view of exactly ``nbytes`` bytes."""
-        return np.frombuffer(self._open_mmap(), dtype=np.uint8, count=self._nbytes)
+        return np.frombuffer(
+            self._open_mmap(), dtype=np.uint8, count=self._nbytes, offset=self._start
+        )
 
     def prefault(self, start: int = 0, end: int | None = None) -> None:
         """Back the pages of ``[start, end)`` (default: all) with real memory now, so that
@@ -262,7 +283,7 @@ class HostBuffer(Closeable):
         if start >= end:
             return
         # Holding an array keeps the mapping alive even if another thread closes us.
-        array = np.frombuffer(mapping, dtype=np.uint8)
+        array = np.frombuffer(mapping, dtype=np.uint8, offset=self._start)
         try:
             _libc.madvise(self._address + start, end - start, _libc.MADV_POPULATE_WRITE)
         except OSError:

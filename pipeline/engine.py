@@ -320,7 +320,7 @@ class _Load:
                 await anyio.to_thread.run_sync(self._advise, mapped_image, numa)
                 image = mapped_image
             else:
-                image = await anyio.to_thread.run_sync(allocate_host, layout)
+                image = await anyio.to_thread.run_sync(allocate_host, layout, self.alignment)
             self.images[k] = image
             self.ready_events[k].set()
         self.stage_busy["allocate"] = self.hub.elapsed() - start

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator, Sequence
 
-from aiogguf.io.buffers import HostBuffer
+from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
 from aiogguf.io.devices.base import DeviceBuffer
 from aiogguf.io.files import DataFile, align_down, align_up
 from aiogguf.io.mapping import FileMapping
@@ -189,9 +189,10 @@ class DeviceImage:
 Image = HostImage | MappedImage | DeviceImage
 
 
-def allocate_host(layout: BufferLayout) -> HostImage:
-    """Blocking: page-aligned memory for a whole buffer image."""
-    return HostImage(layout, HostBuffer(max(layout.nbytes, 1)))
+def allocate_host(layout: BufferLayout, alignment: int = PAGE_BYTES) -> HostImage:
+    """Blocking: memory for a whole buffer image, aligned to a page and to ``alignment``
+    (``O_DIRECT`` reads land in it)."""
+    return HostImage(layout, HostBuffer(max(layout.nbytes, 1), alignment=alignment))
 
 
 def allocate_mapped(

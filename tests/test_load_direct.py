@@ -72,7 +72,14 @@ def _file_bytes(path: Path, offset: int, n: int) -> bytes:
 
 @pytest.mark.parametrize(
     ("chunk", "alignment"),
-    [("4KiB", "4KiB"), ("64KiB", "4KiB"), ("1MiB", "4KiB"), ("64KiB", "512B"), ("1MiB", "8KiB")],
+    [
+        ("4KiB", "4KiB"),
+        ("64KiB", "4KiB"),
+        ("1MiB", "4KiB"),
+        ("64KiB", "512B"),
+        ("1MiB", "8KiB"),
+        ("64KiB", "64KiB"),
+    ],
 )
 def test_direct_unaligned_tensors_and_small_chunks(
     disk_dir: Path, chunk: str, alignment: str

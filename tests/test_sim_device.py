@@ -195,8 +195,10 @@ def test_synchronous_stream_has_no_thread() -> None:
     stream.copy_sync(dest, 0, memoryview(b"\x11" * 4096))
     assert time.perf_counter() - start >= 4096 / 10_000_000
     assert bytes(dest.to_host(0, 4096)) == b"\x11" * 4096
+    slot = stream.open_slot(0, 4096, 4096)
     with pytest.raises(RuntimeError, match="synchronous copies only"):
-        stream.copy_async(dest, 0, stream.open_slot(0, 4096, 4096), 4096)
+        stream.copy_async(dest, 0, slot, 4096)
+    slot.close()
     dest.close()
     stream.close()
 

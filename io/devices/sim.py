@@ -18,8 +18,6 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import random
 import threading
 import time
@@ -35,7 +33,7 @@ import numpy
 
 from aiogguf.config import SimDeviceConfig
 from aiogguf.errors import ConfigError, GGUFError, LoadError
-from aiogguf.io.buffers import PRIVATE_ANONYMOUS
+from aiogguf.io.buffers import HostBuffer
 from aiogguf.io.devices.base import (
     BufferRole,
     BufferType,
@@ -286,14 +284,6 @@ class SimDeviceBuffer:
         return f"SimDeviceBuffer({self.device!r}, {self.nbytes}, {state})"
 
 
-def _address(mm: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(mm)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor  # the ctypes object holds an export that would block mm.close()
-
-
 class SimStagingSlot:
     """A staging slot in anonymous mapped memory, its view aligned to ``alignment``."""
 
@@ -301,35 +291,27 @@ class SimStagingSlot:
         self.index = index
         self.nbytes = nbytes
         self._stream = stream
-        # An anonymous mapping is page-aligned; larger alignments need slack.
-        extra = alignment if alignment > mmap.PAGESIZE else 0
-        self._mm: mmap.mmap | None = mmap.mmap(-1, max(nbytes + extra, 1), flags=PRIVATE_ANONYMOUS)
-        start = (-_address(self._mm)) % alignment
-        self._view: memoryview | None = memoryview(self._mm)[start : start + nbytes]
+        self._buffer: HostBuffer | None = HostBuffer(nbytes, alignment=alignment)
         self.pending = 0  # sequence number of the last copy issued out of this slot
         stream._owner._count(slots=1)
 
     def view(self) -> memoryview:
-        if self._view is None:
+        if self._buffer is None:
             raise LoadError(
                 None, None, f"device {self._stream.device}: slot {self.index} is closed"
             )
-        return self._view
+        return self._buffer.memoryview
 
     def begin_write(self) -> None:
         self._stream._check_slot_free(self)
 
     def close(self) -> None:
-        if self._mm is None:
+        buffer, self._buffer = self._buffer, None
+        if buffer is None:
             return
-        view, mm = self._view, self._mm
-        self._view, self._mm = None, None
         self._stream._owner._count(slots=-1)
-        try:
-            if view is not None:
-                view.release()
-            mm.close()
-        except BufferError as exc:
+        buffer.close()
+        if not buffer.memory_released:
             # Someone kept a view of the slot past its fill: the memory is only freed
             # when that view dies, and whatever holds it could see reused bytes.
             raise LoadError(
@@ -337,7 +319,7 @@ class SimStagingSlot:
                 None,
                 f"device {self._stream.device}: staging slot {self.index} is still "
                 "referenced after its last use (a fill kept a view of it)",
-            ) from exc
+            )
 
 
 class SimEvent:
