@@ -2,7 +2,8 @@
 
 Writes (or reuses) a synthetic model, then ``--runs`` times, mode by mode: measures the
 mode's limit, then loads the model in that mode with the default config
-(``check_tensors`` on) and with ``check_tensors=False`` (llama.cpp's default). Limits and
+(``check_tensors`` on) and with ``check_tensors=False`` (llama.cpp's default); every other
+run does the three in the reverse order (use an even ``--runs``). Limits and
 loads alike run in a fresh process after the same pause (``--settle``), so that each
 starts with the same kind of memory. ``none``, ``mmap`` and ``mlock`` load from a warm
 page cache; ``direct`` from a dropped one. Also times ``gguf.GGUFReader`` copying every
@@ -10,7 +11,7 @@ tensor out. Prints medians, each mode's ratio to the limit measured next to it (
 over runs), the event loop's lag during the loads (1 ms ticker), peak RSS per load, and
 which targets were met, per setting. Not part of the test run.
 
-    python bench/load.py [--size 4GiB] [--runs 3] [--dir /work/bench-data] [--settle 3]
+    python bench/load.py [--size 4GiB] [--runs 4] [--dir /work/bench-data] [--settle 3]
                          [--json] [--out F]
 """
 
@@ -157,18 +158,29 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
         for name in PER_RUN_LIMITS:
             limit(name)
         for mode in modes:
-            measured = {name: limit(name) for name in MODE_LIMITS[mode]}
-            # Headline (default config: check_tensors on) then checks off.
-            for check in (True, False):
+            # Limits, the headline load (default config: check_tensors on), then checks
+            # off; every other run in the reverse order: on this VM a measurement's place
+            # in the sequence alone moved it by up to 15%, and the two orders cancel that.
+            steps: list[str | bool] = [*MODE_LIMITS[mode], True, False]
+            if r % 2:
+                steps.reverse()
+            measured: dict[str, float] = {}
+            samples: dict[bool, LoadSample] = {}
+            for step in steps:
+                if isinstance(step, str):
+                    measured[step] = limit(step)
+                    continue
                 cold = mode == "direct"
                 ok = drop_or_warm(path, cold)
                 if cold:
                     drops.append(ok)
                 overrides: dict[str, Any] = {"mode": mode}
-                if not check:
+                if not step:
                     overrides["check_tensors"] = False
                 settle(settle_s)
-                sample = load_in_subprocess(path, overrides)
+                samples[step] = load_in_subprocess(path, overrides)
+            for check in (True, False):
+                sample = samples[check]
                 loads.setdefault((mode, check), []).append(sample)
                 by_limit = ratios.setdefault((mode, check), {})
                 for name, value in measured.items():
@@ -282,7 +294,7 @@ def main() -> None:
     parser.add_argument("--size", default="4GiB", help="model size (default 4GiB)")
     parser.add_argument("--dir", default="/work/bench-data", help="where the model is kept")
     parser.add_argument("--path", help="use this GGUF file instead of a synthetic one")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--modes", default=",".join(MODES), help="comma list (default all)")
     parser.add_argument(
         "--settle",

@@ -38,7 +38,7 @@ from aiogguf.io.devices.base import Device
 from aiogguf.io.devices.registry import enumerate_devices
 from aiogguf.io.files import DataFile, FileAdvice, align_up, open_file
 from aiogguf.io.mapping import MapAdvice, numa_nodes
-from aiogguf.io.workers import ReaderThreads
+from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import BufferLayout, ReadJob, TensorSlot
 from aiogguf.model import Model
 from aiogguf.records import Plan, TensorEntry, WeightIndex
@@ -157,9 +157,9 @@ class _Load:
         self.disks: list[str] = []  # per file: the disk it is read from
         self.swap = needs_swap(index.byte_order)
         self._lock_refused = False
-        self._prefaulter = anyio.CapacityLimiter(1)
-        # Host tensors read by preadv/O_DIRECT are checked piece by piece by the readers
-        # (mapped and device tensors by the validation stage, after they have landed).
+        self._prefault_threads: LoadThreads | None = None  # direct mode: backs pages ahead
+        # Host tensors read by preadv/O_DIRECT are checked piece by piece as they land
+        # (see Reader); mapped and device tensors by the validation stage, whole.
         self.piece_checks = self._piece_checks()
         self.piece_failures: list[TensorFailure] = []
         self._piece_lock = threading.Lock()
@@ -187,8 +187,15 @@ class _Load:
             )
         limiters = self._disk_limiters(files)
         threads = await stack.enter_async_context(
-            ReaderThreads(int(sum(lim.total_tokens for lim in set(limiters))))
+            LoadThreads(int(sum(lim.total_tokens for lim in set(limiters))))
         )
+        if self.mode == "direct" and self.config.load.prefetch:
+            # One thread for all files: backing pages is CPU work, not I/O.
+            self._prefault_threads = await stack.enter_async_context(
+                LoadThreads(1, name="aiogguf-prefault")
+            )
+        workers = self.config.pipeline.validate_workers
+        check_threads = await stack.enter_async_context(LoadThreads(workers, name="aiogguf-check"))
         reader = Reader(
             files,
             self.images,
@@ -200,10 +207,11 @@ class _Load:
             shared=self.shared_limiter,
             check=self._check_piece if self.piece_checks else None,
             threads=threads,
+            check_threads=check_threads,
         )
         check = self.config.load.check_tensors
         t_read = self.hub.elapsed()
-        validator = ValidationCollector(self.config.pipeline.validate_workers)
+        validator = ValidationCollector(workers, threads=check_threads)
         # A stage that fails cancels the others; the caller sees its error, unwrapped.
         with one_error():
             async with validator:
@@ -216,9 +224,13 @@ class _Load:
                     for file_index, file_jobs in enumerate(jobs):
                         send, recv = anyio.create_memory_object_stream[ReadJob](queue)
                         tg.start_soon(self._emit, file_jobs, send)
-                        n_readers = limiters[file_index].total_tokens
+                        n_tasks = int(limiters[file_index].total_tokens)
+                        if reader.checks_apart(file_index):
+                            # Tasks waiting on a check hold no read slot: the slots
+                            # need tasks of their own to stay busy.
+                            n_tasks += workers
                         async with recv:
-                            for _ in range(int(n_readers)):
+                            for _ in range(n_tasks):
                                 tg.start_soon(
                                     self._read_loop, reader, recv.clone(), landed_send.clone()
                                 )
@@ -380,11 +392,12 @@ class _Load:
                 await self.ready_events[job.buffer_index].wait()
                 image = self.images[job.buffer_index]
                 if isinstance(image, HostImage):
-                    await anyio.to_thread.run_sync(image.prefault, job, limiter=self._prefaulter)
+                    assert self._prefault_threads is not None
+                    await self._prefault_threads.run_sync(image.prefault, job)
                 i += 1
 
         async with send, anyio.create_task_group() as tg:
-            if self.mode == "direct" and self.config.load.prefetch:
+            if self._prefault_threads is not None:
                 tg.start_soon(prefault_ahead)
             for job in jobs:
                 await self.ready_events[job.buffer_index].wait()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import anyio
 
 from aiogguf.io.files import MAX_CALL_BYTES, DataFile
-from aiogguf.io.workers import ReaderThreads
+from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import ReadJob
 from aiogguf.stages.allocate import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.stages.upload import Uploader
@@ -43,8 +43,10 @@ class Reader:
     """Executes read jobs for one load. ``swap`` (big-endian files) converts the bytes of
     a landed job in place before anyone else sees them; ``shared`` bounds the reads in
     flight across every load that shares it; ``check(job, file_offset, piece)`` validates
-    each piece of a host buffer as soon as it has landed, while it is still in the CPU's
-    cache, on the reader's own thread."""
+    each piece of a host buffer as soon as it has landed: buffered reads on the reader's
+    own thread, while the piece is still in the CPU's cache; ``O_DIRECT`` reads (which
+    land by DMA, not through the cache) on ``check_threads`` after the read has given
+    back its slot, so that the disk gets its next read while the last one is checked."""
 
     def __init__(
         self,
@@ -58,7 +60,8 @@ class Reader:
         swap: Callable[[ReadJob, memoryview], None] | None = None,
         shared: anyio.CapacityLimiter | None = None,
         check: Callable[[ReadJob, int, memoryview], None] | None = None,
-        threads: ReaderThreads | None = None,
+        threads: LoadThreads | None = None,
+        check_threads: LoadThreads | None = None,
     ) -> None:
         self._files = files
         self._images = images
@@ -70,6 +73,7 @@ class Reader:
         self._shared = shared
         self._check = check
         self._threads = threads
+        self._check_threads = check_threads
         self.stats = [FileStats() for _ in files]
 
     @property
@@ -101,6 +105,9 @@ class Reader:
             else:
                 async with limiter:
                     await self._threads.run_sync(self._host_read, job, image)
+            if self.checks_apart(job.file_index) and isinstance(image, HostImage):
+                assert self._check_threads is not None
+                await self._check_threads.run_sync(self._check_landed, job, image.dest(job))
         end = self._clock()
         stats = self.stats[job.file_index]
         stats.nbytes += job.useful_end - job.useful_start
@@ -128,12 +135,21 @@ class Reader:
         self._read_into(job, dest)
         if self._swap is not None:
             self._swap(job, dest)
-        if self._check is not None:
-            # O_DIRECT lands by DMA, not through the cache: check the job in pieces now,
-            # on this thread, so that no tensor waits for a separate pass at the end.
-            useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
-            for lo in range(0, len(useful), MAX_CALL_BYTES):
-                self._check(job, job.useful_start + lo, useful[lo : lo + MAX_CALL_BYTES])
+        if self._check is not None and not self.checks_apart(job.file_index):
+            self._check_landed(job, dest)
+
+    def checks_apart(self, file_index: int) -> bool:
+        """Whether the file's jobs are checked on the check threads, after the read."""
+        return (
+            self._check is not None and self._check_threads is not None and self._direct[file_index]
+        )
+
+    def _check_landed(self, job: ReadJob, dest: memoryview) -> None:
+        """Check a landed job in pieces (bounded scratch, progress per piece)."""
+        assert self._check is not None
+        useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
+        for lo in range(0, len(useful), MAX_CALL_BYTES):
+            self._check(job, job.useful_start + lo, useful[lo : lo + MAX_CALL_BYTES])
 
     def _read_into(self, job: ReadJob, dest: memoryview) -> None:
         file = self._files[job.file_index]

@@ -40,6 +40,7 @@ from anyio.abc import TaskGroup
 
 from aiogguf.errors import TensorFailure, TensorValidationError
 from aiogguf.io.ggml_types import GGMLType, ScaleField, ScaleKind, TypeKind
+from aiogguf.io.workers import LoadThreads
 
 __all__ = [
     "PieceCheck",
@@ -792,7 +793,8 @@ class _State(Enum):
 
 
 class ValidationCollector:
-    """Checks tensors in worker threads as they are submitted; collects every failure.
+    """Checks tensors in threads of its own (``LoadThreads``) as they are submitted;
+    collects every failure.
 
     Usage::
 
@@ -812,6 +814,7 @@ class ValidationCollector:
         max_in_flight: int | None = None,
         xp: ModuleType = numpy,
         call_bytes: int = CALL_BYTES,
+        threads: LoadThreads | None = None,
     ) -> None:
         """Set up a collector; checks start once its ``async with`` block is entered.
 
@@ -821,6 +824,8 @@ class ValidationCollector:
                 default ``2 * workers``.
             xp: default array module of submitted data.
             call_bytes: bytes one worker-thread call checks (bounds cancellation latency).
+            threads: entered threads to check on, shared with others (``workers`` then
+                only sets the default of ``max_in_flight``); default: threads of its own.
 
         Raises:
             ValueError: if ``workers`` or ``max_in_flight`` is below 1.
@@ -830,7 +835,8 @@ class ValidationCollector:
         max_in_flight = 2 * workers if max_in_flight is None else max_in_flight
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
-        self._limiter = anyio.CapacityLimiter(workers)
+        self._own_threads = threads is None
+        self._threads = LoadThreads(workers, name="aiogguf-check") if threads is None else threads
         self._slots = anyio.Semaphore(max_in_flight)
         self._xp = xp
         self._call_bytes = call_bytes
@@ -844,6 +850,8 @@ class ValidationCollector:
     async def __aenter__(self) -> ValidationCollector:
         if self._state is not _State.NEW:
             raise RuntimeError("a ValidationCollector can be entered only once")
+        if self._own_threads:
+            await self._threads.__aenter__()
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
@@ -862,6 +870,8 @@ class ValidationCollector:
         finally:
             self._state = _State.CLOSED
             self._task_group = None
+            if self._own_threads:
+                await self._threads.__aexit__(None, None, None)
 
     async def submit(
         self, name: str, type: GGMLType, data: Bytes, *, xp: ModuleType | None = None
@@ -893,9 +903,7 @@ class ValidationCollector:
                 step = max(self._call_bytes // unit, 1) * unit
                 for start in range(0, nbytes, step):
                     began = time.perf_counter()
-                    await anyio.to_thread.run_sync(
-                        checker.update, data[start : start + step], limiter=self._limiter
-                    )
+                    await self._threads.run_sync(checker.update, data[start : start + step])
                     self.busy_s += time.perf_counter() - began
                     self.bytes_checked += min(step, nbytes - start)
                 failure = checker.finish()

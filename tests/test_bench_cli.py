@@ -7,6 +7,7 @@ was measured against a limit from the same run.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -111,7 +112,7 @@ def test_grid_groups_points_by_mode() -> None:
 def test_bench_load_script_prints_the_issue_json(tmp_path: Path) -> None:
     # bench/load.py is a script, not part of the package: run it as a user would.
     script = Path(__file__).resolve().parent.parent / "bench" / "load.py"
-    args = ["--size", "32MiB", "--dir", str(tmp_path), "--runs", "1", "--modes", "none,mmap"]
+    args = ["--size", "32MiB", "--dir", str(tmp_path), "--runs", "2", "--modes", "none,mmap"]
     proc = subprocess.run(
         [sys.executable, "-P", str(script), *args, "--settle", "0", "--json"],
         capture_output=True,
@@ -130,8 +131,10 @@ def test_bench_load_script_prints_the_issue_json(tmp_path: Path) -> None:
         for mode in result[table].values():
             assert mode["gbps"] > 0
             assert mode["limit_gbps"] == result["limits"][mode["limit"]]
-            # Judged against the limit measured in the same run (one run here).
-            assert mode["ratio_to_limit"] == pytest.approx(mode["runs_ratio"][0])
+            # Judged against the limit measured in the same run; the second run measures
+            # in the reverse order, and both count.
+            assert len(mode["runs_ratio"]) == 2
+            assert mode["ratio_to_limit"] == pytest.approx(statistics.median(mode["runs_ratio"]))
     assert {"p50", "p99", "max"} <= set(result["loop_lag_ms"])
     assert result["peak_rss_bytes"] > 32 << 20
     assert result["gguf_py_gbps"] > 0

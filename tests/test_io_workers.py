@@ -1,4 +1,4 @@
-"""A load's own reader threads: results and errors come back, a cancelled caller still
+"""A load's own threads: results and errors come back, a cancelled caller still
 waits for the call it started, the threads run at a lower priority and end with the load."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 
-from aiogguf.io.workers import READER_NICE, ReaderThreads
+from aiogguf.io.workers import LOAD_NICE, LoadThreads
 
 
 def _names() -> set[str]:
@@ -20,7 +20,7 @@ def _names() -> set[str]:
 @pytest.mark.asyncio
 async def test_results_errors_and_priority() -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    async with ReaderThreads(2) as threads:
+    async with LoadThreads(2) as threads:
         assert len(_names()) == 2
         assert await threads.run_sync(lambda a, b: a + b, 2, 3) == 5
         with pytest.raises(ZeroDivisionError):
@@ -29,14 +29,14 @@ async def test_results_errors_and_priority() -> None:
             lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         )
         # Root may raise priority too; anyone may lower it: the readers sit below the loop.
-        assert nice == base + READER_NICE or nice > base
+        assert nice == base + LOAD_NICE or nice > base
     assert _names() == set()
 
 
 @pytest.mark.asyncio
 async def test_calls_run_at_once_on_every_thread() -> None:
     barrier = threading.Barrier(3, timeout=10)
-    async with ReaderThreads(3) as threads, anyio.create_task_group() as tg:
+    async with LoadThreads(3) as threads, anyio.create_task_group() as tg:
         for _ in range(3):
             tg.start_soon(threads.run_sync, barrier.wait)
 
@@ -50,7 +50,7 @@ async def test_a_cancelled_caller_waits_for_its_call() -> None:
         time.sleep(0.2)
         finished.append(time.perf_counter())
 
-    async with ReaderThreads(1) as threads:
+    async with LoadThreads(1) as threads:
         with anyio.move_on_after(0.02) as scope:
             await threads.run_sync(slow)
         left = time.perf_counter()
@@ -58,3 +58,24 @@ async def test_a_cancelled_caller_waits_for_its_call() -> None:
         assert finished
         assert finished[0] <= left
     assert _names() == set()
+
+
+@pytest.mark.asyncio
+async def test_a_thread_takes_its_next_call_without_the_loop() -> None:
+    """Queued calls run back to back while the loop thread is busy: a thread hands its
+    result to the loop without waiting for the loop to take it."""
+    ran: list[str] = []
+    both = threading.Event()
+
+    def call(tag: str) -> None:
+        ran.append(tag)
+        if len(ran) == 2:
+            both.set()
+
+    async with LoadThreads(1) as threads, anyio.create_task_group() as tg:
+        tg.start_soon(threads.run_sync, call, "a")
+        tg.start_soon(threads.run_sync, call, "b")
+        await anyio.wait_all_tasks_blocked()
+        # Block the loop thread on purpose: only the worker can make progress now.
+        assert both.wait(timeout=10), f"ran {ran} while the loop was busy"
+    assert ran == ["a", "b"]

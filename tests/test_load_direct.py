@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +128,39 @@ def test_direct_falls_back_with_a_warning_when_refused(
         assert any(str(m.path) in w for w in model.report.warnings)
         for t in m.tensors:
             assert bytes(model.raw(t.name)) == _file_bytes(m.path, t.file_offset, t.nbytes)
+
+
+def test_checks_run_apart_so_the_disk_gets_its_next_read(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O_DIRECT data arrives by DMA, not through the cache, so nothing is gained by
+    checking it on the reader's thread: checks run on the check threads while the
+    readers go on with the next reads."""
+    from aiogguf.engine import _Load
+    from aiogguf.io.files import DataFile
+
+    m = write_synthetic_model(disk_dir / "apart.gguf", size_bytes="4MiB", seed=5)
+    spans: dict[str, list[tuple[float, float, str]]] = {"read": [], "check": []}
+    read_direct_into = DataFile.read_direct_into
+    check_piece = _Load._check_piece
+
+    def timed(kind: str, fn: Any, pause: float) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            time.sleep(pause)
+            result = fn(*args, **kwargs)
+            spans[kind].append((start, time.perf_counter(), threading.current_thread().name))
+            return result
+
+        return wrapper
+
+    monkeypatch.setattr(DataFile, "read_direct_into", timed("read", read_direct_into, 0.002))
+    monkeypatch.setattr(_Load, "_check_piece", timed("check", check_piece, 0.02))
+    with aiogguf.load_sync(m.path, mode="direct", chunk_size="256KiB") as model:
+        assert model.report.files[0].direct
+        assert model.report.validated == m.n_tensors
+    assert len(spans["read"]) >= 8
+    assert {name.rsplit("-", 1)[0] for *_, name in spans["check"]} == {"aiogguf-check"}
+    assert {name.rsplit("-", 1)[0] for *_, name in spans["read"]} == {"aiogguf-reader"}
+    overlapping = [r for r in spans["read"] if any(c[0] < r[0] < c[1] for c in spans["check"])]
+    assert overlapping, "no read started while a check was running"
