@@ -147,7 +147,7 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
         # Cached before the pause: a limit that had to read the file first would fill
         # the page cache right before its timed run.
         drop_or_warm(path, cold=False)
-        settle(settle_s)
+        settle(settle_s, touch_bytes=size, near=path)
         value = limit_in_subprocess(name, path)
         limit_runs.setdefault(name, []).append(value)
         say(f"  limit {name:<16} {value:7.2f} GB/s")
@@ -177,7 +177,7 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
                 overrides: dict[str, Any] = {"mode": mode}
                 if not step:
                     overrides["check_tensors"] = False
-                settle(settle_s)
+                settle(settle_s, touch_bytes=size, near=path)
                 samples[step] = load_in_subprocess(path, overrides)
             for check in (True, False):
                 sample = samples[check]
@@ -193,7 +193,7 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
                     f"peak RSS {format_bytes(sample.peak_rss_bytes)}"
                 )
         drop_or_warm(path, cold=False)
-        settle(settle_s)
+        settle(settle_s, touch_bytes=size, near=path)
         g = measure_in_subprocess({"task": "gguf_py", "path": str(path)})
         gguf_py.append(g)
         say(

@@ -26,6 +26,7 @@ import anyio
 import numpy as np
 
 from aiogguf.api import load
+from aiogguf.io.buffers import HostBuffer
 from aiogguf.limits import (
     GB,
     direct_gbps,
@@ -219,7 +220,8 @@ def gguf_py_copy(path: str | os.PathLike[str]) -> tuple[float, int, int]:
 def worker_main() -> None:
     """Entry point of a measuring subprocess: one JSON task in ``argv[1]``, one JSON line
     out. Tasks: ``{"task": "load", "path", "overrides", "uvloop"}``, ``{"task":
-    "limit", "name", "path"}``, ``{"task": "gguf_py", "path"}``."""
+    "limit", "name", "path"}``, ``{"task": "gguf_py", "path"}``, ``{"task": "touch",
+    "path", "nbytes"}`` (back ``nbytes`` of new memory and exit: see ``settle``)."""
     task = json.loads(sys.argv[1])
     warnings.simplefilter("ignore")  # load warnings come back in the report instead
     if task["task"] == "gguf_py":
@@ -227,6 +229,9 @@ def worker_main() -> None:
         out: dict[str, Any] = {"seconds": seconds, "nbytes": nbytes, "peak_rss_bytes": peak}
     elif task["task"] == "limit":
         out = {"gbps": measure_limit(task["name"], task["path"])}
+    elif task["task"] == "touch":
+        with HostBuffer(int(task["nbytes"]), prefault=True) as buffer:
+            out = {"nbytes": buffer.nbytes}
     else:
         options = {"use_uvloop": True} if task.get("uvloop") else {}
 
@@ -334,15 +339,28 @@ def limit_in_subprocess(name: str, path: str | os.PathLike[str]) -> float:
     )
 
 
-def settle(seconds: float = SETTLE_S) -> None:
-    """Wait until memory freed by the previous measurement is back with the hypervisor.
+def settle(
+    seconds: float = SETTLE_S, *, touch_bytes: int = 0, near: str | os.PathLike[str] = ""
+) -> None:
+    """Put the machine's memory in the same state before every measurement.
 
     Virtual machines with free page reporting (virtio-balloon) hand freed guest memory
     back to the host about 2 s after it is freed; a process that allocates before then
     gets pages the host still backs, afterwards pages whose first touch faults in the
-    host too, at a third of the speed on the VM these figures come from. Starting every
-    measurement after the same pause gives limits and loads the same kind of memory.
+    host too, at a third of the speed on the VM these figures come from. And a process
+    that fills gigabytes of new memory ran fast or slow by turns, depending on the one
+    before it: nine identical loads in a row, 3 s apart, went 1.75 2.26 1.87 2.44 1.85
+    2.24 ... GB/s, so that of two measurements taken one after the other, each was
+    favoured half the time. So first a spacer process backs and frees ``touch_bytes``
+    of memory (the size of what is measured), then the pause: every measurement follows
+    the same kind of process after the same time (the same nine loads, each after a
+    spacer: 2.15-2.53 GB/s). ``seconds`` 0 skips both (tests). ``near``: the measured
+    file; the spacer runs in its folder, as the measurements do.
     """
+    if seconds <= 0:
+        return
+    if touch_bytes > 0:
+        measure_in_subprocess({"task": "touch", "path": os.fspath(near), "nbytes": touch_bytes})
     time.sleep(seconds)
 
 
@@ -464,6 +482,7 @@ def run_sweep(
     config: str | os.PathLike[str] | None = None,
     extra_limits: Sequence[str] = ("preadv_touched", "memcpy", "mmap_touch"),
     pinned: bool = True,
+    settle_s: float = SETTLE_S,
     say: Callable[[str], None] = lambda _: None,
 ) -> SweepResult:
     """Load ``path`` at every point, ``runs`` times; each run measures every mode's limit
@@ -471,25 +490,37 @@ def run_sweep(
 
     ``cold`` drops the file from the page cache before every load and every limit run
     (``posix_fadvise(DONTNEED)``); otherwise the file is made fully resident first
-    (``direct`` reads bypass the cache either way).
+    (``direct`` reads bypass the cache either way). Limits and loads alike run in a fresh
+    process after ``settle_s`` seconds (see ``settle``).
     """
     p = Path(path)
+    size = p.stat().st_size
     modes = list(dict.fromkeys(pt.mode for pt in points))
     limit_runs: dict[str, list[float]] = {}
     samples: dict[SweepPoint, list[LoadSample]] = {pt: [] for pt in points}
     drops: list[bool] = []
     notes: list[str] = []
+
+    def limit(name: str) -> float:
+        # The page cache is set before the pause, as for a load: a limit that had to
+        # read the file first would fill the cache right before its timed run.
+        drop_or_warm(p, cold=name.endswith("_cold"))
+        settle(settle_s, touch_bytes=size, near=p)
+        value = limit_in_subprocess(name, p)
+        limit_runs.setdefault(name, []).append(value)
+        return value
+
     for run in range(runs):
         for name in extra_limits:
-            limit_runs.setdefault(name, []).append(measure_limit(name, p))
+            limit(name)
         for mode in modes:
             name = limit_for_mode(mode, cold)
-            limit_runs.setdefault(name, []).append(measure_limit(name, p))
-            say(f"run {run + 1}/{runs} {mode}: limit {name} {limit_runs[name][-1]:.2f} GB/s")
+            say(f"run {run + 1}/{runs} {mode}: limit {name} {limit(name):.2f} GB/s")
             for pt in (q for q in points if q.mode == mode):
                 ok = drop_or_warm(p, cold)
                 if cold:
                     drops.append(ok)
+                settle(settle_s, touch_bytes=size, near=p)
                 sample = load_in_subprocess(p, pt.overrides(check_tensors), config=config)
                 samples[pt].append(sample)
                 say(

@@ -10,12 +10,13 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from aiogguf.benchmark import grid, limit_for_mode
+from aiogguf.benchmark import grid, limit_for_mode, measure_in_subprocess, settle
 from aiogguf.cli import main
 
 POINT_KEYS = {
@@ -56,6 +57,8 @@ def test_quick_sweep_writes_json_and_plot(
             str(out_json),
             "--plot",
             str(out_png),
+            "--settle",
+            "0",
             "--quiet",
         ]
     )
@@ -140,3 +143,13 @@ def test_bench_load_script_prints_the_issue_json(tmp_path: Path) -> None:
     assert result["gguf_py_gbps"] > 0
     assert set(result["targets"]) == set(result["targets_check_tensors_off"])
     assert "none >= 0.9 x preadv_fresh" in result["targets"]
+
+
+def test_the_spacer_backs_the_memory_asked_for(tmp_path: Path) -> None:
+    near = tmp_path / "model.gguf"
+    near.write_bytes(b"")
+    answer = measure_in_subprocess({"task": "touch", "path": str(near), "nbytes": 3 << 20})
+    assert answer == {"nbytes": 3 << 20}
+    start = time.perf_counter()
+    settle(0.05, touch_bytes=1 << 20, near=near)
+    assert time.perf_counter() - start >= 0.05

@@ -16,7 +16,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from aiogguf.benchmark import LIMIT_NOTES, MODES, SweepResult, grid, plot_sweep, run_sweep
+from aiogguf.benchmark import (
+    LIMIT_NOTES,
+    MODES,
+    SETTLE_S,
+    SweepResult,
+    grid,
+    plot_sweep,
+    run_sweep,
+)
 from aiogguf.config import load_config
 from aiogguf.errors import ConfigError
 from aiogguf.synth import default_demo_path, ensure_synthetic_model
@@ -54,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-depths", metavar="LIST", help=f"default {FULL[3]}")
     parser.add_argument("--config", metavar="FILE", help="base TOML config for every load")
     parser.add_argument("--no-check", action="store_true", help="loads with check_tensors=false")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=SETTLE_S,
+        metavar="SECONDS",
+        help="pause before each limit and load (default %(default)g; see bench/load.py)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -102,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     points = grid(modes, chunks, readers, depths)
     console.print(
         f"{len(points)} points × {runs} run(s){', cold cache' if args.cold else ''}; "
-        "every load in a fresh process"
+        f"every limit and load in a fresh process after a {args.settle:g} s pause"
     )
 
     def say(text: str) -> None:
@@ -116,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         cold=args.cold,
         check_tensors=False if args.no_check else None,
         config=args.config,
+        settle_s=args.settle,
         say=say,
     )
     Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
