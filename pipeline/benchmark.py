@@ -349,12 +349,12 @@ def settle(
     gets pages the host still backs, afterwards pages whose first touch faults in the
     host too, at a third of the speed on the VM these figures come from. And a process
     that fills gigabytes of new memory ran fast or slow by turns, depending on the one
-    before it: nine identical loads in a row, 3 s apart, went 1.75 2.26 1.87 2.44 1.85
-    2.24 ... GB/s, so that of two measurements taken one after the other, each was
-    favoured half the time. So first a spacer process backs and frees ``touch_bytes``
-    of memory (the size of what is measured), then the pause: every measurement follows
-    the same kind of process after the same time (the same nine loads, each after a
-    spacer: 2.15-2.53 GB/s). ``seconds`` 0 skips both (tests). ``near``: the measured
+    before it: twelve identical loads in a row, 3 s apart, went 1.75 2.26 1.87 2.44 1.85
+    2.24 ... GB/s, so two measurements taken back to back compare a fast process with a
+    slow one. So first a spacer process backs and frees ``touch_bytes`` of memory (the
+    size of what is measured), then the pause: every measurement follows the same kind
+    of process after the same time (eight identical loads, each after a spacer:
+    2.15-2.53 GB/s). ``seconds`` 0 skips both (tests). ``near``: the measured
     file; the spacer runs in its folder, as the measurements do.
     """
     if seconds <= 0:
