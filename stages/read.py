@@ -60,8 +60,8 @@ class Reader:
         swap: Callable[[ReadJob, memoryview], None] | None = None,
         shared: anyio.CapacityLimiter | None = None,
         check: Callable[[ReadJob, int, memoryview], None] | None = None,
-        threads: LoadThreads | None = None,
-        check_threads: LoadThreads | None = None,
+        threads: LoadThreads,
+        check_threads: LoadThreads,
     ) -> None:
         self._files = files
         self._images = images
@@ -99,14 +99,9 @@ class Reader:
             await self._uploader.write(job, image.buffer, self._filler(job))
         else:
             assert image is not None
-            limiter = self._limiters[job.file_index]
-            if self._threads is None:
-                await anyio.to_thread.run_sync(self._host_read, job, image, limiter=limiter)
-            else:
-                async with limiter:
-                    await self._threads.run_sync(self._host_read, job, image)
+            async with self._limiters[job.file_index]:
+                await self._threads.run_sync(self._host_read, job, image)
             if self.checks_apart(job.file_index) and isinstance(image, HostImage):
-                assert self._check_threads is not None
                 await self._check_threads.run_sync(self._check_landed, job, image.dest(job))
         end = self._clock()
         stats = self.stats[job.file_index]
@@ -140,9 +135,7 @@ class Reader:
 
     def checks_apart(self, file_index: int) -> bool:
         """Whether the file's jobs are checked on the check threads, after the read."""
-        return (
-            self._check is not None and self._check_threads is not None and self._direct[file_index]
-        )
+        return self._check is not None and self._direct[file_index]
 
     def _check_landed(self, job: ReadJob, dest: memoryview) -> None:
         """Check a landed job in pieces (bounded scratch, progress per piece)."""
