@@ -61,6 +61,11 @@ class LoadThreads:
         self._threads: list[threading.Thread] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
 
+    @property
+    def count(self) -> int:
+        """How many threads run calls."""
+        return self._count
+
     async def __aenter__(self) -> LoadThreads:
         self._token = anyio.lowlevel.current_token()
         for i in range(self._count):
@@ -85,16 +90,37 @@ class LoadThreads:
             thread.join()
         self._threads.clear()
 
-    async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on one of the threads; its result, or its exception."""
+    async def run_sync(
+        self, fn: Callable[..., T], *args: Any, on_cancel: Callable[[], None] | None = None
+    ) -> T:
+        """Run ``fn(*args)`` on one of the threads; its result, or its exception.
+
+        ``on_cancel``: called on the loop's thread if the caller is cancelled while ``fn``
+        runs, to ask a long-running ``fn`` to return early (it is still waited for)."""
         call: _Call[T] = _Call(lambda: fn(*args))
         self._queue.put(call)
-        with anyio.CancelScope(shield=True):
-            await call.done.wait()
+        if on_cancel is None:
+            with anyio.CancelScope(shield=True):
+                await call.done.wait()
+        else:
+            try:
+                await call.done.wait()
+            except anyio.get_cancelled_exc_class():
+                on_cancel()
+                with anyio.CancelScope(shield=True):
+                    await call.done.wait()
+                raise
         await anyio.lowlevel.checkpoint_if_cancelled()
         if call.error is not None:
             raise call.error
         return call.value  # type: ignore[return-value]
+
+    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """From one of the threads: run ``fn(*args)`` on the loop's thread soon, without
+        waiting for it (progress reports)."""
+        token = self._token
+        assert token is not None
+        _run_sync_soon(token, fn, args)
 
     def _work(self) -> None:
         with contextlib.suppress(OSError):  # a hint only: containers may forbid it
@@ -107,4 +133,12 @@ class LoadThreads:
             # Scheduled, not waited for: the thread goes on to the next call at once.
             token = self._token
             assert token is not None
-            token.backend_class.run_sync_soon(call.done.set, (), token.native_token)
+            _run_sync_soon(token, call.done.set, ())
+
+
+def _run_sync_soon(
+    token: anyio.lowlevel.EventLoopToken, fn: Callable[..., object], args: tuple[Any, ...]
+) -> None:
+    """Schedule ``fn(*args)`` on the loop of ``token`` from any thread, without waiting.
+    anyio (>= 4.16) has this only on its backend class; one place uses it."""
+    token.backend_class.run_sync_soon(fn, args, token.native_token)

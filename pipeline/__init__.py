@@ -1,8 +1,13 @@
 """aiogguf: load GGUF models into host and GPU memory at hardware speed, asynchronously."""
 
 from aiogguf.api import LoadHandle as LoadHandle
+from aiogguf.api import WarmUp as WarmUp
 from aiogguf.api import load as load
 from aiogguf.api import load_sync as load_sync
+from aiogguf.api import release_staging as release_staging
+from aiogguf.api import release_staging_sync as release_staging_sync
+from aiogguf.api import warm_up as warm_up
+from aiogguf.api import warm_up_sync as warm_up_sync
 from aiogguf.config import Config as Config
 from aiogguf.errors import BigEndianError as BigEndianError
 from aiogguf.errors import ConfigError as ConfigError
@@ -16,6 +21,7 @@ from aiogguf.errors import TensorValidationError as TensorValidationError
 from aiogguf.events import Progress as Progress
 from aiogguf.model import Model as Model
 from aiogguf.report import LoadReport as LoadReport
+from aiogguf.report import UploadReport as UploadReport
 
 __version__ = "0.1.0"
 
@@ -34,6 +40,12 @@ __all__ = [
     "SplitError",
     "TensorFailure",
     "TensorValidationError",
+    "UploadReport",
+    "WarmUp",
     "load",
     "load_sync",
+    "release_staging",
+    "release_staging_sync",
+    "warm_up",
+    "warm_up_sync",
 ]

@@ -1,23 +1,41 @@
-"""The public entry points: ``load`` (async) and ``load_sync`` (scripts)."""
+"""The public entry points: ``load`` (async) and ``load_sync`` (scripts); ``warm_up``
+before serving, ``release_staging`` after."""
 
 from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass
+from functools import partial
 from types import TracebackType
 from typing import Any
 
 import anyio
+import numpy as np
 
 from aiogguf.config import Config, load_config
+from aiogguf.devices import enumerate_devices
 from aiogguf.engine import one_error, run_load
 from aiogguf.events import Progress, ProgressCallback, ProgressHub, Stage
-from aiogguf.io.devices.base import Device
+from aiogguf.io.devices.base import Device, UploadTarget
+from aiogguf.io.devices.pool import close_staging_pools, staging_pool
+from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.model import Model
+from aiogguf.stages.validate import PieceCheck
 
-__all__ = ["LoadHandle", "load", "load_sync"]
+__all__ = [
+    "LoadHandle",
+    "WarmUp",
+    "load",
+    "load_sync",
+    "release_staging",
+    "release_staging_sync",
+    "warm_up",
+    "warm_up_sync",
+]
 
 
 class LoadHandle:
@@ -146,3 +164,81 @@ def run(fn: Any, *args: Any) -> Any:
     except ImportError:
         return anyio.run(fn, *args)
     return anyio.run(fn, *args, backend_options={"use_uvloop": True})
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUp:
+    """What ``warm_up`` prepared: the devices that take uploads, the bytes of staging
+    slots it pinned (0 when the pools already held them), and how long it took."""
+
+    devices: tuple[str, ...]
+    pinned_bytes: int
+    seconds: float
+
+
+async def warm_up(
+    config: Config | str | os.PathLike[str] | None = None,
+    *,
+    devices: Sequence[Device] | None = None,
+    **overrides: Any,
+) -> WarmUp:
+    """Prepare this process for loads with ``config`` (as ``load`` takes it), so that the
+    first real load pays none of it: find the devices (CuPy's import and CUDA's start-up
+    on a GPU machine), fill each device's staging pool with the slots such a load uses,
+    and run the checks once. Everything runs in a worker thread; call it before serving
+    (``aiogguf serve`` does), since part of CUDA's start-up holds the GIL.
+
+    Raises ``ConfigError`` for a bad configuration and ``LoadError`` when a device
+    cannot pin memory.
+    """
+    resolved = load_config(config, **overrides)
+    return await anyio.to_thread.run_sync(partial(_warm_up, resolved, devices))
+
+
+def warm_up_sync(
+    config: Config | str | os.PathLike[str] | None = None,
+    *,
+    devices: Sequence[Device] | None = None,
+    **overrides: Any,
+) -> WarmUp:
+    """``warm_up`` for code without a loop (blocking)."""
+    return _warm_up(load_config(config, **overrides), devices)
+
+
+def _warm_up(config: Config, devices: Sequence[Device] | None) -> WarmUp:
+    began = time.perf_counter()
+    found = tuple(devices) if devices is not None else enumerate_devices(config)
+    pipeline = config.pipeline
+    threads = pipeline.reader_count(direct=config.load.mode == "direct")
+    pinned = 0
+    targets = [d for d in found if isinstance(d, UploadTarget)]
+    for target in targets:
+        pool = staging_pool(target)
+        lease = pool.lease(
+            threads * pipeline.staging_buffers,
+            pipeline.staging_bytes(),
+            pipeline.alignment,
+            cap_bytes=pipeline.staging_pool_size,
+            wait=False,
+        )
+        pinned += lease.pinned_bytes
+        pool.give_back(lease)
+    if config.load.check_tensors:
+        # The first check of each type sets up numpy's paths for it.
+        zeros = np.zeros(4096, dtype=np.uint8)
+        for ggml_type in GGML_TYPES.values():
+            if ggml_type.valid and ggml_type.block_bytes <= zeros.size:
+                n = zeros.size - zeros.size % ggml_type.block_bytes
+                PieceCheck("warm-up", ggml_type, n).finish(zeros[:n])
+    return WarmUp(tuple(t.name for t in targets), pinned, time.perf_counter() - began)
+
+
+async def release_staging() -> None:
+    """Free every device's pool of pinned staging slots (in a worker thread). Call it
+    when no load runs; a later load pins slots again."""
+    await anyio.to_thread.run_sync(close_staging_pools)
+
+
+def release_staging_sync() -> None:
+    """``release_staging`` for code without a loop (blocking)."""
+    close_staging_pools()

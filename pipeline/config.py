@@ -27,6 +27,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainValidator,
     Strict,
     ValidationError,
     ValidationInfo,
@@ -35,6 +36,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from aiogguf.errors import ConfigError
+from aiogguf.io.devices.sim import SIM_COPY_BYTES_PER_S, SIM_COPY_LATENCY_US, SIM_PIN_S_PER_GIB
 from aiogguf.io.ggml_types import ggml_type_by_name
 from aiogguf.units import parse_size
 
@@ -73,6 +75,15 @@ def _to_bytes(value: object) -> object:
     return parse_size(value)
 
 
+def _readers(value: object) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected a positive integer or 'auto', got {_show(value)}")
+    return value
+
+
+Readers = Annotated[int | Literal["auto"], PlainValidator(_readers)]
 Size = Annotated[int, BeforeValidator(_to_bytes), Field(ge=0), _SizeMark]
 PositiveSize = Annotated[int, BeforeValidator(_to_bytes), Field(gt=0), _SizeMark]
 
@@ -129,12 +140,16 @@ class PathLimit(_Section):
 
 class PipelineConfig(_Section):
     queue_depth: Int = Field(default=8, ge=1)
-    readers: Int = Field(default=2, ge=1)
+    # "auto": one per core (up to 16) for page-cache reads, up to 4 for O_DIRECT.
+    readers: Readers = "auto"
     chunk_size: PositiveSize = 64 * 1024**2
     coalesce_gap: Size = 1024**2
-    staging_buffers: Int = Field(default=4, ge=1)
-    # None: 64 MiB in direct mode, 1 MiB otherwise.
-    staging_buffer_size: PositiveSize | None = None
+    # Staging slots per transfer thread and device; a slot's size is independent of the
+    # size of the read calls that fill it.
+    staging_buffers: Int = Field(default=2, ge=1)
+    staging_buffer_size: PositiveSize = 16 * 1024**2
+    # Cap of each device's process-wide pool of pinned slots, shared by every load.
+    staging_pool_size: PositiveSize = 1024**3
     validate_workers: Int = Field(default=2, ge=1)
     alignment: PositiveSize = 4096
     path: tuple[PathLimit, ...] = ()
@@ -159,18 +174,24 @@ class PipelineConfig(_Section):
             seen.add(prefix)
         return path
 
-    def staging_bytes(self, mode: str) -> int:
-        """Bytes per staging buffer in load mode ``mode``."""
-        if self.staging_buffer_size is not None:
-            return self.staging_buffer_size
-        return 64 * 1024**2 if mode == "direct" else 1024**2
+    def staging_bytes(self) -> int:
+        """Bytes per staging slot: ``staging_buffer_size`` rounded down to the
+        alignment (O_DIRECT reads land in slots)."""
+        return max(self.staging_buffer_size - self.staging_buffer_size % self.alignment, 1)
 
-    def readers_for(self, path: str | os.PathLike[str]) -> int:
+    def reader_count(self, *, direct: bool = False) -> int:
+        """``readers``, with ``"auto"`` resolved for this machine: a page-cache read is
+        bound by the core that copies it, an O_DIRECT read by the disk's queue."""
+        if self.readers != "auto":
+            return self.readers
+        return min(usable_cores(), 4 if direct else 16)
+
+    def readers_for(self, path: str | os.PathLike[str], *, direct: bool = False) -> int:
         """Reader limit for ``path``: that of the longest ``[[pipeline.path]]`` prefix that
         holds it (symlinks resolved, so a link into another disk counts for that disk),
-        else ``readers``."""
+        else ``reader_count(direct=direct)``."""
         limit = self.path_limit(path)
-        return limit.readers if limit is not None else self.readers
+        return limit.readers if limit is not None else self.reader_count(direct=direct)
 
     def path_limit(self, path: str | os.PathLike[str]) -> PathLimit | None:
         """The ``[[pipeline.path]]`` entry with the longest prefix holding ``path``."""
@@ -183,6 +204,14 @@ class PipelineConfig(_Section):
             if inside and len(prefix) > best_len:
                 best, best_len = limit, len(prefix)
         return best
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, not the machine's count)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _resolve(path: str | os.PathLike[str]) -> str:
@@ -204,7 +233,11 @@ class SimDeviceConfig(_Section):
     pinned_host: Bool = True
     split_buffer: Bool = True
     mmap: Bool = True
-    bandwidth: PositiveSize | None = None  # bytes per second of the simulated copy engine
+    # The modelled GPU's costs (defaults: an H200 on PCIe Gen5): copy bytes per second
+    # (None: as fast as the host copies), seconds to queue one copy, to pin a GiB.
+    bandwidth: PositiveSize | None = SIM_COPY_BYTES_PER_S
+    copy_latency_us: Float = Field(default=SIM_COPY_LATENCY_US, ge=0.0)
+    pin_s_per_gib: Float = Field(default=SIM_PIN_S_PER_GIB, ge=0.0)
     max_delay_ms: Float = Field(default=0.0, ge=0.0)
 
     @field_validator("total")
@@ -251,7 +284,7 @@ class SimDeviceConfig(_Section):
                     fields[key] = tuple(v for v in value.split("+") if v)
                 elif key in _SIM_FLAGS:
                     fields[key] = _SIM_FLAGS[key].get(value.lower(), value)
-                elif key == "max_delay_ms":
+                elif key in ("max_delay_ms", "copy_latency_us", "pin_s_per_gib"):
                     fields[key] = _number(value)
                 else:
                     fields[key] = value
@@ -376,7 +409,7 @@ class Config(_Section):
 
 
 _SECTIONS = "load, placement, pipeline, device"
-_UNSET_NOTES = {"staging_buffer_size": "64MiB in direct mode, 1MiB otherwise"}
+_UNSET_NOTES = {"bandwidth": "as fast as the host copies"}
 
 _SECTION_OF: dict[str, str] = {
     **{k: "load" for k in LoadConfig.model_fields},

@@ -4,8 +4,14 @@
 
     parse+index ─▶ plan ─▶ allocate ─┬▶ jobs[file 0] ─▶ readers ─┐
                                      ├▶ jobs[file 1] ─▶ readers ─┼▶ landed ─▶ tracker ─┐
-                                     └▶ …                         ┘                    │
+                                     ├▶ …                         ┘                    │
+                                     └▶ device jobs ─▶ transfer threads ─▶ (copied) ──┤
                                             validate ◀─ ready (tensor names) ◀────────┘
+
+Device-bound jobs go to the upload stage as one list: its transfer threads read, copy
+and check them without a trip through the event loop per job, and tell the loop only
+what has landed. Index building, planning and device discovery (CuPy's import, CUDA's
+start-up) run in a worker thread too: the loop's thread only awaits.
 
 Every task lives in one task group; a failure anywhere cancels the rest and surfaces
 as that one exception. Everything allocated is owned by a ``Resources`` stack until the
@@ -31,18 +37,18 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.config import Config
+from aiogguf.devices import enumerate_devices
 from aiogguf.errors import BigEndianError, GGUFError, TensorFailure, TensorValidationError
 from aiogguf.events import ProgressHub, Stage
 from aiogguf.io.byteswap import can_convert, needs_swap, to_native
-from aiogguf.io.devices.base import Device
-from aiogguf.io.devices.registry import enumerate_devices
+from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile, FileAdvice, align_up, open_file
 from aiogguf.io.mapping import MapAdvice, numa_nodes
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import BufferLayout, ReadJob, TensorSlot
 from aiogguf.model import Model
 from aiogguf.records import Plan, TensorEntry, WeightIndex
-from aiogguf.report import BufferReport, FileReport, LoadReport, StageReport
+from aiogguf.report import BufferReport, FileReport, LoadReport, StageReport, UploadReport
 from aiogguf.stages.allocate import (
     DeviceImage,
     HostImage,
@@ -58,7 +64,7 @@ from aiogguf.stages.allocate import (
 from aiogguf.stages.index import open_index
 from aiogguf.stages.plan import make_plan
 from aiogguf.stages.read import Reader
-from aiogguf.stages.upload import Uploader
+from aiogguf.stages.upload import DeviceUploadStats, Uploader
 from aiogguf.stages.validate import PieceCheck, ValidationCollector
 
 __all__ = ["LoadWarning", "run_load"]
@@ -153,13 +159,15 @@ class _Load:
         self.ready_events = [anyio.Event() for _ in self.layouts]
         self.warnings: list[str] = list(plan.warnings)
         self.stage_busy: dict[str, float] = {}
+        self.uploads: tuple[DeviceUploadStats, ...] = ()
         self.validated = 0
         self.disks: list[str] = []  # per file: the disk it is read from
         self.swap = needs_swap(index.byte_order)
         self._lock_refused = False
         self._prefault_threads: LoadThreads | None = None  # direct mode: backs pages ahead
-        # Host tensors read by preadv/O_DIRECT are checked piece by piece as they land
-        # (see Reader); mapped and device tensors by the validation stage, whole.
+        # Tensors read by preadv/O_DIRECT into host memory or a staging slot are checked
+        # piece by piece as they land (see Reader, Uploader); mapped tensors by the
+        # validation stage, whole.
         self.piece_checks = self._piece_checks()
         self.piece_failures: list[TensorFailure] = []
         self._piece_lock = threading.Lock()
@@ -170,6 +178,9 @@ class _Load:
         self.tensors_total = len(loaded)
         self.bytes_done = 0
         self.tensors_done = 0
+        # Bytes of each tensor still to land (loop thread only).
+        self.remaining = {name: index[name].nbytes for name in self.spans.names()}
+        self.device_landed: list[str] = []  # device tensors whose bytes all landed
 
     # --- the whole load ---------------------------------------------------------------
 
@@ -177,18 +188,21 @@ class _Load:
         """Load every tensor; resources go on ``stack`` (closed by the caller on failure)."""
         self._check_byte_order()
         files = await self._open_files(stack)
-        # Registered before the uploader: on failure the uploader first waits for its
-        # copies in flight, and only then are the buffers they write into freed.
         stack.push_async_callback(anyio.to_thread.run_sync, self._close_images_on_failure)
-        uploader: Uploader | None = None
-        if any(not lay.plan.host for lay in self.layouts):
-            uploader = await stack.enter_async_context(
-                Uploader(self.devices, self.config, self.mode)
-            )
         limiters = self._disk_limiters(files)
         threads = await stack.enter_async_context(
             LoadThreads(int(sum(lim.total_tokens for lim in set(limiters))))
         )
+        uploader: Uploader | None = None
+        if any(not lay.plan.host for lay in self.layouts):
+            # Transfer threads: as many as the busiest disk allows readers (a transfer
+            # thread reads as much as it copies).
+            transfer_threads = await stack.enter_async_context(
+                LoadThreads(int(max(lim.total_tokens for lim in limiters)), name="aiogguf-transfer")
+            )
+            uploader = await stack.enter_async_context(
+                Uploader(self.devices, self.config, threads=transfer_threads)
+            )
         if self.mode == "direct" and self.config.load.prefetch:
             # One thread for all files: backing pages is CPU work, not I/O.
             self._prefault_threads = await stack.enter_async_context(
@@ -200,7 +214,6 @@ class _Load:
             files,
             self.images,
             limiters,
-            uploader,
             direct=[f.direct_ok for f in files],
             clock=self.hub.elapsed,
             swap=self._swap_job if self.swap else None,
@@ -220,7 +233,12 @@ class _Load:
                 ready_send, ready_recv = anyio.create_memory_object_stream[str](queue)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._allocate_all, files, uploader)
-                    jobs = self._jobs(uploader)
+                    jobs, device_jobs = self._jobs(uploader)
+                    if device_jobs:
+                        assert uploader is not None
+                        tg.start_soon(
+                            self._transfer, uploader, reader, device_jobs, ready_send.clone()
+                        )
                     for file_index, file_jobs in enumerate(jobs):
                         send, recv = anyio.create_memory_object_stream[ReadJob](queue)
                         tg.start_soon(self._emit, file_jobs, send)
@@ -235,9 +253,11 @@ class _Load:
                                     self._read_loop, reader, recv.clone(), landed_send.clone()
                                 )
                     landed_send.close()
-                    tg.start_soon(self._track, landed_recv, ready_send, uploader)
+                    tg.start_soon(self._track, landed_recv, ready_send)
                     tg.start_soon(self._validate_loop, ready_recv, validator if check else None)
         read_s = self.hub.elapsed() - t_read
+        if uploader is not None:
+            self.uploads = uploader.stats
         failures = self._failures(validator)
         if check:
             self.validated = validator.submitted + len(self.piece_checks)
@@ -281,12 +301,16 @@ class _Load:
         return files
 
     def _piece_checks(self) -> dict[str, PieceCheck]:
-        if not self.config.load.check_tensors or self.swap or self.mode not in ("none", "direct"):
+        """Tensors checked piece by piece as they land: those read into host memory
+        (modes none and direct) and every device tensor (its pieces pass through a
+        staging slot in every mode), unless bytes are swapped after the read."""
+        if not self.config.load.check_tensors or self.swap:
             return {}
+        host_read = self.mode in ("none", "direct")
         return {
             name: PieceCheck(name, self.index[name].type, self.index[name].nbytes)
             for layout in self.layouts
-            if layout.plan.host and not layout.plan.lazy
+            if not layout.plan.lazy and (host_read or not layout.plan.host)
             for name in layout.plan.tensors
         }
 
@@ -360,22 +384,50 @@ class _Load:
 
     # --- jobs and reading -------------------------------------------------------------
 
-    def _jobs(self, uploader: Uploader | None) -> list[list[ReadJob]]:
-        """Jobs per file, in load order. Lazy ranges are only mapped, never read."""
+    def _jobs(self, uploader: Uploader | None) -> tuple[list[list[ReadJob]], list[ReadJob]]:
+        """Host jobs per file, and device jobs, each in load order. Lazy ranges are only
+        mapped, never read."""
         ordered = [item for item in load_order(self.index, self.layouts) if not item[0].plan.lazy]
         chunk = align_up(self.config.pipeline.chunk_size, self.alignment)
         aligned = self.mode == "direct"
         per_file: list[list[ReadJob]] = [[] for _ in self.index.files]
         staged = [item for item in ordered if not item[0].plan.host]
         hosted = [item for item in ordered if item[0].plan.host]
+        device_jobs: list[ReadJob] = []
         if staged:
             assert uploader is not None
-            slot = uploader.staging_bytes - uploader.staging_bytes % self.alignment
-            for job in read_jobs(staged, min(chunk, slot), aligned=aligned):
-                per_file[job.file_index].append(job)
+            device_jobs = list(read_jobs(staged, min(chunk, uploader.slot_bytes), aligned=aligned))
         for job in read_jobs(hosted, chunk, aligned=aligned):
             per_file[job.file_index].append(job)
-        return per_file
+        return per_file, device_jobs
+
+    async def _transfer(
+        self,
+        uploader: Uploader,
+        reader: Reader,
+        jobs: Sequence[ReadJob],
+        ready: MemoryObjectSendStream[str],
+    ) -> None:
+        """Every device job through the upload stage's transfer threads; then the device
+        tensors are ready (every copy has completed when ``transfer`` returns)."""
+        async with ready:
+            for job in jobs:
+                await self.ready_events[job.buffer_index].wait()
+            targets: list[tuple[ReadJob, DeviceBuffer]] = []
+            for job in jobs:
+                image = self.images[job.buffer_index]
+                assert isinstance(image, DeviceImage)
+                targets.append((job, image.buffer))
+            check = reader.check_landed if self.piece_checks else None
+
+            def landed(job: ReadJob) -> None:
+                now = self.hub.elapsed()
+                reader.count(job, now, now)
+                self._landed(job)
+
+            await uploader.transfer(targets, reader.fill_slot, check=check, landed=landed)
+            for name in self.device_landed:
+                await ready.send(name)
 
     async def _emit(self, jobs: Sequence[ReadJob], send: MemoryObjectSendStream[ReadJob]) -> None:
         """Hand out one file's jobs in load order, each once its buffer exists. In
@@ -440,35 +492,28 @@ class _Load:
     # --- completion and validation ----------------------------------------------------
 
     async def _track(
-        self,
-        landed: MemoryObjectReceiveStream[ReadJob],
-        ready: MemoryObjectSendStream[str],
-        uploader: Uploader | None,
+        self, landed: MemoryObjectReceiveStream[ReadJob], ready: MemoryObjectSendStream[str]
     ) -> None:
-        """Turn landed jobs into ready tensors. Device tensors are ready once their
-        copies completed: after the upload stage drained."""
-        remaining = {name: self.index[name].nbytes for name in self.spans.names()}
-        device_tensors: list[str] = []
+        """Turn landed host jobs into ready tensors."""
         async with landed, ready:
             async for job in landed:
-                self.bytes_done += job.useful_end - job.useful_start
-                on_device = not self.layouts[job.buffer_index].plan.host
-                spans = self.spans.overlapping(
-                    job.buffer_index, job.file_index, job.useful_start, job.useful_end
-                )
-                for lo, hi, name in spans:
-                    remaining[name] -= hi - lo
-                    if remaining[name]:
-                        continue
-                    if on_device:
-                        device_tensors.append(name)
-                    else:
-                        await ready.send(name)
-                self._progress(Stage.READ)
-            if uploader is not None:
-                await uploader.drain()
-            for name in device_tensors:
-                await ready.send(name)
+                for name in self._landed(job):
+                    await ready.send(name)
+
+    def _landed(self, job: ReadJob) -> list[str]:
+        """Count a landed job; the host tensors it completed. Device tensors it completed
+        are kept in ``device_landed``: they are ready once their copies have completed."""
+        self.bytes_done += job.useful_end - job.useful_start
+        on_device = not self.layouts[job.buffer_index].plan.host
+        done: list[str] = []
+        for lo, hi, name in self.spans.overlapping(
+            job.buffer_index, job.file_index, job.useful_start, job.useful_end
+        ):
+            self.remaining[name] -= hi - lo
+            if not self.remaining[name]:
+                (self.device_landed if on_device else done).append(name)
+        self._progress(Stage.READ)
+        return done
 
     async def _validate_loop(
         self,
@@ -484,8 +529,7 @@ class _Load:
                 if piece_check is not None:
                     # Its pieces were checked as they landed: only the units that
                     # straddled two pieces are left.
-                    data, _ = self._tensor_data(self.index[name], self._image_of(name))
-                    failure = await anyio.to_thread.run_sync(piece_check.finish, data)
+                    failure = await anyio.to_thread.run_sync(self._finish_check, piece_check)
                     if failure is not None:
                         self.piece_failures.append(failure)
                 elif validator is not None:
@@ -508,6 +552,21 @@ class _Load:
 
     def _image_of(self, name: str) -> Image | None:
         return self.images[self.slots[name].buffer_index]
+
+    def _finish_check(self, check: PieceCheck) -> TensorFailure | None:
+        """Blocking: the units of a tensor no piece covered, read from where it lives
+        (a device tensor: a few small copies back to the host)."""
+        image = self._image_of(check.name)
+        slot = self.slots[check.name]
+        if isinstance(image, DeviceImage):
+            buffer = image.buffer
+
+            def fetch(lo: int, hi: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+                return np.frombuffer(buffer.to_host(slot.buffer_offset + lo, hi - lo), np.uint8)
+
+            return check.finish_from(fetch)
+        data, _ = self._tensor_data(self.index[check.name], image)
+        return check.finish(data)
 
     def _check_piece(self, job: ReadJob, file_offset: int, piece: memoryview) -> None:
         """Reader thread: validate the tensors' bytes in a piece that has just landed."""
@@ -601,7 +660,7 @@ class _Load:
             StageReport(
                 "read",
                 read_s,
-                sum(s.busy_s for s in reader.stats),
+                sum(s.busy_s for s in reader.stats) + sum(u.fill_s for u in self.uploads),
                 sum(s.reads for s in reader.stats),
                 sum(s.nbytes for s in reader.stats),
             ),
@@ -631,7 +690,30 @@ class _Load:
             files=files,
             validated=self.validated,
             warnings=tuple(self.warnings),
+            uploads=tuple(
+                UploadReport(
+                    device=u.device,
+                    slots=u.slots,
+                    slot_bytes=u.slot_bytes,
+                    pinned_bytes_allocated=u.pinned_bytes_allocated,
+                    bytes_copied=u.bytes_copied,
+                    copies=u.copies,
+                    slot_waits=u.slot_waits,
+                    wait_s=u.wait_s,
+                    fill_s=u.fill_s,
+                )
+                for u in self.uploads
+            ),
         )
+
+
+def _devices_and_plan(
+    index: WeightIndex, config: Config, devices: Sequence[Device] | None
+) -> tuple[tuple[Device, ...], Plan]:
+    """Blocking: the load's devices (the first discovery imports CuPy and starts CUDA)
+    and its plan (placement rules are matched against every tensor name)."""
+    found = tuple(devices) if devices is not None else enumerate_devices(config)
+    return found, make_plan(index, found, config)
 
 
 async def run_load(
@@ -650,10 +732,9 @@ async def run_load(
     hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
     index = await open_index(path)
     t1 = hub.elapsed()
-    devices = tuple(devices) if devices is not None else enumerate_devices(config)
-    plan = make_plan(index, devices, config)
+    found, plan = await anyio.to_thread.run_sync(_devices_and_plan, index, config, devices)
     t2 = hub.elapsed()
-    load = _Load(index, plan, devices, config, hub, limiter)
+    load = _Load(index, plan, found, config, hub, limiter)
     load.stage_busy["parse"] = t1 - t0
     load.stage_busy["plan"] = t2 - t1
     hub.emit(

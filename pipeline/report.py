@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BufferReport", "DiskReport", "FileReport", "LoadReport", "StageReport"]
+__all__ = [
+    "BufferReport",
+    "DiskReport",
+    "FileReport",
+    "LoadReport",
+    "StageReport",
+    "UploadReport",
+]
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -66,6 +73,26 @@ class DiskReport:
 
 
 @dataclass(frozen=True, slots=True)
+class UploadReport:
+    """One device's uploads: ``slots`` staging slots of ``slot_bytes`` leased from the
+    device's pool, ``pinned_bytes_allocated`` of them pinned by this load (0 when the
+    pool already held them), ``copies`` host-to-device copies of ``bytes_copied`` bytes,
+    ``slot_waits`` times a slot's last copy had not completed when it was to be reused
+    (``wait_s`` waited in all), ``fill_s`` spent reading into slots (summed over the
+    transfer threads)."""
+
+    device: str
+    slots: int
+    slot_bytes: int
+    pinned_bytes_allocated: int
+    bytes_copied: int
+    copies: int
+    slot_waits: int
+    wait_s: float
+    fill_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class LoadReport:
     path: str
     mode: str
@@ -77,6 +104,7 @@ class LoadReport:
     files: tuple[FileReport, ...]
     validated: int  # tensors checked
     warnings: tuple[str, ...] = field(default=())
+    uploads: tuple[UploadReport, ...] = field(default=())  # one per device uploaded to
 
     @property
     def gbps(self) -> float:

@@ -46,10 +46,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from aiogguf.api import LoadHandle, load
 from aiogguf.config import Config, load_config
+from aiogguf.devices import enumerate_devices
 from aiogguf.errors import ConfigError, GGUFError
 from aiogguf.events import Progress
 from aiogguf.io.devices.base import Device
-from aiogguf.io.devices.registry import enumerate_devices
 from aiogguf.model import Model
 from aiogguf.report import LoadReport
 
@@ -464,7 +464,7 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
     limiter = registry.limiter
     try:
         config = registry.config.with_settings(overrides, origin="request config")
-        if config.pipeline.readers > limiter.max_readers:
+        if config.pipeline.reader_count() > limiter.max_readers:
             config = config.with_settings({"readers": limiter.max_readers})
     except ConfigError as exc:
         raise _BadRequest(_one_line(exc)) from exc
@@ -486,8 +486,8 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
     gpus = sum(1 for d in devices if d.kind != "cpu")
     staging = 0
     if gpus and config.placement.n_gpu_layers != 0:
-        per_slot = config.pipeline.staging_bytes(config.load.mode) + 2 * config.pipeline.alignment
-        staging = gpus * config.pipeline.staging_buffers * per_slot
+        pipeline = config.pipeline
+        staging = gpus * readers * pipeline.staging_buffers * pipeline.staging_bytes()
     return _Request(path, config, devices, readers, staging)
 
 

@@ -12,6 +12,8 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
+import anyio
+
 from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
 from aiogguf.stages.parse import parse_model
@@ -231,4 +233,6 @@ async def open_index(path: str | os.PathLike[str]) -> WeightIndex:
     :raises SplitError: the split set is incomplete, out of order or mixed.
     :raises LoadError: a file cannot be read.
     """
-    return build_index(await parse_model(path))
+    parsed = await parse_model(path)
+    # Ordering and checking thousands of tensors takes milliseconds: not on the loop.
+    return await anyio.to_thread.run_sync(build_index, parsed)

@@ -7,9 +7,10 @@ Per mode (design §1.5):
 - ``direct``: ``O_DIRECT`` reads of aligned chunks into the (page-aligned) image;
 - ``mmap``/``mlock``: the mapping is the buffer; pages are touched so that "loaded"
   means resident (``mlock`` also locks them, tensor by tensor, in the engine);
-- device-bound jobs: the same reads, into a staging slot of the upload ring.
+- device-bound jobs: the same reads, into a staging slot: ``fill_slot`` is what the
+  upload stage's transfer threads run (this stage knows nothing of devices).
 
-Every call here blocks and runs in a worker thread with the file's reader limit.
+Every call here blocks and runs on one of the load's threads.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import anyio
 from aiogguf.io.files import MAX_CALL_BYTES, DataFile
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import ReadJob
-from aiogguf.stages.allocate import DeviceImage, HostImage, Image, MappedImage
-from aiogguf.stages.upload import Uploader
+from aiogguf.stages.allocate import HostImage, Image, MappedImage
 
 __all__ = ["FileStats", "Reader"]
 
@@ -53,7 +53,6 @@ class Reader:
         files: Sequence[DataFile],
         images: Sequence[Image | None],
         limiters: Sequence[anyio.CapacityLimiter],
-        uploader: Uploader | None,
         *,
         direct: Sequence[bool],
         clock: Callable[[], float],
@@ -66,7 +65,6 @@ class Reader:
         self._files = files
         self._images = images
         self._limiters = limiters
-        self._uploader = uploader
         self._direct = direct
         self._clock = clock
         self._swap = swap
@@ -82,8 +80,7 @@ class Reader:
         return self._direct
 
     async def read(self, job: ReadJob) -> None:
-        """Land ``job``; returns when its bytes are in their host buffer, or handed to the
-        device's copy stream."""
+        """Land ``job`` in its host buffer; returns when its bytes are there."""
         if self._shared is None:
             await self._read(job)
         else:
@@ -93,17 +90,16 @@ class Reader:
 
     async def _read(self, job: ReadJob) -> None:
         image = self._images[job.buffer_index]
+        assert isinstance(image, HostImage | MappedImage)
         start = self._clock()
-        if isinstance(image, DeviceImage):
-            assert self._uploader is not None
-            await self._uploader.write(job, image.buffer, self._filler(job))
-        else:
-            assert image is not None
-            async with self._limiters[job.file_index]:
-                await self._threads.run_sync(self._host_read, job, image)
-            if self.checks_apart(job.file_index) and isinstance(image, HostImage):
-                await self._check_threads.run_sync(self._check_landed, job, image.dest(job))
-        end = self._clock()
+        async with self._limiters[job.file_index]:
+            await self._threads.run_sync(self._host_read, job, image)
+        if self.checks_apart(job.file_index) and isinstance(image, HostImage):
+            await self._check_threads.run_sync(self.check_landed, job, image.dest(job))
+        self.count(job, start, self._clock())
+
+    def count(self, job: ReadJob, start: float, end: float) -> None:
+        """Add a landed job to its file's counters (on the loop's thread)."""
         stats = self.stats[job.file_index]
         stats.nbytes += job.useful_end - job.useful_start
         stats.reads += 1
@@ -131,14 +127,15 @@ class Reader:
         if self._swap is not None:
             self._swap(job, dest)
         if self._check is not None and not self.checks_apart(job.file_index):
-            self._check_landed(job, dest)
+            self.check_landed(job, dest)
 
     def checks_apart(self, file_index: int) -> bool:
         """Whether the file's jobs are checked on the check threads, after the read."""
         return self._check is not None and self._direct[file_index]
 
-    def _check_landed(self, job: ReadJob, dest: memoryview) -> None:
-        """Check a landed job in pieces (bounded scratch, progress per piece)."""
+    def check_landed(self, job: ReadJob, dest: memoryview) -> None:
+        """Check a landed job (``dest`` holds its ``nbytes`` from ``job.file_offset``) in
+        pieces: bounded scratch, and each piece still in the CPU cache."""
         assert self._check is not None
         useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
         for lo in range(0, len(useful), MAX_CALL_BYTES):
@@ -154,12 +151,9 @@ class Reader:
             lo, hi = job.useful_start - job.file_offset, job.useful_end - job.file_offset
             file.read_into(dest[lo:hi], job.useful_start)
 
-    def _filler(self, job: ReadJob) -> Callable[[memoryview], None]:
-        """What the upload stage runs (in a worker thread) to fill a staging slot."""
-
-        def fill(slot: memoryview) -> None:
-            self._read_into(job, slot[: job.nbytes])
-            if self._swap is not None:
-                self._swap(job, slot[: job.nbytes])
-
-        return fill
+    def fill_slot(self, job: ReadJob, slot: memoryview) -> None:
+        """Read ``job`` into a staging slot (``slot`` is ``job.nbytes`` long), in the
+        file's native byte order. Runs on a transfer thread."""
+        self._read_into(job, slot)
+        if self._swap is not None:
+            self._swap(job, slot)

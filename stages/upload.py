@@ -1,72 +1,84 @@
-"""The upload stage: file bytes into device memory through a ring of staging slots.
+"""The upload stage: file bytes into device memory through pinned staging slots.
 
-Per device, one copy stream and a ring of ``pipeline.staging_buffers`` page-aligned slots
-(pinned where the device has a pinned host buffer type) of ``staging_bytes(mode)`` bytes
-plus ``2 × alignment`` each. For one job (design §1.6, llama.cpp's ``load_all_data``):
+Device-bound jobs never cross the event loop one by one. ``transfer`` hands the whole
+list to the load's transfer threads; each thread runs the llama.cpp ``load_all_data``
+loop on its own (design §1.6):
 
-1. take the least recently used free slot of the destination's device;
-2. wait until the event recorded behind the slot's previous copy has completed — the
-   *only* wait on the device: it sits before a slot is reused, never after a copy is
-   issued, so up to ``staging_buffers - 1`` copies stay in flight;
-3. run the caller's ``fill`` on the slot (it reads the file straight into it);
-4. queue one async host-to-device copy of the whole chunk into the device image at the
-   job's buffer offset, and record the slot's event behind it.
+1. take the next job from the shared queue (load order);
+2. take a staging slot of the job's device from the thread's lease (its first slot is
+   leased when the thread first meets the device, and pinned if the pool has none
+   idle); when the event recorded behind the slot's last copy has not completed, lease
+   one more slot if the pool has one idle (up to ``staging_buffers`` per thread: only
+   ``warm_up`` pins more than one per thread), else wait for the event — the *only*
+   wait on the device: it sits before a slot is reused, never after a copy is issued;
+3. run the caller's ``fill`` on the slot (it reads the file straight into it, in read
+   calls far smaller than the slot);
+4. queue one async host-to-device copy into the device image at the job's buffer offset
+   on the thread's own stream, and record the slot's event behind it;
+5. run the caller's ``check`` on the slot while it is still in the CPU cache (the copy
+   reads the same bytes meanwhile), and tell the loop, without waiting for it, that the
+   job landed.
 
-Steps 2-4 run in one worker thread call (bounded: one chunk's copy, one chunk's read),
-so the event loop never blocks. A device without async copies, events or a pinned host
-buffer type gets a synchronous copy instead (llama.cpp's upload-backend negotiation).
+Slots come from the device's process-wide ``StagingPool``: pinned once, reused by every
+later load, shared by loads that run side by side. A thread gives its slots back only
+after its stream has synchronized, so a leased slot is always free to fill. A device
+without async copies, events or a pinned host buffer type gets synchronous copies
+instead (llama.cpp's upload-backend negotiation).
 
 Ownership: device buffers returned by ``allocate()`` belong to the ``Uploader`` until it
-exits. If its ``async with`` block exits cleanly and every copy completed, they pass to
-the caller, who must ``close()`` them (the model does). If the block raises, is
-cancelled, or a copy failed, the ``Uploader`` closes every one of them before re-raising.
-Staging slots, streams and copy threads never outlive the ``Uploader``.
+exits. If its ``async with`` block exits cleanly, they pass to the caller, who must
+``close()`` them (the model does). If the block raises or is cancelled, the ``Uploader``
+closes every one of them before re-raising. Streams never outlive the ``transfer`` call
+that opened them; slots go back to their pool.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
+import threading
 import time
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from types import TracebackType
 
 import anyio
 import anyio.to_thread
 
 from aiogguf.config import Config
-from aiogguf.io.devices.base import (
-    CopyEvent,
-    CopyStream,
-    Device,
-    DeviceBuffer,
-    StagingSlot,
-    UploadTarget,
-)
+from aiogguf.io.devices.base import CopyStream, Device, DeviceBuffer, UploadTarget
+from aiogguf.io.devices.pool import PooledSlot, SlotLease, StagingPool, staging_pool
+from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import ReadJob
 
-__all__ = ["DeviceUploadStats", "Fill", "Uploader", "UploaderState"]
+__all__ = ["Check", "DeviceUploadStats", "Fill", "Landed", "Uploader", "UploaderState"]
 
-Fill = Callable[[memoryview], None]
-"""Writes a job's bytes into the view it is given (runs in a worker thread)."""
+Fill = Callable[[ReadJob, memoryview], None]
+"""Writes a job's ``nbytes`` into the view it is given (runs on a transfer thread)."""
+
+Check = Callable[[ReadJob, memoryview], None]
+"""Checks a job's bytes in its filled slot (runs on a transfer thread)."""
+
+Landed = Callable[[ReadJob], None]
+"""Told on the loop's thread that a job's copy was queued."""
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceUploadStats:
-    """What one device's ring did during a load."""
+    """What one device's uploads did during one load."""
 
     device: str
     asynchronous: bool
-    slots: int
+    slots: int  # staging slots the load leased
     slot_bytes: int
+    pinned_bytes_allocated: int  # what this load pinned: 0 when the pool had the slots
     bytes_copied: int
     copies: int
-    slot_waits: int  # times a slot's previous copy had not completed when it was reused
+    slot_waits: int  # times a slot's last copy had not completed when it was reused
     wait_s: float  # time spent in those waits
     fill_s: float  # time spent in the caller's fills
 
@@ -78,93 +90,43 @@ class UploaderState(Enum):
     CLOSED = "closed"
 
 
-class _Ring:
-    """One device's stream, slots and events. Opened lazily, in a worker thread, and
-    resumably: what exists is recorded at once, so a cancelled opening leaks nothing."""
+@dataclass(slots=True)
+class _Tally:
+    """One device's counters, summed over the transfer threads (under ``Uploader._lock``)."""
 
-    def __init__(self, target: UploadTarget, n_slots: int, slot_bytes: int, alignment: int):
-        self.target = target
-        self.device = target.name
-        caps = target.caps
-        self.asynchronous = (
-            caps.async_copies and caps.events and target.host_buffer_type is not None
-        )
-        self.n_slots = n_slots
-        self.slot_bytes = slot_bytes
-        self.alignment = alignment
-        self.stream: CopyStream | None = None
-        self.slots: list[StagingSlot] = []
-        self.events: list[CopyEvent] = []
-        self.lock = anyio.Lock()
-        self.free: deque[int] = deque(range(n_slots))
-        self.free_count = anyio.Semaphore(n_slots)
-        self.bytes_copied = 0
-        self.copies = 0
-        self.slot_waits = 0
-        self.wait_s = 0.0
-        self.fill_s = 0.0
-
-    @property
-    def opened(self) -> bool:
-        return len(self.events) == self.n_slots
-
-    def open(self) -> None:
-        """Blocking: create whatever is missing (stream, then slots, then events)."""
-        if self.stream is None:
-            self.stream = self.target.open_copy_stream(asynchronous=self.asynchronous)
-        while len(self.slots) < self.n_slots:
-            self.slots.append(
-                self.stream.open_slot(len(self.slots), self.slot_bytes, self.alignment)
-            )
-        while len(self.events) < self.n_slots:
-            self.events.append(self.stream.new_event())
-
-    def close(self) -> None:
-        """Blocking: free the slots, then close the stream (joins its copy thread).
-        Call only after the stream was synchronized."""
-        first: Exception | None = None
-        while self.slots:
-            try:
-                self.slots.pop().close()
-            except Exception as exc:  # keep freeing; report the first failure
-                first = first or exc
-        self.events.clear()
-        if self.stream is not None:
-            try:
-                self.stream.close()
-            except Exception as exc:
-                first = first or exc
-        if first is not None:
-            raise first
-
-    def stats(self) -> DeviceUploadStats:
-        return DeviceUploadStats(
-            device=self.device,
-            asynchronous=self.asynchronous,
-            slots=self.n_slots,
-            slot_bytes=self.slot_bytes,
-            bytes_copied=self.bytes_copied,
-            copies=self.copies,
-            slot_waits=self.slot_waits,
-            wait_s=self.wait_s,
-            fill_s=self.fill_s,
-        )
+    asynchronous: bool
+    slots: int = 0
+    pinned_bytes: int = 0
+    bytes_copied: int = 0
+    copies: int = 0
+    slot_waits: int = 0
+    wait_s: float = 0.0
+    fill_s: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Staged:
-    waited: bool
-    wait_s: float
-    fill_s: float
+@dataclass(slots=True)
+class _Lane:
+    """One transfer thread's way to one device: its stream and its leased slots."""
+
+    device: str
+    pool: StagingPool
+    stream: CopyStream
+    lease: SlotLease
+    asynchronous: bool
+    next: int = 0  # the slot to use next, round robin
+    copies: int = 0
+    bytes_copied: int = 0
+    slot_waits: int = 0
+    wait_s: float = 0.0
+    fill_s: float = 0.0
 
 
 class Uploader:
-    """Uploads of one load, to every device at once: one ring and stream per device.
+    """Uploads of one load, to every device at once.
 
     ``devices``: the load's devices by name (only those that take uploads are used).
-    ``mode``: the load mode, which sizes the slots (``config.pipeline.staging_bytes``).
-    ``limiter``: bounds the worker threads of fills, waits and allocations (default:
-    one per staging slot of every upload device).
+    ``threads``: the load's transfer threads (entered by the caller); ``transfer`` keeps
+    each of them busy with one long call.
     ``_unsafe_skip_slot_wait``: test only — reuse slots without waiting for their copy,
     to prove that the simulated device catches a broken ring.
 
@@ -176,22 +138,21 @@ class Uploader:
         self,
         devices: Mapping[str, Device],
         config: Config,
-        mode: str,
         *,
-        limiter: anyio.CapacityLimiter | None = None,
+        threads: LoadThreads,
         _unsafe_skip_slot_wait: bool = False,
     ) -> None:
         self._devices = dict(devices)
         pipeline = config.pipeline
-        self.staging_bytes: int = pipeline.staging_bytes(mode)
-        self._alignment = max(pipeline.alignment, mmap.PAGESIZE)
-        self._n_slots = pipeline.staging_buffers
-        self._slot_bytes = self.staging_bytes + 2 * self._alignment
-        n_targets = sum(isinstance(d, UploadTarget) for d in self._devices.values())
-        self._limiter = limiter or anyio.CapacityLimiter(max(2, self._n_slots * max(n_targets, 1)))
+        self.slot_bytes: int = pipeline.staging_bytes()
+        self._alignment = pipeline.alignment
+        self._per_thread = pipeline.staging_buffers
+        self._pool_cap = pipeline.staging_pool_size
+        self._threads = threads
         self._skip_wait = _unsafe_skip_slot_wait
-        self._rings: dict[str, _Ring] = {}
         self._buffers: list[DeviceBuffer] = []
+        self._tallies: dict[str, _Tally] = {}
+        self._lock = threading.Lock()
         self.state = UploaderState.NEW
 
     # -- lifecycle --------------------------------------------------------------------
@@ -209,39 +170,22 @@ class Uploader:
         tb: TracebackType | None,
     ) -> None:
         self.state = UploaderState.CLOSING
-        failure: BaseException | None = None
-        # Cleanup must finish even when we are being cancelled: in-flight copies read
-        # from the slots we are about to free and write into buffers we may free.
-        with anyio.CancelScope(shield=True):
-            for ring in self._rings.values():
-                if ring.stream is not None:
-                    try:
-                        await anyio.to_thread.run_sync(ring.stream.synchronize)
-                    except Exception as err:
-                        failure = failure or err
-            for ring in self._rings.values():
-                try:
-                    await anyio.to_thread.run_sync(ring.close)
-                except Exception as err:
-                    failure = failure or err
-            buffers, self._buffers = self._buffers, []
-            if exc is not None or failure is not None:
-                try:
+        buffers, self._buffers = self._buffers, []
+        try:
+            if exc is not None:
+                # Freed even while being cancelled: nobody else will.
+                with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(_close_all, buffers)
-                except Exception as err:
-                    failure = failure or err
-        self.state = UploaderState.CLOSED
-        if failure is None or failure is exc:
-            return
-        if exc is not None:
-            exc.add_note(f"while closing the uploader: {failure!r}")
-            return
-        raise failure
+        except Exception as err:
+            if exc is not None:
+                exc.add_note(f"while freeing device buffers: {err!r}")
+        finally:
+            self.state = UploaderState.CLOSED
 
     def __del__(self) -> None:
-        if getattr(self, "state", None) is UploaderState.OPEN:
+        if getattr(self, "state", None) is UploaderState.OPEN and self._buffers:
             warnings.warn(
-                "Uploader garbage-collected while open: slots and copy threads leaked",
+                "Uploader garbage-collected while open: device buffers leaked",
                 ResourceWarning,
                 stacklevel=1,
             )
@@ -266,98 +210,155 @@ class Uploader:
             self._buffers.append(buffer)
             return buffer
 
-        return await anyio.to_thread.run_sync(allocate_and_keep, limiter=self._limiter)
+        # Not on the transfer threads: they may be busy with another device's jobs.
+        return await anyio.to_thread.run_sync(allocate_and_keep)
 
-    async def write(self, job: ReadJob, dest: DeviceBuffer, fill: Fill) -> None:
-        """Fill a staging slot with ``job``'s bytes and queue their copy into ``dest`` at
-        ``job.buffer_offset``. Returns once the copy is issued (synchronous devices: done).
+    async def transfer(
+        self,
+        jobs: Sequence[tuple[ReadJob, DeviceBuffer]],
+        fill: Fill,
+        *,
+        check: Check | None = None,
+        landed: Landed | None = None,
+    ) -> None:
+        """Fill, copy and check every ``(job, destination)``, in order of the sequence as
+        far as threads take jobs; returns once every copy has completed.
 
-        Raises ``ValueError`` for a job larger than ``staging_bytes`` or outside ``dest``,
-        whatever ``fill`` raises, ``LoadError`` when the device fails, and the simulated
-        device's ``RingViolation`` when the ring is broken."""
+        Raises ``ValueError`` for a job larger than ``slot_bytes`` or outside its
+        destination, whatever ``fill`` or ``check`` raise, ``LoadError`` when a device
+        fails, and the simulated device's ``RingViolation`` when the ring is broken."""
         self._check_open()
-        if job.nbytes > self.staging_bytes:
-            raise ValueError(
-                f"job {job.seq}: {job.nbytes} bytes > staging slot size {self.staging_bytes}"
-            )
-        if job.buffer_offset < 0 or job.buffer_offset + job.nbytes > dest.nbytes:
-            raise ValueError(
-                f"job {job.seq}: bytes [{job.buffer_offset}, {job.buffer_offset + job.nbytes})"
-                f" fall outside the {dest.nbytes}-byte buffer on {dest.device}"
-            )
-        if job.nbytes == 0:
+        for job, dest in jobs:
+            self._target(dest.device)
+            self._check_job(job, dest)
+        queue = deque(job_dest for job_dest in jobs if job_dest[0].nbytes)
+        if not queue:
             return
-        ring = await self._ring(dest.device)
-        await ring.free_count.acquire()
-        index = ring.free.popleft()
-        try:
-            staged = await anyio.to_thread.run_sync(
-                self._stage, ring, index, job, dest, fill, limiter=self._limiter
-            )
-        finally:
-            ring.free.append(index)
-            ring.free_count.release()
-        ring.bytes_copied += job.nbytes
-        ring.copies += 1
-        ring.slot_waits += staged.waited
-        ring.wait_s += staged.wait_s
-        ring.fill_s += staged.fill_s
+        stop = threading.Event()
+        work = partial(self._work, queue, fill, check, landed, stop)
+        failures: list[Exception] = []
 
-    async def drain(self, device: str | None = None) -> None:
-        """Wait until every copy issued so far (to ``device``, or to every device) has
-        completed. Raises the first copy failure, as ``write`` does."""
-        self._check_open()
-        rings = list(self._rings.values())
-        if device is not None:
-            rings = [r for r in rings if r.device == device]
-        # One device after another: each waits for copies already running concurrently.
-        for ring in rings:
-            if ring.stream is not None:
-                await anyio.to_thread.run_sync(ring.stream.synchronize, limiter=self._limiter)
+        async def run_thread() -> None:
+            try:
+                await self._threads.run_sync(work, on_cancel=stop.set)
+            except Exception as exc:  # the others stop at their next job (``_work``)
+                failures.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(self._threads.count, len(queue))):
+                tg.start_soon(run_thread)
+        if failures:
+            # One clear error, as the load's caller gets it; what the other threads
+            # raised on their way out rides along.
+            for other in failures[1:]:
+                failures[0].add_note(f"also: {type(other).__name__}: {other}")
+            raise failures[0]
 
     @property
-    def stats(self) -> dict[str, DeviceUploadStats]:
-        """Per device (that received a write): bytes, copies, waits and their time."""
-        return {name: ring.stats() for name, ring in self._rings.items()}
+    def stats(self) -> tuple[DeviceUploadStats, ...]:
+        """Per device that received a copy: slots, pinning, bytes, copies, waits."""
+        with self._lock:
+            return tuple(
+                DeviceUploadStats(
+                    device=name,
+                    asynchronous=t.asynchronous,
+                    slots=t.slots,
+                    slot_bytes=self.slot_bytes,
+                    pinned_bytes_allocated=t.pinned_bytes,
+                    bytes_copied=t.bytes_copied,
+                    copies=t.copies,
+                    slot_waits=t.slot_waits,
+                    wait_s=t.wait_s,
+                    fill_s=t.fill_s,
+                )
+                for name, t in self._tallies.items()
+            )
 
-    # -- internals ----------------------------------------------------------------------
+    # -- the transfer threads -----------------------------------------------------------
 
-    def _target(self, name: str) -> UploadTarget:
-        device = self._devices.get(name)
-        if device is None:
-            raise ValueError(f"no device named {name!r} in this load")
-        if not isinstance(device, UploadTarget):
-            raise ValueError(f"device {name!r} ({device.backend}) does not take uploads")
-        return device
+    def _work(
+        self,
+        queue: deque[tuple[ReadJob, DeviceBuffer]],
+        fill: Fill,
+        check: Check | None,
+        landed: Landed | None,
+        stop: threading.Event,
+    ) -> None:
+        """One transfer thread: jobs from ``queue`` until it is empty or ``stop`` is set."""
+        lanes: dict[str, _Lane] = {}
+        try:
+            while not stop.is_set():
+                try:
+                    job, dest = queue.popleft()  # atomic: threads share the queue
+                except IndexError:
+                    break
+                lane = lanes.get(dest.device)
+                if lane is None:
+                    lane = self._open_lane(dest.device, stop)
+                    if lane is None:
+                        break  # stopped while waiting for a slot
+                    lanes[dest.device] = lane
+                self._stage(lane, job, dest, fill, check)
+                if landed is not None:
+                    self._threads.call_soon(landed, job)
+        except BaseException:
+            stop.set()  # the other threads stop taking jobs: the load has failed
+            raise
+        finally:
+            self._close_lanes(lanes.values())
 
-    async def _ring(self, name: str) -> _Ring:
-        ring = self._rings.get(name)
-        if ring is None:
-            ring = _Ring(self._target(name), self._n_slots, self._slot_bytes, self._alignment)
-            self._rings[name] = ring
-        if not ring.opened:
-            async with ring.lock:
-                if not ring.opened:
-                    await anyio.to_thread.run_sync(ring.open, limiter=self._limiter)
-        return ring
+    def _open_lane(self, device: str, stop: threading.Event) -> _Lane | None:
+        target = self._target(device)
+        caps = target.caps
+        asynchronous = caps.async_copies and caps.events and target.host_buffer_type is not None
+        pool = staging_pool(target)
+        lease = pool.lease(
+            1, self.slot_bytes, self._alignment, cap_bytes=self._pool_cap, stopped=stop.is_set
+        )
+        if not lease.slots:
+            return None
+        try:
+            stream = target.open_copy_stream(asynchronous=asynchronous)
+        except BaseException:
+            pool.give_back(lease)
+            raise
+        return _Lane(device, pool, stream, lease, asynchronous)
+
+    def _next_slot(self, lane: _Lane) -> PooledSlot:
+        """The slot for the next job: free, or waited for (see the module docstring)."""
+        slots = lane.lease.slots
+        pooled = slots[lane.next % len(slots)]
+        if not lane.asynchronous or self._skip_wait or pooled.event.query():
+            lane.next = (lane.next + 1) % len(slots)
+            return pooled
+        if len(slots) < self._per_thread:
+            # Only an idle slot: pinning one takes longer than the copy we would wait for.
+            more = lane.pool.lease(
+                1, self.slot_bytes, self._alignment, cap_bytes=0, wait=False, pin=False
+            )
+            if more.slots:
+                slots.extend(more.slots)
+                lane.lease.pinned_bytes += more.pinned_bytes
+                lane.next = 0  # the new slot is last: the oldest copy comes next
+                return more.slots[0]
+        lane.next = (lane.next + 1) % len(slots)
+        lane.slot_waits += 1
+        start = time.perf_counter()
+        pooled.event.synchronize()
+        lane.wait_s += time.perf_counter() - start
+        return pooled
 
     def _stage(
-        self, ring: _Ring, index: int, job: ReadJob, dest: DeviceBuffer, fill: Fill
-    ) -> _Staged:
-        """Blocking, one worker thread call: wait for the slot, fill it, issue its copy."""
-        assert ring.stream is not None
-        slot, event = ring.slots[index], ring.events[index]
-        waited, wait_s = False, 0.0
-        if ring.asynchronous and not self._skip_wait and not event.query():
-            waited = True
-            start = time.perf_counter()
-            event.synchronize()
-            wait_s = time.perf_counter() - start
+        self, lane: _Lane, job: ReadJob, dest: DeviceBuffer, fill: Fill, check: Check | None
+    ) -> None:
+        """Wait for a slot, fill it, issue its copy, check it."""
+        pooled = self._next_slot(lane)
+        slot = pooled.slot
         slot.begin_write()
         start = time.perf_counter()
         part = slot.view()[: job.nbytes]
         try:
-            fill(part)
+            fill(job, part)
         except BaseException as exc:
             # The fill's frames hold views of the slot (``slot[:n]`` in a reader); the
             # error keeps them alive, and a slot with live views cannot be freed. The
@@ -366,20 +367,76 @@ class Uploader:
             raise
         finally:
             # A view derived from ``part`` (numpy.frombuffer) lives on its own; the slot
-            # refuses to close while one does, which fails the load at exit.
+            # then refuses to be freed, which the pool reports when it frees it.
             with contextlib.suppress(BufferError):
                 part.release()
-        fill_s = time.perf_counter() - start
-        if ring.asynchronous:
-            ring.stream.copy_async(dest, job.buffer_offset, slot, job.nbytes)
-            event.record()
+        lane.fill_s += time.perf_counter() - start
+        if lane.asynchronous:
+            lane.stream.copy_async(dest, job.buffer_offset, slot, job.nbytes)
+            pooled.event.record(lane.stream)
         else:
             src = slot.view()[: job.nbytes]
             try:
-                ring.stream.copy_sync(dest, job.buffer_offset, src)
+                lane.stream.copy_sync(dest, job.buffer_offset, src)
             finally:
                 src.release()
-        return _Staged(waited, wait_s, fill_s)
+        lane.copies += 1
+        lane.bytes_copied += job.nbytes
+        if check is not None:
+            view = slot.view()[: job.nbytes]
+            try:
+                check(job, view)
+            finally:
+                with contextlib.suppress(BufferError):
+                    view.release()
+
+    def _close_lanes(self, lanes: Iterable[_Lane]) -> None:
+        """Wait for every copy of the lanes, close their streams, give their slots back,
+        add their counts to the load's. Raises the first copy failure."""
+        first: BaseException | None = None
+        for lane in lanes:
+            try:
+                lane.stream.synchronize()
+            except BaseException as exc:
+                first = first or exc
+            try:
+                lane.stream.close()
+            except BaseException as exc:
+                first = first or exc
+            slots = len(lane.lease.slots)
+            lane.pool.give_back(lane.lease)
+            with self._lock:
+                tally = self._tallies.setdefault(lane.device, _Tally(lane.asynchronous))
+                tally.slots += slots
+                tally.pinned_bytes += lane.lease.pinned_bytes
+                tally.bytes_copied += lane.bytes_copied
+                tally.copies += lane.copies
+                tally.slot_waits += lane.slot_waits
+                tally.wait_s += lane.wait_s
+                tally.fill_s += lane.fill_s
+        if first is not None:
+            raise first
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _check_job(self, job: ReadJob, dest: DeviceBuffer) -> None:
+        if job.nbytes > self.slot_bytes:
+            raise ValueError(
+                f"job {job.seq}: {job.nbytes} bytes > staging slot size {self.slot_bytes}"
+            )
+        if job.buffer_offset < 0 or job.buffer_offset + job.nbytes > dest.nbytes:
+            raise ValueError(
+                f"job {job.seq}: bytes [{job.buffer_offset}, {job.buffer_offset + job.nbytes})"
+                f" fall outside the {dest.nbytes}-byte buffer on {dest.device}"
+            )
+
+    def _target(self, name: str) -> UploadTarget:
+        device = self._devices.get(name)
+        if device is None:
+            raise ValueError(f"no device named {name!r} in this load")
+        if not isinstance(device, UploadTarget):
+            raise ValueError(f"device {name!r} ({device.backend}) does not take uploads")
+        return device
 
 
 def _close_all(buffers: list[DeviceBuffer]) -> None:

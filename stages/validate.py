@@ -743,6 +743,12 @@ class PieceCheck:
             raise ValueError(
                 f"tensor '{self.name}': finish() got {n} bytes, expected {self.nbytes}"
             )
+        return self.finish_from(lambda lo, hi: data[lo:hi])
+
+    def finish_from(self, fetch: Callable[[int, int], Bytes]) -> TensorFailure | None:
+        """``finish`` for a tensor that is not in host memory (a device buffer):
+        ``fetch(lo, hi)`` returns its bytes ``[lo, hi)`` as a 1-D uint8 host array, and
+        is asked only for the few units no piece covered."""
         with self._lock:
             self._finished = True
             if self._broken:
@@ -750,7 +756,9 @@ class PieceCheck:
                 gaps = [(0, self._units)] if self._scan and self._units else []
             else:
                 gaps = self._covered.claim(0, self._units) if self._scan and self._units else []
-        self._scan_gaps(data, 0, gaps)
+        unit = self._scanner.unit_bytes
+        for lo, hi in gaps:
+            self._scan_gaps(fetch(lo * unit, hi * unit), lo * unit, [(lo, hi)])
         return self._scanner.failure(self.name, self.nbytes, self._tally)
 
     def _validate(self, data: numpy.ndarray[Any, Any], what: str) -> int:

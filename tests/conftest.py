@@ -13,10 +13,23 @@ from typing import Any
 
 import pytest
 
+from aiogguf.io.devices.cupy_backend import forget_cupy_devices
+from aiogguf.io.devices.pool import close_staging_pools
 from aiogguf.io.pagecache import drop_from_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = ROOT.parent / "shared" / "testdata" / "reference"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state() -> Iterator[None]:
+    """Each test starts as a fresh process would: no staging pool, no cached GPU
+    discovery (tests fake CuPy), and leaves none behind."""
+    forget_cupy_devices()
+    close_staging_pools()
+    yield
+    close_staging_pools()
+    forget_cupy_devices()
 
 
 def _require_reference() -> Path:

@@ -38,11 +38,14 @@ BAD_FILES = [
     pytest.param(
         '[pipeline]\nreaders = "four"\n',
         "pipeline.readers",
-        "expected an integer, got 'four'",
+        "expected a positive integer or 'auto', got 'four'",
         id="wrong-type",
     ),
     pytest.param(
-        '[pipeline]\nreaders = "4"\n', "pipeline.readers", "expected an integer", id="no-coercion"
+        '[pipeline]\nreaders = "4"\n',
+        "pipeline.readers",
+        "expected a positive integer or 'auto'",
+        id="no-coercion",
     ),
     pytest.param(
         "[load]\nprefetch = 1\n", "load.prefetch", "expected true or false, got 1", id="bool"
@@ -178,10 +181,21 @@ def test_sizes_accept_strings_and_ints(tmp_path: Path) -> None:
     assert (config.device[0].free, config.device[0].bandwidth) == (8 * 1024**3, 12 * 10**9)
 
 
-def test_staging_bytes_by_mode() -> None:
-    assert PipelineConfig().staging_bytes("direct") == 64 * 1024**2
-    assert PipelineConfig().staging_bytes("none") == 1024**2
-    assert PipelineConfig(staging_buffer_size=4096).staging_bytes("direct") == 4096
+def test_staging_bytes_are_aligned() -> None:
+    assert PipelineConfig().staging_bytes() == 16 * 1024**2
+    assert PipelineConfig(staging_buffer_size=4096).staging_bytes() == 4096
+    assert PipelineConfig(staging_buffer_size=10_000).staging_bytes() == 8192
+    assert PipelineConfig(staging_buffer_size=10_000, alignment=8192).staging_bytes() == 8192
+
+
+def test_readers_auto_scales_with_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiogguf import config as config_module
+
+    for cores, buffered, direct in ((1, 1, 1), (2, 2, 2), (16, 16, 4), (128, 16, 4)):
+        monkeypatch.setattr(config_module, "usable_cores", lambda n=cores: n)
+        assert PipelineConfig().reader_count() == buffered
+        assert PipelineConfig().reader_count(direct=True) == direct
+        assert PipelineConfig(readers=3).reader_count(direct=True) == 3
 
 
 # --- precedence -------------------------------------------------------------------------
@@ -217,7 +231,9 @@ def test_precedence_defaults_file_overrides(tmp_path: Path) -> None:
 
 def test_override_errors_blame_the_override(tmp_path: Path) -> None:
     path = _write(tmp_path, "[pipeline]\nreaders = 3\n")
-    with pytest.raises(ConfigError, match=r"^overrides: pipeline\.readers: expected a value >= 1"):
+    with pytest.raises(
+        ConfigError, match=r"^overrides: pipeline\.readers: expected a positive integer or 'auto'"
+    ):
         load_config(path, readers=0)
     with pytest.raises(ConfigError, match=r"^overrides: redaers: unknown setting \(did you"):
         load_config(path, redaers=4)

@@ -14,7 +14,7 @@ from synthetic_index import llama_index
 
 import aiogguf
 from aiogguf.config import Config, LoadConfig, PipelineConfig, PlacementConfig
-from aiogguf.io.devices.registry import enumerate_devices
+from aiogguf.devices import enumerate_devices
 from aiogguf.records import Plan, WeightIndex
 from aiogguf.stages.index import open_index
 from aiogguf.stages.plan import make_plan
@@ -75,7 +75,7 @@ def test_default_toml_lists_every_key_with_its_default() -> None:
     data = tomllib.loads((CONFIGS / "default.toml").read_text())
     # Keys without a TOML form for their default (unset, or arrays of tables) are shown
     # commented out.
-    commented = {"staging_buffer_size", "override", "path"}
+    commented = {"override", "path"}
     for section, model in (
         ("load", LoadConfig),
         ("placement", PlacementConfig),

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from aiogguf.config import Config, SimDeviceConfig
+from aiogguf.devices import enumerate_devices, sim_device
 from aiogguf.errors import ConfigError
 from aiogguf.io.devices import (
     BufferRole,
@@ -18,7 +19,6 @@ from aiogguf.io.devices import (
     SimDevice,
     all_buffer_types,
     cupy_backend,
-    enumerate_devices,
 )
 from aiogguf.io.devices.cpu import host_memory
 from aiogguf.io.ggml_types import ggml_type_by_name
@@ -54,7 +54,7 @@ def test_cpu_device() -> None:
 
 def test_sim_device_names_and_capabilities() -> None:
     cfg = SimDeviceConfig.from_spec("free=12GiB,total=16GiB,unsupported=IQ1_M+TQ1_0")
-    dev = SimDevice.from_config(cfg, 3)
+    dev = sim_device(cfg, 3)
     assert isinstance(dev, Device)
     assert dev.name == "g3"
     assert dev.kind == "gpu"

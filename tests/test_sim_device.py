@@ -56,14 +56,14 @@ def test_events_follow_the_stream_in_order() -> None:
     stream = dev.open_copy_stream(asynchronous=True)
     try:
         dest = dev.allocate(3 * 4096)
-        slots = [stream.open_slot(i, 4096, 4096) for i in range(3)]
-        events = [stream.new_event() for _ in slots]
+        slots = [dev.open_staging_slot(i, 4096, 4096) for i in range(3)]
+        events = [dev.new_event() for _ in slots]
         assert all(e.query() for e in events)  # never recorded: done, as in CUDA
         for i, (slot, event) in enumerate(zip(slots, events, strict=True)):
             slot.begin_write()
             _fill(slot.view(), i + 1)
             stream.copy_async(dest, i * 4096, slot, 4096)
-            event.record()
+            event.record(stream)
         assert not events[2].query()
         events[0].synchronize()
         assert events[0].query()
@@ -87,7 +87,7 @@ def test_begin_write_on_busy_slot_raises_naming_the_slot() -> None:
     dev = SimDevice("g3", bandwidth=20_000)  # 4 KiB = 200 ms
     stream = dev.open_copy_stream(asynchronous=True)
     dest = dev.allocate(4096)
-    slot = stream.open_slot(2, 4096, 4096)
+    slot = dev.open_staging_slot(2, 4096, 4096)
     try:
         _fill(slot.view(), 9)
         stream.copy_async(dest, 0, slot, 4096)
@@ -110,7 +110,7 @@ def test_write_that_skips_begin_write_is_caught_by_the_checksum() -> None:
     dev = SimDevice("g0", bandwidth=40_000)  # 8 KiB = 200 ms
     stream = dev.open_copy_stream(asynchronous=True)
     dest = dev.allocate(8192)
-    slot = stream.open_slot(1, 8192, 4096)
+    slot = dev.open_staging_slot(1, 8192, 4096)
     try:
         _fill(slot.view(), 1)
         stream.copy_async(dest, 0, slot, 8192)
@@ -128,7 +128,7 @@ def test_rewriting_identical_bytes_is_harmless() -> None:
     dev = SimDevice("g0", bandwidth=400_000)
     stream = dev.open_copy_stream(asynchronous=True)
     dest = dev.allocate(4096)
-    slot = stream.open_slot(0, 4096, 4096)
+    slot = dev.open_staging_slot(0, 4096, 4096)
     try:
         _fill(slot.view(), 5)
         stream.copy_async(dest, 0, slot, 4096)
@@ -145,7 +145,7 @@ def test_copy_into_freed_buffer_fails_the_stream() -> None:
     dev = SimDevice("g0", bandwidth=20_000)
     stream = dev.open_copy_stream(asynchronous=True)
     dest = dev.allocate(4096)
-    slot = stream.open_slot(0, 4096, 4096)
+    slot = dev.open_staging_slot(0, 4096, 4096)
     try:
         stream.copy_async(dest, 0, slot, 4096)
         dest.close()
@@ -160,7 +160,7 @@ def test_slots_are_aligned_and_freed() -> None:
     dev = SimDevice("g0")
     stream = dev.open_copy_stream(asynchronous=False)
     for alignment in (4096, 65536):
-        slot = stream.open_slot(0, 10_000, alignment)
+        slot = dev.open_staging_slot(0, 10_000, alignment)
         view = slot.view()
         assert view.nbytes == 10_000
         assert not view.readonly
@@ -177,7 +177,7 @@ def test_slots_are_aligned_and_freed() -> None:
 def test_slot_view_kept_alive_is_reported_on_close() -> None:
     dev = SimDevice("g0")
     stream = dev.open_copy_stream(asynchronous=False)
-    slot = stream.open_slot(0, 4096, 4096)
+    slot = dev.open_staging_slot(0, 4096, 4096)
     kept = slot.view()[:10]
     with pytest.raises(LoadError, match="still referenced"):
         slot.close()
@@ -195,7 +195,7 @@ def test_synchronous_stream_has_no_thread() -> None:
     stream.copy_sync(dest, 0, memoryview(b"\x11" * 4096))
     assert time.perf_counter() - start >= 4096 / 10_000_000
     assert bytes(dest.to_host(0, 4096)) == b"\x11" * 4096
-    slot = stream.open_slot(0, 4096, 4096)
+    slot = dev.open_staging_slot(0, 4096, 4096)
     with pytest.raises(RuntimeError, match="synchronous copies only"):
         stream.copy_async(dest, 0, slot, 4096)
     slot.close()
@@ -210,7 +210,7 @@ def test_close_joins_the_copy_thread_after_the_queue_drains() -> None:
     started = set(threading.enumerate()) - before
     assert [t.name for t in started] == ["aiogguf-sim-copy-g7"]
     dest = dev.allocate(4096)
-    slot = stream.open_slot(0, 4096, 4096)
+    slot = dev.open_staging_slot(0, 4096, 4096)
     _fill(slot.view(), 3)
     stream.copy_async(dest, 0, slot, 4096)
     stream.close()  # waits for the queued copy
@@ -218,7 +218,7 @@ def test_close_joins_the_copy_thread_after_the_queue_drains() -> None:
     assert set(threading.enumerate()) == before
     assert bytes(dest.to_host(0, 4096)) == b"\x03" * 4096
     assert dev.live.streams == 0
+    with pytest.raises(RuntimeError, match="after close"):
+        stream.copy_async(dest, 0, slot, 1)
     slot.close()
     dest.close()
-    with pytest.raises(RuntimeError, match="after close"):
-        stream.open_slot(0, 1, 4096)

@@ -1,14 +1,14 @@
-"""The upload stage on simulated GPUs: exact bytes through the staging ring with random
-copy delays, the broken ring caught, cancellation that leaves nothing behind, and the
-synchronous fallback."""
+"""The upload stage on simulated GPUs: exact bytes through the staging slots with random
+copy delays, the broken ring caught, slots leased from the device's pool and given back,
+cancellation that leaves nothing behind, and the synchronous fallback."""
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import anyio
-import anyio.abc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,15 +17,18 @@ from upload_helpers import (
     Target,
     assert_exact,
     copy_threads,
-    filler,
+    fill_from,
+    open_uploader,
     plan_targets,
     ring_config,
+    stats_by_device,
     upload_all,
 )
 
 from aiogguf.errors import LoadError
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.devices.cpu import CpuDevice
+from aiogguf.io.devices.pool import close_staging_pools, staging_pool
 from aiogguf.io.devices.sim import (
     RingViolation,
     SimDevice,
@@ -34,26 +37,33 @@ from aiogguf.io.devices.sim import (
     SimUsage,
 )
 from aiogguf.jobs import ReadJob
-from aiogguf.stages.upload import Uploader, UploaderState
+from aiogguf.stages.upload import UploaderState
 
 KiB = 1024
 IDLE = SimUsage(0, 0, 0, 0)
 
 
-# --- 1. exact bytes through the ring, two devices, random delays ---------------------------
+def _fill_byte(value: int) -> object:
+    def fill(job: ReadJob, view: memoryview) -> None:
+        view[:] = bytes([value]) * view.nbytes
+
+    return fill
 
 
-@settings(
-    max_examples=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+def _no_leases(*sims: SimDevice) -> bool:
+    return all(staging_pool(s).stats().leased_slots == 0 for s in sims)
+
+
+# --- 1. exact bytes, two devices, random delays ---------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     slots=st.sampled_from([1, 2, 4]),
     staging_kib=st.sampled_from([4, 8, 16]),
     bandwidth=st.sampled_from([None, 20_000_000, 100_000_000]),
     max_delay_ms=st.sampled_from([0.0, 0.5, 2.0]),
-    writers=st.integers(1, 5),
+    threads=st.integers(1, 5),
     sizes=st.lists(st.integers(1, 48 * KiB), min_size=1, max_size=5),
     seed=st.integers(0, 2**32 - 1),
 )
@@ -62,7 +72,7 @@ def test_two_devices_get_exact_bytes(
     staging_kib: int,
     bandwidth: int | None,
     max_delay_ms: float,
-    writers: int,
+    threads: int,
     sizes: list[int],
     seed: int,
 ) -> None:
@@ -77,19 +87,21 @@ def test_two_devices_get_exact_bytes(
     threads_before = copy_threads()
 
     async def main() -> None:
-        async with Uploader(devices, config, "none") as up:
-            assert up.staging_bytes == staging_kib * KiB
-            buffers = await upload_all(up, targets, rng, writers)
-            assert len(copy_threads() - threads_before) == len(up.stats)
-            await up.drain()
+        async with open_uploader(devices, config, threads) as up:
+            assert up.slot_bytes == staging_kib * KiB
+            buffers = await upload_all(up, targets, rng)
+            # transfer() returns once every copy has completed: no stream is left.
+            assert copy_threads() == threads_before
             assert_exact(targets, buffers)
-            stats = up.stats
-            for name in stats:
+            stats = stats_by_device(up)
+            for name, found in stats.items():
                 jobs = [j for t in targets if t.device == name for j in t.jobs]
-                assert stats[name].copies == len(jobs)
-                assert stats[name].bytes_copied == sum(j.nbytes for j in jobs)
-                assert stats[name].asynchronous
-                assert stats[name].slots == slots
+                assert found.copies == len(jobs)
+                assert found.bytes_copied == sum(j.nbytes for j in jobs)
+                assert found.asynchronous
+                # One pinned slot per thread that met the device; no pool to take more.
+                assert 1 <= found.slots <= threads
+                assert found.pinned_bytes_allocated == found.slots * found.slot_bytes
         # Ownership passed to us: the buffers are still there until we close them.
         assert sum(d.live.buffers for d in sims) == len(targets)
         assert_exact(targets, buffers)
@@ -97,19 +109,22 @@ def test_two_devices_get_exact_bytes(
             buf.close()
 
     anyio.run(main)
+    assert _no_leases(*sims)
+    close_staging_pools()
     assert all(d.live == IDLE for d in sims)
-    assert copy_threads() == threads_before
 
 
 @pytest.mark.asyncio
 async def test_waits_sit_before_slot_reuse_and_never_block_the_loop() -> None:
     # 40 KiB per copy at 100 KB/s: every copy takes ~400 ms and, with one slot, every
-    # write after the first must wait for the previous copy. The loop keeps ticking.
+    # job after the first must wait for the previous copy. The loop keeps ticking.
     sim = SimDevice("g0", bandwidth=100_000)
     config = ring_config(1, 40 * KiB)
     payload = np.frombuffer(random.Random(3).randbytes(120 * KiB), np.uint8)
     jobs = [ReadJob(i, 0, 0, i * 40 * KiB, 40 * KiB, i * 40 * KiB, 0, 0) for i in range(3)]
+    target = Target("g0", payload, jobs)
     lags: list[float] = []
+    landed: list[int] = []
     done = anyio.Event()
 
     async def ticker() -> None:
@@ -120,30 +135,93 @@ async def test_waits_sit_before_slot_reuse_and_never_block_the_loop() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
-        async with Uploader({"g0": sim}, config, "none") as up:
+        async with open_uploader({"g0": sim}, config, threads=1) as up:
             buf = await up.allocate("g0", payload.nbytes)
-            durations = []
-            for job in jobs:
-                start = time.perf_counter()
-                await up.write(job, buf, filler(payload, job))
-                durations.append(time.perf_counter() - start)
-            # write() returns once its copy is issued, without waiting for it: the first
-            # one is quick though its copy takes 400 ms; the others wait for the slot.
-            assert durations[0] < 0.3
-            assert not up._rings["g0"].events[0].query()
-            await up.drain("g0")
-            assert up._rings["g0"].events[0].query()
+            await up.transfer(
+                [(job, buf) for job in jobs],
+                fill_from([target]),
+                landed=lambda job: landed.append(job.seq),
+            )
+            # Every copy completed before transfer() returned.
             assert bytes(buf.to_host(0, buf.nbytes)) == payload.tobytes()
-            stats = up.stats["g0"]
+            stats = stats_by_device(up)["g0"]
+            assert stats.slots == 1
             assert stats.slot_waits == 2
             assert stats.wait_s > 0.5
         done.set()
     buf.close()
+    assert landed == [0, 1, 2]  # told on the loop, job by job
     # A wait on the loop would hold it for ~400 ms; allow for a busy test machine.
     assert max(lags) < 0.2, f"event loop held for {max(lags):.3f} s"
 
 
-# --- 2. the broken ring is caught ----------------------------------------------------------
+@pytest.mark.asyncio
+async def test_a_busy_slot_leases_another_instead_of_waiting() -> None:
+    sim = SimDevice("g0", bandwidth=100_000)  # 8 KiB: 80 ms per copy
+    config = ring_config(2, 8 * KiB)
+    pool = staging_pool(sim)
+    pool.give_back(pool.lease(2, 8 * KiB, 4096, cap_bytes=16 * KiB))  # as warm_up does
+    payload = np.zeros(24 * KiB, np.uint8)
+    jobs = [ReadJob(i, 0, 0, i * 8 * KiB, 8 * KiB, i * 8 * KiB, 0, 0) for i in range(3)]
+    async with open_uploader({"g0": sim}, config, threads=1) as up:
+        buf = await up.allocate("g0", payload.nbytes)
+        await up.transfer([(j, buf) for j in jobs], fill_from([Target("g0", payload, jobs)]))
+        stats = stats_by_device(up)["g0"]
+    buf.close()
+    # Job 1 found slot 0 busy and took the pool's idle slot; job 2 waited for slot 0.
+    assert (stats.slots, stats.slot_waits) == (2, 1)
+    assert stats.pinned_bytes_allocated == 0
+
+
+# --- 2. the pool: a second load pins nothing, loads share it ---------------------------------
+
+
+@pytest.mark.asyncio
+async def test_second_transfer_pins_no_new_memory() -> None:
+    sim = SimDevice("g0", pin_s_per_gib=0.0)
+    rng = random.Random(11)
+    config = ring_config(2, 8 * KiB)
+    pinned = []
+    for _ in range(2):
+        targets = plan_targets(rng, ["g0"], [40 * KiB, 24 * KiB], 8 * KiB)
+        async with open_uploader({"g0": sim}, config, threads=2) as up:
+            buffers = await upload_all(up, targets, rng)
+            assert_exact(targets, buffers)
+            pinned.append(stats_by_device(up)["g0"].pinned_bytes_allocated)
+        for buf in buffers:
+            buf.close()
+    assert pinned[0] > 0
+    assert pinned[1] == 0
+    assert sim.live.slots == staging_pool(sim).stats().slots > 0
+
+
+@pytest.mark.asyncio
+async def test_concurrent_transfers_share_the_pool_within_its_cap() -> None:
+    sim = SimDevice("g0", bandwidth=2_000_000, pin_s_per_gib=0.0)
+    rng = random.Random(5)
+    # Room for three 8 KiB slots in all, while 2 loads x 2 threads x 2 slots could want 8.
+    config = ring_config(2, 8 * KiB, pool_bytes=24 * KiB)
+    results: dict[int, list[DeviceBuffer]] = {}
+    all_targets = [plan_targets(rng, ["g0"], [64 * KiB, 48 * KiB], 8 * KiB) for _ in range(2)]
+
+    async def one(i: int) -> None:
+        async with open_uploader({"g0": sim}, config, threads=2) as up:
+            results[i] = await upload_all(up, all_targets[i], random.Random(i))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, 0)
+        tg.start_soon(one, 1)
+    for i, targets in enumerate(all_targets):
+        assert_exact(targets, results[i])
+        for buf in results[i]:
+            buf.close()
+    stats = staging_pool(sim).stats()
+    assert stats.slots <= 3
+    assert stats.pinned_bytes <= 24 * KiB
+    assert stats.leased_slots == 0
+
+
+# --- 3. the broken ring is caught ----------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -154,28 +232,31 @@ async def test_broken_ring_is_caught_by_the_sim_device(
     if skip_begin_write:
         # Only the copy engine's checksum is left to notice the overwrite.
         monkeypatch.setattr(SimStagingSlot, "begin_write", lambda self: None)
-    # 8 KiB = 400 ms per copy: the second write surely lands while the first copy runs.
+    # 8 KiB = 400 ms per copy: the second fill surely lands while the first copy runs.
     sim = SimDevice("g1", bandwidth=20_000)
     config = ring_config(1, 8 * KiB)
-    job0 = ReadJob(0, 0, 0, 0, 8 * KiB, 0, 0, 8 * KiB)
-    job1 = ReadJob(1, 0, 0, 8 * KiB, 8 * KiB, 8 * KiB, 0, 0)
-
+    jobs = [ReadJob(i, 0, 0, i * 8 * KiB, 8 * KiB, i * 8 * KiB, 0, 0) for i in range(2)]
     allocated: list[DeviceBuffer] = []
 
     async def scenario() -> None:
-        async with Uploader({"g1": sim}, config, "none", _unsafe_skip_slot_wait=True) as up:
+        async with open_uploader({"g1": sim}, config, 1, _unsafe_skip_slot_wait=True) as up:
             buf = await up.allocate("g1", 16 * KiB)
             allocated.append(buf)
-            await up.write(job0, buf, lambda v: v.__setitem__(slice(None), b"\x01" * v.nbytes))
-            await up.write(job1, buf, lambda v: v.__setitem__(slice(None), b"\x02" * v.nbytes))
-            await up.drain()
+            values = iter([1, 2])
 
-    with pytest.raises(RingViolation, match=r"device g1: staging slot 0: ") as caught:
+            def fill(job: ReadJob, view: memoryview) -> None:
+                view[:] = bytes([next(values)]) * view.nbytes
+
+            await up.transfer([(j, buf) for j in jobs], fill)
+
+    with pytest.raises(RingViolation, match=r"device g1: staging slot \d+: ") as caught:
         await scenario()
     expected = "overwritten" if skip_begin_write else "written while copy #1"
     assert expected in str(caught.value)
     # The load failed: the uploader freed the buffer it had handed out.
     assert [b.closed for b in allocated if isinstance(b, SimDeviceBuffer)] == [True]
+    assert _no_leases(sim)
+    close_staging_pools()
     assert sim.live == IDLE
 
 
@@ -183,19 +264,20 @@ async def test_broken_ring_is_caught_by_the_sim_device(
 async def test_same_ring_with_waits_passes() -> None:
     sim = SimDevice("g1", bandwidth=20_000)
     config = ring_config(1, 8 * KiB)
-    async with Uploader({"g1": sim}, config, "none") as up:
+    jobs = [ReadJob(i, 0, 0, 0, 8 * KiB, i * 8 * KiB, 0, 0) for i in range(2)]
+    async with open_uploader({"g1": sim}, config, 1) as up:
         buf = await up.allocate("g1", 16 * KiB)
-        for i in range(2):
-            job = ReadJob(i, 0, 0, 0, 8 * KiB, i * 8 * KiB, 0, 0)
-            await up.write(
-                job, buf, lambda v, i=i: v.__setitem__(slice(None), bytes([i]) * v.nbytes)
-            )
+
+        def fill(job: ReadJob, view: memoryview) -> None:
+            view[:] = bytes([job.seq]) * view.nbytes
+
+        await up.transfer([(j, buf) for j in jobs], fill)
     assert bytes(buf.to_host(0, 16 * KiB)) == b"\x00" * 8 * KiB + b"\x01" * 8 * KiB
-    assert up.stats["g1"].slot_waits == 1
+    assert stats_by_device(up)["g1"].slot_waits == 1
     buf.close()
 
 
-# --- 3. cancellation releases everything -------------------------------------------------
+# --- 4. cancellation and failures release everything -------------------------------------
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -206,59 +288,62 @@ def test_cancel_at_random_points_releases_everything(seed: int) -> None:
     config = ring_config(rng.choice([1, 2, 4]), 4 * KiB)
     targets = plan_targets(rng, ["g0", "g1"], [rng.randint(1, 40 * KiB) for _ in range(4)], 4 * KiB)
     n_jobs = sum(len(t.jobs) for t in targets)
-    cancel_after = rng.randint(0, n_jobs)  # completed writes, or a timer below
+    cancel_after = rng.randint(0, n_jobs)  # landed jobs, or a timer below
     threads_before = copy_threads()
 
     async def main() -> None:
         with anyio.CancelScope() as scope:
             if rng.random() < 0.3:
                 scope.deadline = anyio.current_time() + rng.uniform(0.0, 0.02)
-            async with Uploader(devices, config, "direct") as up:
+            async with open_uploader(devices, config, rng.randint(1, 4)) as up:
                 buffers = [await up.allocate(t.device, t.payload.nbytes) for t in targets]
-                written = 0
-                async with anyio.create_task_group() as tg:
+                work = [(j, b) for t, b in zip(targets, buffers, strict=True) for j in t.jobs]
+                landed = 0
 
-                    async def run(t: Target, buf: DeviceBuffer) -> None:
-                        nonlocal written
-                        for job in t.jobs:
-                            await up.write(job, buf, filler(t.payload, job))
-                            written += 1
-                            if written >= cancel_after:
-                                scope.cancel()
-
-                    for t, buf in zip(targets, buffers, strict=True):
-                        tg.start_soon(run, t, buf)
-                    if cancel_after == 0:
+                def count(job: ReadJob) -> None:
+                    nonlocal landed
+                    landed += 1
+                    if landed >= cancel_after:
                         scope.cancel()
-            # Only reached when every write finished before the cancel took effect.
+
+                if cancel_after == 0:
+                    scope.cancel()
+                await up.transfer(work, fill_from(targets), landed=count)
+            # Only reached when every job landed before the cancel took effect.
             for buf in buffers:
                 buf.close()
         assert up.state is UploaderState.CLOSED
 
     anyio.run(main)
-    assert all(d.live == IDLE for d in sims), [d.live for d in sims]
+    assert all(d.live.buffers == d.live.streams == 0 for d in sims), [d.live for d in sims]
+    assert _no_leases(*sims)
     assert copy_threads() == threads_before
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-transfer")]
+    close_staging_pools()
+    assert all(d.live == IDLE for d in sims)
 
 
 @pytest.mark.asyncio
-async def test_failed_fill_frees_buffers_and_slots() -> None:
+async def test_failed_fill_frees_buffers_and_gives_slots_back() -> None:
     sim = SimDevice("g0", max_delay_ms=1.0)
     config = ring_config(2, 4 * KiB)
+    jobs = [ReadJob(i, 0, 0, i * 4096, 4 * KiB, i * 4 * KiB, 0, 0) for i in range(2)]
 
-    def bad_fill(view: memoryview) -> None:
-        raise LoadError("model.gguf", 4096, "short read")
-
-    job0 = ReadJob(0, 0, 0, 0, 4 * KiB, 0, 0, 0)
-    job1 = ReadJob(1, 0, 0, 4096, 4 * KiB, 4 * KiB, 0, 0)
+    def fill(job: ReadJob, view: memoryview) -> None:
+        if job.seq == 1:
+            raise LoadError("model.gguf", 4096, "short read")
+        view[:] = bytes(view.nbytes)
 
     async def scenario() -> None:
-        async with Uploader({"g0": sim}, config, "none") as up:
+        async with open_uploader({"g0": sim}, config, 1) as up:
             buf = await up.allocate("g0", 8 * KiB)
-            await up.write(job0, buf, filler(np.zeros(8 * KiB, np.uint8), job0))
-            await up.write(job1, buf, bad_fill)
+            await up.transfer([(j, buf) for j in jobs], fill)
 
     with pytest.raises(LoadError, match="short read"):
         await scenario()
+    assert sim.live.buffers == sim.live.streams == 0
+    assert _no_leases(sim)
+    close_staging_pools()
     assert sim.live == IDLE
 
 
@@ -266,21 +351,20 @@ async def test_failed_fill_frees_buffers_and_slots() -> None:
 async def test_fill_that_keeps_a_view_is_an_error() -> None:
     sim = SimDevice("g0")
     kept: list[np.ndarray] = []
-
-    async def scenario() -> None:
-        async with Uploader({"g0": sim}, ring_config(1, 4 * KiB), "none") as up:
-            buf = await up.allocate("g0", 4 * KiB)
-            job = ReadJob(0, 0, 0, 0, 4 * KiB, 0, 0, 0)
-            await up.write(job, buf, lambda v: kept.append(np.frombuffer(v, np.uint8)))
-
-    # The body succeeded, so the failure surfaces at exit, and the load counts as failed.
-    with pytest.raises(LoadError, match="staging slot 0 is still referenced after its last use"):
-        await scenario()
+    async with open_uploader({"g0": sim}, ring_config(1, 4 * KiB), 1) as up:
+        buf = await up.allocate("g0", 4 * KiB)
+        job = ReadJob(0, 0, 0, 0, 4 * KiB, 0, 0, 0)
+        await up.transfer([(job, buf)], lambda job, v: kept.append(np.frombuffer(v, np.uint8)))
+    buf.close()
+    # The view outlives the slot's lease: freeing the pool says so instead of freeing
+    # memory that the view still reads.
+    with pytest.raises(LoadError, match=r"staging slot \d+ is still referenced after its"):
+        close_staging_pools()
     kept.clear()
     assert sim.live.buffers == 0
 
 
-# --- 4. synchronous fallback ---------------------------------------------------------------
+# --- 5. synchronous fallback ---------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -290,15 +374,17 @@ async def test_devices_without_async_copies_get_synchronous_copies(missing: str)
     rng = random.Random(7)
     targets = plan_targets(rng, ["g0"], [30 * KiB, 5 * KiB], 4 * KiB)
     threads_before = copy_threads()
-    async with Uploader({"g0": sim}, ring_config(2, 4 * KiB), "none") as up:
-        buffers = await upload_all(up, targets, rng, writers=3)
-        # No copy engine thread: every copy was done by the time write() returned.
+    async with open_uploader({"g0": sim}, ring_config(2, 4 * KiB), 3) as up:
+        buffers = await upload_all(up, targets, rng)
+        # No copy engine thread was ever started: every copy was synchronous.
         assert copy_threads() == threads_before
         assert_exact(targets, buffers)
-        assert not up.stats["g0"].asynchronous
-        assert up.stats["g0"].copies == sum(len(t.jobs) for t in targets)
+        stats = stats_by_device(up)["g0"]
+        assert not stats.asynchronous
+        assert stats.copies == sum(len(t.jobs) for t in targets)
     for buf in buffers:
         buf.close()
+    close_staging_pools()
     assert sim.live == IDLE
 
 
@@ -309,10 +395,7 @@ async def test_devices_without_async_copies_get_synchronous_copies(missing: str)
 async def test_misuse_is_refused() -> None:
     sim = SimDevice("g0", free=64 * KiB)
     devices: dict[str, Device] = {"CPU": CpuDevice(), "g0": sim}
-    up = Uploader(devices, ring_config(2, 4 * KiB), "none")
-    with pytest.raises(RuntimeError, match="inside 'async with'"):
-        await up.allocate("g0", 1)
-    async with up:
+    async with open_uploader(devices, ring_config(2, 4 * KiB)) as up:
         with pytest.raises(ValueError, match="does not take uploads"):
             await up.allocate("CPU", 1)
         with pytest.raises(ValueError, match="no device named 'g9'"):
@@ -320,11 +403,13 @@ async def test_misuse_is_refused() -> None:
         with pytest.raises(LoadError, match="out of memory"):
             await up.allocate("g0", 65 * KiB)
         buf = await up.allocate("g0", 8 * KiB)
+        noop = fill_from([])
         with pytest.raises(ValueError, match="> staging slot size"):
-            await up.write(ReadJob(0, 0, 0, 0, 4 * KiB + 1, 0, 0, 0), buf, lambda v: None)
+            await up.transfer([(ReadJob(0, 0, 0, 0, 4 * KiB + 1, 0, 0, 0), buf)], noop)
         with pytest.raises(ValueError, match="outside the 8192-byte buffer on g0"):
-            await up.write(ReadJob(0, 0, 0, 0, 4 * KiB, 6 * KiB, 0, 0), buf, lambda v: None)
+            await up.transfer([(ReadJob(0, 0, 0, 0, 4 * KiB, 6 * KiB, 0, 0), buf)], noop)
     with pytest.raises(RuntimeError, match="closed"):
-        await up.write(ReadJob(0, 0, 0, 0, 1, 0, 0, 0), buf, lambda v: None)
+        await up.transfer([(ReadJob(0, 0, 0, 0, 1, 0, 0, 0), buf)], noop)
     buf.close()
+    close_staging_pools()
     assert sim.live == IDLE

@@ -18,14 +18,21 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from upload_helpers import assert_exact, plan_targets, ring_config, upload_all
+from upload_helpers import (
+    assert_exact,
+    fill_from,
+    open_uploader,
+    plan_targets,
+    ring_config,
+    upload_all,
+)
 
 from aiogguf.errors import LoadError
 from aiogguf.io.devices import cupy_backend
 from aiogguf.io.devices.base import Device, DeviceBuffer, UploadTarget
 from aiogguf.io.devices.cupy_backend import CupyDevice, CupyDeviceBuffer
+from aiogguf.io.devices.pool import staging_pool
 from aiogguf.jobs import ReadJob
-from aiogguf.stages.upload import Uploader
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -155,15 +162,17 @@ async def test_fake_cupy_uploads_exact_bytes_on_the_right_device(
     targets = plan_targets(
         rng, list(devices), [rng.randint(1, 64 * KiB) for _ in range(5)], 8 * KiB
     )
-    async with Uploader(devices, ring_config(slots, 8 * KiB), "direct") as up:
-        buffers = await upload_all(up, targets, rng, writers=3)
-        await up.drain()
-        assert all(s.asynchronous for s in up.stats.values())
-        ring = up._rings["CUDA1"]
-        for slot in ring.slots:
-            # The fill's view starts on a page boundary, inside the pinned allocation.
-            assert np.frombuffer(slot.view(), np.uint8).ctypes.data % 4096 == 0
-            assert slot.view().nbytes == 8 * KiB + 2 * 4096
+    async with open_uploader(devices, ring_config(slots, 8 * KiB), 3) as up:
+        buffers = await upload_all(up, targets, rng)
+        assert all(s.asynchronous for s in up.stats)
+    pool = staging_pool(devices["CUDA1"])  # type: ignore[arg-type]
+    lease = pool.lease(8, 8 * KiB, 4096, cap_bytes=64 * KiB, wait=False, pin=False)
+    assert lease.slots
+    for pooled in lease.slots:
+        # The fill's view starts on a page boundary, inside the pinned allocation.
+        assert np.frombuffer(pooled.slot.view(), np.uint8).ctypes.data % 4096 == 0
+        assert pooled.slot.view().nbytes == 8 * KiB
+    pool.give_back(lease)
     assert_exact(targets, buffers)
     for t, buf in zip(targets, buffers, strict=True):
         assert isinstance(buf, CupyDeviceBuffer)
@@ -180,7 +189,7 @@ async def test_fake_cupy_uploads_exact_bytes_on_the_right_device(
 @pytest.mark.asyncio
 async def test_fake_cupy_errors_become_load_errors(fake_cupy: Any) -> None:
     devices = _cuda_devices(1)
-    async with Uploader(devices, ring_config(2, 4 * KiB), "none") as up:
+    async with open_uploader(devices, ring_config(2, 4 * KiB)) as up:
         with pytest.raises(LoadError, match=r"CUDA0: allocating 8388608 bytes .* out of memory"):
             await up.allocate("CUDA0", 8 * MiB)
         buf = await up.allocate("CUDA0", 4 * KiB)
@@ -191,7 +200,7 @@ async def test_fake_cupy_errors_become_load_errors(fake_cupy: Any) -> None:
 
         fake_cupy.cuda.runtime.memcpyAsync = explode
         with pytest.raises(LoadError, match=r"CUDA0: queueing a 4096-byte copy failed"):
-            await up.write(job, buf, lambda v: None)
+            await up.transfer([(job, buf)], lambda job, v: None)
     buf.close()
 
 
@@ -228,10 +237,8 @@ def test_gpu_uploads_exact_bytes(slots: int) -> None:
     targets = plan_targets(rng, list(devices), sizes, 1 * MiB)
 
     async def main() -> list[DeviceBuffer]:
-        async with Uploader(devices, ring_config(slots, 1 * MiB), "none") as up:
-            buffers = await upload_all(up, targets, rng, writers=4)
-            await up.drain()
-        return buffers
+        async with open_uploader(devices, ring_config(slots, 1 * MiB), 4) as up:
+            return await upload_all(up, targets, rng)
 
     buffers = anyio.run(main)
     assert_exact(targets, buffers)
@@ -252,19 +259,11 @@ def test_gpu_cancel_frees_everything(seed: int) -> None:
 
     async def main() -> None:
         with anyio.move_on_after(rng.uniform(0.0, 0.05)):
-            async with Uploader(devices, ring_config(2, MiB), "none") as up:
+            async with open_uploader(devices, ring_config(2, MiB), 4) as up:
                 for t in targets:
                     allocated.append(await up.allocate(t.device, t.payload.nbytes))
-                for t, buf in zip(targets, allocated, strict=True):
-                    for job in t.jobs:
-                        await up.write(
-                            job,
-                            buf,
-                            lambda v, t=t, job=job: v.__setitem__(
-                                slice(None),
-                                t.payload[job.buffer_offset : job.buffer_offset + job.nbytes],
-                            ),
-                        )
+                work = [(j, b) for t, b in zip(targets, allocated, strict=True) for j in t.jobs]
+                await up.transfer(work, fill_from(targets))
                 # Finished before the deadline: the buffers are ours to free.
                 allocated_now = list(allocated)
             for buf in allocated_now:

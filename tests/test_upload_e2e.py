@@ -1,6 +1,6 @@
 """End to end through the engine: loads onto simulated GPUs (with random copy delays)
 put exactly the file's bytes into every tensor, checked against ``gguf.GGUFReader``,
-and leave no device memory, slot, stream or copy thread behind."""
+and leave no device memory, stream or copy thread behind (slots stay in the pool)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import gguf
 import pytest
 
 from aiogguf.io.devices.cpu import CpuDevice
+from aiogguf.io.devices.pool import staging_pools
 from aiogguf.io.devices.sim import SimDevice, SimUsage
 from aiogguf.synth import write_synthetic_model
 
@@ -49,5 +50,13 @@ async def test_sim_gpu_loads_hold_the_files_bytes(
         assert all(d.live.buffers > 0 for d in sims if d.name in placed)
         for tensor in reader.tensors:
             assert bytes(model.raw(tensor.name)) == tensor.data.tobytes(), tensor.name
+        uploads = {u.device: u for u in model.report.uploads}
+        assert set(uploads) == placed & {"g0", "g1"}
+        assert all(u.bytes_copied > 0 and u.copies > 0 for u in uploads.values())
+    # The device memory is freed; the staging slots stay in the pools for the next load.
+    assert all(d.live.buffers == 0 and d.live.streams == 0 for d in sims)
+    assert sum(d.live.slots for d in sims) == sum(p.stats().slots for p in staging_pools())
+    assert all(p.stats().leased_slots == 0 for p in staging_pools())
+    api.release_staging_sync()
     assert all(d.live == SimUsage(0, 0, 0, 0) for d in sims)
     assert not [t for t in threading.enumerate() if t.name.startswith("aiogguf-sim-copy")]

@@ -1,21 +1,23 @@
 """Helpers shared by the upload tests (sim, fake CuPy, real GPU): random jobs that tile
-device buffers, fills that write known bytes, concurrent writers, exact checks."""
+device buffers, fills that write known bytes, an uploader with its own threads, exact
+checks."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import anyio
-import anyio.abc
 import numpy as np
 
 from aiogguf.config import Config
-from aiogguf.io.devices.base import DeviceBuffer
+from aiogguf.io.devices.base import Device, DeviceBuffer
+from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import ReadJob
-from aiogguf.stages.upload import Uploader
+from aiogguf.stages.upload import DeviceUploadStats, Fill, Uploader
 
 KiB = 1024
 
@@ -26,8 +28,14 @@ def copy_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("aiogguf-sim-copy")}
 
 
-def ring_config(slots: int, staging_bytes: int) -> Config:
-    return Config().with_overrides(staging_buffers=slots, staging_buffer_size=staging_bytes)
+def ring_config(slots: int, staging_bytes: int, pool_bytes: int | None = None) -> Config:
+    """``slots`` staging slots per transfer thread of ``staging_bytes`` each."""
+    return Config().with_overrides(
+        staging_buffers=slots,
+        staging_buffer_size=staging_bytes,
+        staging_pool_size=pool_bytes,
+        alignment=4096,
+    )
 
 
 @dataclass
@@ -59,46 +67,48 @@ def plan_targets(
     return targets
 
 
-def filler(payload: np.ndarray, job: ReadJob) -> Callable[[memoryview], None]:
-    def fill(view: memoryview) -> None:
+def fill_from(targets: Sequence[Target]) -> Fill:
+    """A fill that writes each job's bytes of its target (``buffer_index`` = position)."""
+
+    def fill(job: ReadJob, view: memoryview) -> None:
         assert view.nbytes == job.nbytes
+        payload = targets[job.buffer_index].payload
         view[:] = payload[job.buffer_offset : job.buffer_offset + job.nbytes]
 
     return fill
 
 
+@contextlib.asynccontextmanager
+async def open_uploader(
+    devices: Mapping[str, Device], config: Config, threads: int = 2, **kwargs: Any
+) -> AsyncIterator[Uploader]:
+    """An entered ``Uploader`` with ``threads`` transfer threads of its own."""
+    async with (
+        LoadThreads(threads, name="test-transfer") as pool,
+        Uploader(devices, config, threads=pool, **kwargs) as up,
+    ):
+        yield up
+
+
 async def upload_all(
-    up: Uploader,
-    targets: Sequence[Target],
-    rng: random.Random,
-    writers: int,
+    up: Uploader, targets: Sequence[Target], rng: random.Random
 ) -> list[DeviceBuffer]:
-    """Allocate every buffer, then write all jobs in random order from ``writers``
-    concurrent tasks."""
+    """Allocate every buffer, then transfer all jobs, in random order."""
     buffers = [await up.allocate(t.device, t.payload.nbytes) for t in targets]
-    work = [(t, buf, job) for t, buf in zip(targets, buffers, strict=True) for job in t.jobs]
+    work = [(job, buf) for t, buf in zip(targets, buffers, strict=True) for job in t.jobs]
     rng.shuffle(work)
-    send, receive = anyio.create_memory_object_stream[tuple[Target, DeviceBuffer, ReadJob]](
-        len(work)
-    )
-    async with send:
-        for item in work:
-            send.send_nowait(item)
-
-    async def writer(
-        jobs: anyio.abc.ObjectReceiveStream[tuple[Target, DeviceBuffer, ReadJob]],
-    ) -> None:
-        async with jobs:
-            async for t, buf, job in jobs:
-                await up.write(job, buf, filler(t.payload, job))
-
-    async with receive, anyio.create_task_group() as tg:
-        for _ in range(writers):
-            tg.start_soon(writer, receive.clone())
+    await up.transfer(work, fill_from(targets))
     return buffers
+
+
+def stats_by_device(up: Uploader) -> dict[str, DeviceUploadStats]:
+    return {s.device: s for s in up.stats}
 
 
 def assert_exact(targets: Sequence[Target], buffers: Sequence[DeviceBuffer]) -> None:
     for t, buf in zip(targets, buffers, strict=True):
         assert bytes(buf.to_host(0, buf.nbytes)) == t.payload.tobytes()
-        assert np.array_equal(buf.array(0, buf.nbytes), t.payload)
+        array = buf.array(0, buf.nbytes)
+        # A CuPy array comes back with .get(); numpy compares it only on the host.
+        host = array.get() if hasattr(array, "get") else array
+        assert np.array_equal(host, t.payload)

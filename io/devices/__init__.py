@@ -8,7 +8,6 @@ from aiogguf.io.devices.base import DeviceKind as DeviceKind
 from aiogguf.io.devices.base import all_buffer_types as all_buffer_types
 from aiogguf.io.devices.cpu import CpuDevice as CpuDevice
 from aiogguf.io.devices.cupy_backend import CupyDevice as CupyDevice
-from aiogguf.io.devices.registry import enumerate_devices as enumerate_devices
 from aiogguf.io.devices.sim import SimDevice as SimDevice
 
 __all__ = [
@@ -21,5 +20,4 @@ __all__ = [
     "DeviceKind",
     "SimDevice",
     "all_buffer_types",
-    "enumerate_devices",
 ]

@@ -174,11 +174,13 @@ class DeviceBuffer(Protocol):
 
 
 class CopyEvent(Protocol):
-    """A CUDA-style event on one copy stream. Never recorded, it counts as done."""
+    """A CUDA-style event of one device. Never recorded, it counts as done. Events are not
+    bound to a stream: a staging slot's event is recorded on whichever stream last copied
+    out of the slot (slots outlive the loads and streams that use them)."""
 
-    def record(self) -> None:
-        """Mark the current end of the stream: the event completes when all work issued
-        on the stream so far has completed."""
+    def record(self, stream: CopyStream) -> None:
+        """Mark the current end of ``stream``: the event completes when all work issued
+        on that stream so far has completed."""
         ...
 
     def query(self) -> bool:
@@ -191,8 +193,9 @@ class CopyEvent(Protocol):
 
 
 class StagingSlot(Protocol):
-    """One host staging buffer of a device's ring: pinned where the device has a pinned
-    host buffer type, page-aligned always (O_DIRECT reads land in it directly)."""
+    """One host staging buffer of a device: pinned where the device has a pinned host
+    buffer type, aligned always (O_DIRECT reads land in it directly). Slots belong to the
+    device's process-wide ``StagingPool``; a load leases them."""
 
     index: int
     nbytes: int
@@ -212,16 +215,11 @@ class StagingSlot(Protocol):
 
 
 class CopyStream(Protocol):
-    """One device's in-order host-to-device copy queue (a CUDA stream) for one load."""
+    """One device's in-order host-to-device copy queue (a CUDA stream), used by one
+    transfer thread of one load."""
 
     device: str
     asynchronous: bool  # copies are queued (copy_async); else only copy_sync works
-
-    def open_slot(self, index: int, nbytes: int, alignment: int) -> StagingSlot:
-        """Blocking: a staging slot of ``nbytes`` starting at an ``alignment`` boundary."""
-        ...
-
-    def new_event(self) -> CopyEvent: ...
 
     def copy_async(
         self, dest: DeviceBuffer, dest_offset: int, slot: StagingSlot, nbytes: int
@@ -263,5 +261,15 @@ class UploadTarget(Protocol):
         ...
 
     def open_copy_stream(self, *, asynchronous: bool) -> CopyStream:
-        """A new copy stream for one load; the caller must ``close()`` it."""
+        """A new copy stream; the caller must ``close()`` it."""
+        ...
+
+    def open_staging_slot(self, index: int, nbytes: int, alignment: int) -> StagingSlot:
+        """Blocking: a staging slot of ``nbytes`` starting at an ``alignment`` boundary,
+        pinned where the device has a pinned host buffer type (pinning is slow: the
+        ``StagingPool`` keeps slots for the next load). Raises ``LoadError``."""
+        ...
+
+    def new_event(self) -> CopyEvent:
+        """A new event of this device, never recorded (done)."""
         ...

@@ -3,10 +3,15 @@ there are simply no CuPy devices.
 
 Uploads (``stages/upload.py``): one ``cupy.cuda.Memory`` allocation per planned buffer,
 page-aligned pinned host slots (``cupy.cuda.PinnedMemory``, over-allocated by the
-alignment, so O_DIRECT reads land in them directly), one non-blocking stream per device
-and load, one event per slot, and one ``cudaMemcpyAsync`` per staged chunk. Every CUDA
-call runs with its device current (worker threads have no fixed device) and every CuPy
-error is translated into a ``LoadError`` naming the device and the operation.
+alignment, so O_DIRECT reads land in them directly) kept by the device's staging pool,
+one non-blocking stream per transfer thread, one event per slot, and one
+``cudaMemcpyAsync`` per staged chunk. Every CUDA call runs with its device current
+(worker threads have no fixed device) and every CuPy error is translated into a
+``LoadError`` naming the device and the operation.
+
+Discovery (``cupy_devices``) imports CuPy and initialises CUDA: both are slow and hold
+the GIL for part of the time, so the result is cached for the life of the process and
+the engine calls it from a worker thread.
 
 The streams are non-blocking: they do not order with the legacy default stream, so read
 a buffer (``to_host``, ``array`` + kernels) only after the uploader drained its device.
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
+import warnings
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -26,6 +33,7 @@ from aiogguf.errors import GGUFError, LoadError
 from aiogguf.io.devices.base import (
     BufferRole,
     BufferType,
+    CopyStream,
     DeviceBuffer,
     DeviceCaps,
     DeviceKind,
@@ -40,6 +48,7 @@ __all__ = [
     "CupyEvent",
     "CupyStagingSlot",
     "cupy_devices",
+    "forget_cupy_devices",
     "import_cupy",
 ]
 
@@ -47,13 +56,26 @@ __all__ = [
 HOST_BUFFER_TYPE = "CUDA_Host"
 
 
+_warned = threading.Event()
+
+
 def import_cupy() -> Any | None:
-    """The ``cupy`` module, or None when it is not installed or cannot initialise."""
+    """The ``cupy`` module, or None when it is not installed or cannot initialise (a
+    broken install is said once, as a ``RuntimeWarning``: the load then runs without
+    GPUs, which the user should hear of)."""
     try:
         import cupy
     except ImportError:
         return None
-    except Exception:  # a broken CUDA install raises from cupy's own import machinery
+    except Exception as exc:  # a broken CUDA install raises from cupy's own import machinery
+        if not _warned.is_set():
+            _warned.set()
+            warnings.warn(
+                f"CuPy is installed but cannot be imported ({type(exc).__name__}: {exc}); "
+                "loading without GPUs",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return None
     return cupy
 
@@ -107,6 +129,16 @@ class CupyDevice:
         with _cuda_errors(self.name, "creating a copy stream"):
             return CupyCopyStream(cupy, self.ordinal, self.name, asynchronous=asynchronous)
 
+    def open_staging_slot(self, index: int, nbytes: int, alignment: int) -> CupyStagingSlot:
+        cupy = _require_cupy(self.name)
+        with _cuda_errors(self.name, f"allocating {nbytes} bytes of pinned host memory"):
+            return CupyStagingSlot(cupy, self.ordinal, index, nbytes, alignment)
+
+    def new_event(self) -> CupyEvent:
+        cupy = _require_cupy(self.name)
+        with _cuda_errors(self.name, "creating an event"):
+            return CupyEvent(cupy, self.ordinal, self.name)
+
     def __repr__(self) -> str:
         return f"CupyDevice({self.name!r}, kind={self.kind!r}, id={self.device_id!r})"
 
@@ -122,9 +154,28 @@ def _pci_bus_id(cupy: Any, ordinal: int) -> str | None:
         return None
 
 
+_discovered: tuple[CupyDevice, ...] | None = None
+_discovery_lock = threading.Lock()
+
+
 def cupy_devices() -> tuple[CupyDevice, ...]:
     """The CUDA devices CuPy sees, de-duplicated by PCI bus id; ``()`` without CuPy or
-    without a device."""
+    without a device. Found once per process (blocking: import, driver start-up)."""
+    global _discovered
+    with _discovery_lock:
+        if _discovered is None:
+            _discovered = _discover()
+        return _discovered
+
+
+def forget_cupy_devices() -> None:
+    """Drop the cached discovery (tests that fake CuPy)."""
+    global _discovered
+    with _discovery_lock:
+        _discovered = None
+
+
+def _discover() -> tuple[CupyDevice, ...]:
     cupy = import_cupy()
     if cupy is None:
         return ()
@@ -265,23 +316,28 @@ class CupyStagingSlot:
 class CupyEvent:
     """A CUDA event (blocking sync: a waiting worker thread sleeps instead of spinning)."""
 
-    def __init__(self, stream: CupyCopyStream) -> None:
-        self._stream = stream
-        cupy = stream._cupy
-        with cupy.cuda.Device(stream._ordinal):
+    def __init__(self, cupy: Any, ordinal: int, device: str) -> None:
+        self._cupy = cupy
+        self._ordinal = ordinal
+        self._device = device
+        with cupy.cuda.Device(ordinal):
             self._event = cupy.cuda.Event(block=True, disable_timing=True)
 
-    def record(self) -> None:
-        s = self._stream
-        with _cuda_errors(s.device, "recording an event"), s._cupy.cuda.Device(s._ordinal):
-            self._event.record(s._live())
+    def record(self, stream: CopyStream) -> None:
+        if not isinstance(stream, CupyCopyStream) or stream.device != self._device:
+            raise ValueError(f"{self._device}: cannot record an event on {stream!r}")
+        with (
+            _cuda_errors(self._device, "recording an event"),
+            self._cupy.cuda.Device(self._ordinal),
+        ):
+            self._event.record(stream._live())
 
     def query(self) -> bool:
-        with _cuda_errors(self._stream.device, "querying an event"):
+        with _cuda_errors(self._device, "querying an event"):
             return bool(self._event.done)
 
     def synchronize(self) -> None:
-        with _cuda_errors(self._stream.device, "waiting for a copy"):
+        with _cuda_errors(self._device, "waiting for a copy"):
             self._event.synchronize()
 
 
@@ -300,15 +356,6 @@ class CupyCopyStream:
         if self._stream is None:
             raise RuntimeError(f"{self.device}: copy stream used after close")
         return self._stream
-
-    def open_slot(self, index: int, nbytes: int, alignment: int) -> CupyStagingSlot:
-        self._live()
-        with _cuda_errors(self.device, f"allocating {nbytes} bytes of pinned host memory"):
-            return CupyStagingSlot(self._cupy, self._ordinal, index, nbytes, alignment)
-
-    def new_event(self) -> CupyEvent:
-        with _cuda_errors(self.device, "creating an event"):
-            return CupyEvent(self)
 
     def copy_async(
         self, dest: DeviceBuffer, dest_offset: int, slot: StagingSlot, nbytes: int

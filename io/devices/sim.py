@@ -6,14 +6,20 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
 
 * device memory is host memory (numpy arrays, filled with a poison byte), counted and
   capped at the device's ``total``; ``live`` tells how much is allocated right now;
-* a ``SimCopyStream`` runs queued copies in order on its own thread (the copy engine),
-  each one taking ``nbytes / bandwidth`` plus a random delay up to ``max_delay_ms``;
-* ``SimEvent`` has CUDA's record / query / synchronize semantics;
-* the stream checks the ring invariant itself: refilling a staging slot whose last copy
-  has not completed raises ``RingViolation`` naming the slot (``begin_write``), and every
-  copy checksums its source when it is issued and again when it runs, so a write into a
-  busy slot that skipped ``begin_write`` is caught too. A violation is sticky: every later
-  ``copy_async`` and ``synchronize`` raises it, so it fails the load.
+* it carries a real GPU's costs, so that a design that is slow on a GPU is slow here
+  too: pinning a staging slot sleeps ``pin_s_per_gib`` per GiB, and a copy takes
+  ``copy_latency_us`` plus ``nbytes / bandwidth`` (plus a random delay up to
+  ``max_delay_ms``), or the host copy's own time where that is longer. The defaults are
+  an NVIDIA H200 on PCIe Gen5 (see ``SIM_*`` below); the sleeps release the GIL, as the
+  driver's waits do;
+* a ``SimCopyStream`` runs queued copies in order on its own thread (the copy engine);
+* ``SimEvent`` has CUDA's record / query / synchronize semantics, on any stream;
+* the device checks the ring invariant itself: refilling a staging slot whose last copy
+  (on whichever stream) has not completed raises ``RingViolation`` naming the slot
+  (``begin_write``), and every copy checksums its source when it is issued and again
+  when it runs, so a write into a busy slot that skipped ``begin_write`` is caught too. A
+  violation is sticky: every later ``copy_async`` and ``synchronize`` of that stream
+  raises it, so it fails the load.
 """
 
 from __future__ import annotations
@@ -31,12 +37,12 @@ from typing import Any
 
 import numpy
 
-from aiogguf.config import SimDeviceConfig
 from aiogguf.errors import ConfigError, GGUFError, LoadError
 from aiogguf.io.buffers import HostBuffer
 from aiogguf.io.devices.base import (
     BufferRole,
     BufferType,
+    CopyStream,
     DeviceBuffer,
     DeviceCaps,
     DeviceKind,
@@ -45,6 +51,9 @@ from aiogguf.io.devices.base import (
 from aiogguf.io.ggml_types import GGMLType, ggml_type_by_name
 
 __all__ = [
+    "SIM_COPY_BYTES_PER_S",
+    "SIM_COPY_LATENCY_US",
+    "SIM_PIN_S_PER_GIB",
     "RingViolation",
     "SimCopyStream",
     "SimDevice",
@@ -52,11 +61,17 @@ __all__ = [
     "SimEvent",
     "SimStagingSlot",
     "SimUsage",
-    "sim_devices",
 ]
 
 # Fresh device memory holds this byte, so a range that no copy reached stands out.
 POISON_BYTE = 0xA5
+
+# What an NVIDIA H200 on PCIe Gen5 x16 was measured to cost (issue #10): pinning host
+# memory (cudaHostAlloc) ~1.1 s per GiB, pinned host-to-device copies at 55 GB/s, and a
+# few microseconds to queue one copy.
+SIM_PIN_S_PER_GIB = 1.1
+SIM_COPY_BYTES_PER_S = 55_000_000_000
+SIM_COPY_LATENCY_US = 10.0
 
 
 class RingViolation(GGUFError):
@@ -105,7 +120,9 @@ class SimDevice:
         split_buffer: bool = True,
         mmap: bool = True,
         extra_buffer_types: Sequence[str] = (),
-        bandwidth: int | None = None,
+        bandwidth: int | None = SIM_COPY_BYTES_PER_S,
+        copy_latency_us: float = SIM_COPY_LATENCY_US,
+        pin_s_per_gib: float = SIM_PIN_S_PER_GIB,
         max_delay_ms: float = 0.0,
         seed: int | None = None,
     ) -> None:
@@ -143,31 +160,13 @@ class SimDevice:
             for suffix in extra_buffer_types
         )
         self.bandwidth = bandwidth
+        self.copy_latency_us = copy_latency_us
+        self.pin_s_per_gib = pin_s_per_gib
         self.max_delay_ms = max_delay_ms
         self.seed = seed
         self._lock = threading.Lock()
         self._usage = SimUsage(0, 0, 0, 0)
         self._streams_opened = 0
-
-    @classmethod
-    def from_config(cls, config: SimDeviceConfig, index: int) -> SimDevice:
-        """The device described by one ``[[device]]`` entry, ``index`` naming it ``g<index>``."""
-        return cls(
-            config.name if config.name is not None else f"g{index}",
-            kind=config.kind,
-            free=config.free,
-            total=config.total,
-            device_id=config.id,
-            unsupported=config.unsupported,
-            host_pointer=config.host_pointer,
-            async_copies=config.async_copies,
-            events=config.events,
-            pinned_host=config.pinned_host,
-            split_buffer=config.split_buffer,
-            mmap=config.mmap,
-            bandwidth=config.bandwidth,
-            max_delay_ms=config.max_delay_ms,
-        )
 
     def memory(self) -> tuple[int, int]:
         return self.free, self.total
@@ -212,21 +211,26 @@ class SimDevice:
         return SimDeviceBuffer(self, nbytes)
 
     def open_copy_stream(self, *, asynchronous: bool) -> SimCopyStream:
-        """A copy stream for one load; ``asynchronous`` starts its copy-engine thread."""
+        """A copy stream; ``asynchronous`` starts its copy-engine thread."""
         with self._lock:
             self._streams_opened += 1
             n = self._streams_opened
         seed = None if self.seed is None else self.seed * 1_000_003 + n
         return SimCopyStream(self, asynchronous=asynchronous, seed=seed)
 
+    def open_staging_slot(self, index: int, nbytes: int, alignment: int) -> SimStagingSlot:
+        """A staging slot; takes as long as pinning ``nbytes`` takes on the modelled GPU
+        (when the device has a pinned host buffer type)."""
+        slot = SimStagingSlot(self, index, nbytes, alignment)
+        if self.host_buffer_type is not None and self.pin_s_per_gib:
+            time.sleep(nbytes / 1024**3 * self.pin_s_per_gib)
+        return slot
+
+    def new_event(self) -> SimEvent:
+        return SimEvent()
+
     def __repr__(self) -> str:
         return f"SimDevice({self.name!r}, kind={self.kind!r}, free={self.free})"
-
-
-def sim_devices(configs: Sequence[SimDeviceConfig]) -> tuple[SimDevice, ...]:
-    """One ``SimDevice`` per ``[[device]]`` entry, in order, named ``g0``, ``g1``, ... unless
-    they carry a name."""
-    return tuple(SimDevice.from_config(c, i) for i, c in enumerate(configs))
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,29 +291,31 @@ class SimDeviceBuffer:
 class SimStagingSlot:
     """A staging slot in anonymous mapped memory, its view aligned to ``alignment``."""
 
-    def __init__(self, stream: SimCopyStream, index: int, nbytes: int, alignment: int) -> None:
+    def __init__(self, owner: SimDevice, index: int, nbytes: int, alignment: int) -> None:
         self.index = index
         self.nbytes = nbytes
-        self._stream = stream
+        self.device = owner.name
+        self._owner = owner
         self._buffer: HostBuffer | None = HostBuffer(nbytes, alignment=alignment)
-        self.pending = 0  # sequence number of the last copy issued out of this slot
-        stream._owner._count(slots=1)
+        # The stream and sequence number of the last copy issued out of this slot.
+        self.pending: tuple[SimCopyStream, int] | None = None
+        owner._count(slots=1)
 
     def view(self) -> memoryview:
         if self._buffer is None:
-            raise LoadError(
-                None, None, f"device {self._stream.device}: slot {self.index} is closed"
-            )
+            raise LoadError(None, None, f"device {self.device}: slot {self.index} is closed")
         return self._buffer.memoryview
 
     def begin_write(self) -> None:
-        self._stream._check_slot_free(self)
+        if self.pending is not None:
+            stream, seq = self.pending
+            stream._check_slot_free(self, seq)
 
     def close(self) -> None:
         buffer, self._buffer = self._buffer, None
         if buffer is None:
             return
-        self._stream._owner._count(slots=-1)
+        self._owner._count(slots=-1)
         buffer.close()
         if not buffer.memory_released:
             # Someone kept a view of the slot past its fill: the memory is only freed
@@ -317,28 +323,36 @@ class SimStagingSlot:
             raise LoadError(
                 None,
                 None,
-                f"device {self._stream.device}: staging slot {self.index} is still "
+                f"device {self.device}: staging slot {self.index} is still "
                 "referenced after its last use (a fill kept a view of it)",
             )
 
 
 class SimEvent:
-    """CUDA event semantics on a ``SimCopyStream``."""
+    """CUDA event semantics: recorded on a ``SimCopyStream``, done once that stream's
+    copies issued before the record have completed."""
 
-    def __init__(self, stream: SimCopyStream) -> None:
-        self._stream = stream
+    def __init__(self) -> None:
+        self._stream: SimCopyStream | None = None
         self._target = 0  # never recorded: done, as in CUDA
 
-    def record(self) -> None:
-        with self._stream._cond:
-            self._target = self._stream._issued
+    def record(self, stream: CopyStream) -> None:
+        if not isinstance(stream, SimCopyStream):
+            raise ValueError(f"cannot record a simulated event on {stream!r}")
+        with stream._cond:
+            self._stream, self._target = stream, stream._issued
 
     def query(self) -> bool:
-        with self._stream._cond:
-            return self._stream._completed >= self._target
+        stream = self._stream
+        if stream is None:
+            return True
+        with stream._cond:
+            return stream._completed >= self._target
 
     def synchronize(self) -> None:
         stream = self._stream
+        if stream is None:
+            return
         with stream._cond:
             stream._cond.wait_for(lambda: stream._completed >= self._target)
 
@@ -385,13 +399,6 @@ class SimCopyStream:
 
     # -- the protocol -------------------------------------------------------------------
 
-    def open_slot(self, index: int, nbytes: int, alignment: int) -> SimStagingSlot:
-        self._check_open()
-        return SimStagingSlot(self, index, nbytes, alignment)
-
-    def new_event(self) -> SimEvent:
-        return SimEvent(self)
-
     def copy_async(
         self, dest: DeviceBuffer, dest_offset: int, slot: StagingSlot, nbytes: int
     ) -> None:
@@ -399,15 +406,15 @@ class SimCopyStream:
         if not self.asynchronous:
             raise RuntimeError(f"device {self.device}: this stream takes synchronous copies only")
         sim_dest = self._check_copy(dest, dest_offset, nbytes)
-        if not isinstance(slot, SimStagingSlot) or slot._stream is not self:
-            raise ValueError(f"device {self.device}: slot {slot.index} belongs to another stream")
+        if not isinstance(slot, SimStagingSlot) or slot.device != self.device:
+            raise ValueError(f"device {self.device}: slot {slot.index} belongs to another device")
         if nbytes > slot.nbytes:
             raise ValueError(f"device {self.device}: {nbytes} bytes > slot size {slot.nbytes}")
         crc = zlib.crc32(slot.view()[:nbytes])
         with self._cond:
             self._raise_failure()
             self._issued += 1
-            slot.pending = self._issued
+            slot.pending = (self, self._issued)
             self._queue.append(_Copy(self._issued, sim_dest, dest_offset, slot, nbytes, crc))
             self._cond.notify_all()
 
@@ -416,10 +423,11 @@ class SimCopyStream:
         sim_dest = self._check_copy(dest, dest_offset, src.nbytes)
         with self._sync_lock:
             self._raise_failure()
-            time.sleep(self._copy_seconds(src.nbytes))
+            began = time.perf_counter()
             sim_dest._live()[dest_offset : dest_offset + src.nbytes] = numpy.frombuffer(
                 src, dtype=numpy.uint8
             )
+            self._sleep_rest(began, src.nbytes)
             self.copies_done += 1
 
     def synchronize(self) -> None:
@@ -441,13 +449,13 @@ class SimCopyStream:
 
     # -- the invariant --------------------------------------------------------------------
 
-    def _check_slot_free(self, slot: SimStagingSlot) -> None:
+    def _check_slot_free(self, slot: SimStagingSlot, seq: int) -> None:
         with self._cond:
-            if slot.pending > self._completed:
+            if seq > self._completed:
                 violation = RingViolation(
                     self.device,
                     slot.index,
-                    f"written while copy #{slot.pending} out of it is still in flight "
+                    f"written while copy #{seq} out of it is still in flight "
                     f"(copies completed: up to #{self._completed})",
                 )
                 self._fail(violation)
@@ -465,11 +473,17 @@ class SimCopyStream:
         _check_range(f"copy into device {self.device} buffer", dest_offset, nbytes, dest.nbytes)
         return dest
 
-    def _copy_seconds(self, nbytes: int) -> float:
-        seconds = self._rng.uniform(0.0, self._owner.max_delay_ms) / 1000.0
-        if self._owner.bandwidth:
-            seconds += nbytes / self._owner.bandwidth
-        return seconds
+    def _sleep_rest(self, began: float, nbytes: int) -> None:
+        """Make a copy that began at ``began`` last as long as the modelled GPU's: the
+        host copy already took part of that time (or more)."""
+        owner = self._owner
+        seconds = owner.copy_latency_us / 1e6
+        seconds += self._rng.uniform(0.0, owner.max_delay_ms) / 1000.0
+        if owner.bandwidth:
+            seconds += nbytes / owner.bandwidth
+        rest = seconds - (time.perf_counter() - began)
+        if rest > 0:
+            time.sleep(rest)
 
     def _fail(self, exc: BaseException) -> None:
         # Caller holds _cond. The first failure is the one reported.
@@ -500,7 +514,7 @@ class SimCopyStream:
     def _execute(self, op: _Copy) -> BaseException | None:
         """Run one copy; return what went wrong instead of raising (this is a thread)."""
         try:
-            time.sleep(self._copy_seconds(op.nbytes))
+            began = time.perf_counter()
             data = op.dest._data
             if data is None:
                 return LoadError(
@@ -512,6 +526,7 @@ class SimCopyStream:
                 target[:] = numpy.frombuffer(src, dtype=numpy.uint8)
             finally:
                 src.release()
+            self._sleep_rest(began, op.nbytes)
             if zlib.crc32(target.data) != op.crc:
                 return RingViolation(
                     self.device,

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from aiogguf.cli.options import add_placement_options, config_from_args
-from aiogguf.io.devices.registry import enumerate_devices
+from aiogguf.devices import enumerate_devices
 from aiogguf.records import Plan, WeightIndex
 from aiogguf.stages.plan import make_plan
 from aiogguf.units import format_bytes
