@@ -5,11 +5,10 @@ list to the load's transfer threads; each thread runs the llama.cpp ``load_all_d
 loop on its own (design §1.6):
 
 1. take the next job from the shared queue (load order);
-2. take a staging slot of the job's device from the thread's lease (its first slot is
-   leased when the thread first meets the device, and pinned if the pool has none
-   idle); when the event recorded behind the slot's last copy has not completed, lease
-   one more slot if the pool has one idle (up to ``staging_buffers`` per thread: only
-   ``warm_up`` pins more than one per thread), else wait for the event — the *only*
+2. take the next staging slot of the job's device from the thread's lease (leased
+   when the thread first meets the device: ``staging_buffers`` slots, pinned where the
+   pool has none idle, so one is filled while the other is copied out of), and wait
+   until the event recorded behind the slot's last copy has completed — the *only*
    wait on the device: it sits before a slot is reused, never after a copy is issued;
 3. run the caller's ``fill`` on the slot (it reads the file straight into it, in read
    calls far smaller than the slot);
@@ -313,7 +312,11 @@ class Uploader:
         asynchronous = caps.async_copies and caps.events and target.host_buffer_type is not None
         pool = staging_pool(target)
         lease = pool.lease(
-            1, self.slot_bytes, self._alignment, cap_bytes=self._pool_cap, stopped=stop.is_set
+            self._per_thread,
+            self.slot_bytes,
+            self._alignment,
+            cap_bytes=self._pool_cap,
+            stopped=stop.is_set,
         )
         if not lease.slots:
             return None
@@ -325,23 +328,12 @@ class Uploader:
         return _Lane(device, pool, stream, lease, asynchronous)
 
     def _next_slot(self, lane: _Lane) -> PooledSlot:
-        """The slot for the next job: free, or waited for (see the module docstring)."""
+        """The slot for the next job, round robin, once its last copy has completed."""
         slots = lane.lease.slots
-        pooled = slots[lane.next % len(slots)]
-        if not lane.asynchronous or self._skip_wait or pooled.event.query():
-            lane.next = (lane.next + 1) % len(slots)
-            return pooled
-        if len(slots) < self._per_thread:
-            # Only an idle slot: pinning one takes longer than the copy we would wait for.
-            more = lane.pool.lease(
-                1, self.slot_bytes, self._alignment, cap_bytes=0, wait=False, pin=False
-            )
-            if more.slots:
-                slots.extend(more.slots)
-                lane.lease.pinned_bytes += more.pinned_bytes
-                lane.next = 0  # the new slot is last: the oldest copy comes next
-                return more.slots[0]
+        pooled = slots[lane.next]
         lane.next = (lane.next + 1) % len(slots)
+        if not lane.asynchronous or self._skip_wait or pooled.event.query():
+            return pooled
         lane.slot_waits += 1
         start = time.perf_counter()
         pooled.event.synchronize()

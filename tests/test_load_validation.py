@@ -92,14 +92,35 @@ def test_every_bad_tensor_in_one_error(damaged: Damaged, mode: str) -> None:
     _assert_names_every_failure(info.value, damaged)
 
 
-@pytest.mark.parametrize("mode", ["none", "mmap"])
-def test_bad_tensors_on_simulated_gpus_are_found_too(damaged: Damaged, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "slot"), [("none", "16MiB"), ("mmap", "16MiB"), ("direct", "16MiB"), ("none", "8KiB")]
+)
+def test_bad_tensors_on_simulated_gpus_are_found_too(
+    damaged: Damaged, mode: str, slot: str
+) -> None:
+    # Device tensors are checked in their staging slots; 8 KiB slots cut blocks at every
+    # slot edge, whose units are then fetched back from the device.
     with (
         pytest.raises(TensorValidationError) as info,
-        aiogguf.load_sync(damaged.bad.path, mode=mode, sim_gpus=["1GiB", "1GiB"], n_gpu_layers=-1),
+        aiogguf.load_sync(
+            damaged.bad.path,
+            mode=mode,
+            sim_gpus=["1GiB", "1GiB"],
+            n_gpu_layers=-1,
+            staging_buffer_size=slot,
+        ),
     ):
         pass
     _assert_names_every_failure(info.value, damaged)
+
+
+def test_clean_twin_passes_on_simulated_gpus(damaged: Damaged) -> None:
+    with aiogguf.load_sync(
+        damaged.clean.path, sim_gpus=["1GiB"], n_gpu_layers=-1, staging_buffer_size="8KiB"
+    ) as model:
+        assert model.failures == ()
+        assert model.report.validated == damaged.clean.n_tensors
+        assert {u.device for u in model.report.uploads} == {"g0"}
 
 
 def test_clean_twin_passes(damaged: Damaged) -> None:

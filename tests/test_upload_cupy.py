@@ -166,7 +166,7 @@ async def test_fake_cupy_uploads_exact_bytes_on_the_right_device(
         buffers = await upload_all(up, targets, rng)
         assert all(s.asynchronous for s in up.stats)
     pool = staging_pool(devices["CUDA1"])  # type: ignore[arg-type]
-    lease = pool.lease(8, 8 * KiB, 4096, cap_bytes=64 * KiB, wait=False, pin=False)
+    lease = pool.lease(16, 8 * KiB, 4096, cap_bytes=0, wait=False, pin=False)
     assert lease.slots
     for pooled in lease.slots:
         # The fill's view starts on a page boundary, inside the pinned allocation.

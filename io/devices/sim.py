@@ -243,7 +243,12 @@ def _check_range(what: str, offset: int, nbytes: int, size: int) -> None:
 
 
 class SimDeviceBuffer:
-    """Simulated device memory: a numpy array standing in for a device allocation."""
+    """Simulated device memory: a numpy array standing in for a device allocation.
+
+    Bytes no copy has reached read as ``POISON_BYTE``. The poison is laid lazily, on the
+    first read of a range no copy wrote: filling gigabytes up front would cost the host
+    what ``cudaMalloc`` does not cost a GPU (touching every page), and make a simulated
+    load look slower than a real one."""
 
     xp: ModuleType = numpy
 
@@ -251,9 +256,35 @@ class SimDeviceBuffer:
         self.device = owner.name
         self.nbytes = nbytes
         self._owner = owner
-        self._data: numpy.ndarray[Any, numpy.dtype[numpy.uint8]] | None = numpy.full(
-            nbytes, POISON_BYTE, dtype=numpy.uint8
+        # numpy.empty of a large size is an untouched anonymous mapping: free until used.
+        self._data: numpy.ndarray[Any, numpy.dtype[numpy.uint8]] | None = numpy.empty(
+            nbytes, dtype=numpy.uint8
         )
+        self._lock = threading.Lock()
+        self._filled: list[tuple[int, int]] = []  # sorted, disjoint: written or poisoned
+
+    def mark_written(self, offset: int, nbytes: int) -> None:
+        """Record that a copy wrote ``[offset, offset + nbytes)`` (the copy engine)."""
+        with self._lock:
+            self._filled = _merged(self._filled, offset, offset + nbytes)
+
+    def _poison_gaps(self, offset: int, nbytes: int) -> None:
+        """Lay the poison in the parts of ``[offset, offset + nbytes)`` nothing wrote."""
+        data = self._live()
+        end = offset + nbytes
+        with self._lock:
+            pos = offset
+            for lo, hi in self._filled:
+                if hi <= pos:
+                    continue
+                if lo >= end:
+                    break
+                if lo > pos:
+                    data[pos:lo] = POISON_BYTE
+                pos = max(pos, hi)
+            if pos < end:
+                data[pos:end] = POISON_BYTE
+            self._filled = _merged(self._filled, offset, end)
 
     @property
     def closed(self) -> bool:
@@ -268,10 +299,12 @@ class SimDeviceBuffer:
     def array(self, offset: int, nbytes: int) -> Any:
         """A uint8 view of ``nbytes`` at ``offset``."""
         _check_range(f"device {self.device} buffer", offset, nbytes, self.nbytes)
+        self._poison_gaps(offset, nbytes)
         return self._live()[offset : offset + nbytes]
 
     def to_host(self, offset: int, nbytes: int) -> memoryview:
         _check_range(f"device {self.device} buffer", offset, nbytes, self.nbytes)
+        self._poison_gaps(offset, nbytes)
         return self._live()[offset : offset + nbytes].copy().data
 
     def close(self) -> None:
@@ -286,6 +319,21 @@ class SimDeviceBuffer:
     def __repr__(self) -> str:
         state = "closed" if self._data is None else "open"
         return f"SimDeviceBuffer({self.device!r}, {self.nbytes}, {state})"
+
+
+def _merged(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """``spans`` (sorted, disjoint) with ``[lo, hi)`` added."""
+    if lo >= hi:
+        return spans
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if b < lo or a > hi:
+            out.append((a, b))
+        else:
+            lo, hi = min(lo, a), max(hi, b)
+    out.append((lo, hi))
+    out.sort()
+    return out
 
 
 class SimStagingSlot:
@@ -427,6 +475,7 @@ class SimCopyStream:
             sim_dest._live()[dest_offset : dest_offset + src.nbytes] = numpy.frombuffer(
                 src, dtype=numpy.uint8
             )
+            sim_dest.mark_written(dest_offset, src.nbytes)
             self._sleep_rest(began, src.nbytes)
             self.copies_done += 1
 
@@ -526,6 +575,7 @@ class SimCopyStream:
                 target[:] = numpy.frombuffer(src, dtype=numpy.uint8)
             finally:
                 src.release()
+            op.dest.mark_written(op.dest_offset, op.nbytes)
             self._sleep_rest(began, op.nbytes)
             if zlib.crc32(target.data) != op.crc:
                 return RingViolation(
