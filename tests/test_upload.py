@@ -99,10 +99,11 @@ def test_two_devices_get_exact_bytes(
                 assert found.copies == len(jobs)
                 assert found.bytes_copied == sum(j.nbytes for j in jobs)
                 assert found.asynchronous
-                # Each thread that met the device leased its slots (the pool was empty).
+                # Each thread that met the device leased its slots: pinned, or given back
+                # by a thread that had already run out of jobs.
                 assert found.slots % slots == 0
                 assert 1 <= found.slots <= slots * threads
-                assert found.pinned_bytes_allocated == found.slots * found.slot_bytes
+                assert 0 < found.pinned_bytes_allocated <= found.slots * found.slot_bytes
         # Ownership passed to us: the buffers are still there until we close them.
         assert sum(d.live.buffers for d in sims) == len(targets)
         assert_exact(targets, buffers)
