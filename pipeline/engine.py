@@ -38,6 +38,7 @@ from aiogguf.io.devices.base import Device
 from aiogguf.io.devices.registry import enumerate_devices
 from aiogguf.io.files import DataFile, FileAdvice, align_up, open_file
 from aiogguf.io.mapping import MapAdvice, numa_nodes
+from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import BufferLayout, ReadJob, TensorSlot
 from aiogguf.model import Model
@@ -128,6 +129,9 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 class _Load:
     """One load in flight. Only ``run()`` is public; the rest is the wiring."""
+
+    # The descriptors parsed by the index stage, set by ``run_load``; None: open by path.
+    opened: OpenFiles | None = None
 
     def __init__(
         self,
@@ -268,9 +272,7 @@ class _Load:
         direct = self.mode == "direct"
         files: list[DataFile] = []
         for parsed in self.index.files:
-            f = await anyio.to_thread.run_sync(
-                partial(open_file, parsed.path, direct=direct, alignment=self.alignment)
-            )
+            f = await anyio.to_thread.run_sync(partial(self._open_file, parsed.path, direct))
             stack.callback(f.close)
             files.append(f)
             if direct and not f.direct_ok:
@@ -279,6 +281,12 @@ class _Load:
             for f in files:
                 await anyio.to_thread.run_sync(f.fadvise, FileAdvice.SEQUENTIAL)
         return files
+
+    def _open_file(self, path: str, direct: bool) -> DataFile:
+        # The descriptor the parse stage opened (under the load's opener): the file that
+        # was parsed is the file that is read, whatever its name points at now.
+        fd = self.opened.open(path) if self.opened is not None else None
+        return open_file(path, direct=direct, alignment=self.alignment, fd=fd)
 
     def _piece_checks(self) -> dict[str, PieceCheck]:
         if not self.config.load.check_tensors or self.swap or self.mode not in ("none", "direct"):
@@ -642,18 +650,24 @@ async def run_load(
     *,
     devices: Sequence[Device] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
+    opener: FileOpener | None = None,
 ) -> Model:
     """Parse, index, plan and load ``path``. Resources are pushed on ``stack`` until the
     returned model owns them; on failure the caller closes the stack. ``limiter``, shared
-    between loads, bounds their reads in flight together."""
+    between loads, bounds their reads in flight together. ``opener`` opens every file of
+    the load, once (default: any path)."""
     t0 = hub.elapsed()
     hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
-    index = await open_index(path)
+    # Each file is opened once, by the parse stage; the engine reads through the same
+    # descriptors (its DataFiles hold duplicates), so the table closes with the stack.
+    opened = stack.enter_context(OpenFiles(opener))
+    index = await open_index(path, files=opened)
     t1 = hub.elapsed()
     devices = tuple(devices) if devices is not None else enumerate_devices(config)
     plan = make_plan(index, devices, config)
     t2 = hub.elapsed()
     load = _Load(index, plan, devices, config, hub, limiter)
+    load.opened = opened
     load.stage_busy["parse"] = t1 - t0
     load.stage_busy["plan"] = t2 - t1
     hub.emit(

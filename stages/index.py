@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from aiogguf.errors import GGUFFormatError, SplitError
+from aiogguf.io.opener import OpenFiles
 from aiogguf.records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
 from aiogguf.stages.parse import parse_model
 
@@ -223,12 +224,17 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
     )
 
 
-async def open_index(path: str | os.PathLike[str]) -> WeightIndex:
+async def open_index(
+    path: str | os.PathLike[str], *, files: OpenFiles | None = None
+) -> WeightIndex:
     """Parse a model (every split, concurrently) and index it.
 
     :param path: a single-file model or the first split of a split set.
+    :param files: the load's open files; each file is opened through it once and stays
+        open there for the engine (default: opened by path and closed after parsing).
     :raises GGUFFormatError: a file is malformed or truncated.
     :raises SplitError: the split set is incomplete, out of order or mixed.
+    :raises PathNotAllowedError: the opener of ``files`` refuses a file.
     :raises LoadError: a file cannot be read.
     """
-    return build_index(await parse_model(path))
+    return build_index(await parse_model(path, files=files))
