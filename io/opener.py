@@ -63,10 +63,18 @@ def _checked(fd: int, path: str) -> int:
     return fd
 
 
+def _no_nul(path: str) -> None:
+    # The kernel would read the name only up to the NUL; Python refuses it with a
+    # ValueError, which is no GGUFError.
+    if "\0" in path:
+        raise LoadError(path.replace("\0", "\\0"), None, "a file name cannot hold a NUL byte")
+
+
 class AnyPathOpener:
     """Any path the process can read (the library's and the CLI's default)."""
 
     def open(self, path: str) -> int:
+        _no_nul(path)
         try:
             fd = os.open(path, _FLAGS)
         except OSError as exc:
@@ -138,6 +146,7 @@ class RootedOpener:
         self.close()
 
     def open(self, path: str) -> int:
+        _no_nul(path)
         full = os.path.abspath(path)
         for root in self._roots:
             relative = _inside(full, root.given)

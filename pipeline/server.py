@@ -474,6 +474,9 @@ class LoaderRegistry:
                         entry.queued = False
                         entry.publish()
                         model = await stack.enter_async_context(handle)
+                    # Loaded: the model holds what it needs of the file (its own
+                    # descriptors or copies); the request's descriptor can go.
+                    request.opener.close()
                     stack.push_async_callback(_close_model, model)
                     entry.report = model.report
                     entry.state = LoadState.READY
@@ -526,7 +529,7 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
     if unknown:
         raise RequestRefused(f"unknown field {unknown[0]!r}; expected 'path' and 'config'")
     path = body.get("path")
-    if not isinstance(path, str) or not path or "\0" in path:
+    if not isinstance(path, str) or not path:
         raise RequestRefused("'path' is required: the GGUF file to load, as a string")
     overrides = body.get("config") or {}
     if not isinstance(overrides, dict):
@@ -541,13 +544,12 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
     # A relative path is the server's directory's; ``~`` is not expanded.
     # The file is opened here, once, under the roots: the load reads this descriptor.
     try:
-        fd = await anyio.to_thread.run_sync(registry.opener.open, path)
+        opener = await anyio.to_thread.run_sync(PreOpened, registry.opener, path)
     except PathNotAllowedError as exc:
         # Said the same way whether or not the file exists: nothing leaks from outside.
         raise RequestRefused(str(exc), status=403) from exc
     except LoadError as exc:
         raise RequestRefused(_one_line(exc)) from exc
-    opener = PreOpened(registry.opener, path, fd)
     try:
         try:
             devices = await anyio.to_thread.run_sync(enumerate_devices, config)

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from aiogguf.config import Config, PipelineConfig
-from aiogguf.errors import ConfigError
+from aiogguf.errors import ConfigError, LoadError
 from aiogguf.io.opener import FileOpener
 
 __all__ = [
@@ -64,6 +64,19 @@ DEFAULT_MODES: frozenset[str] = frozenset({"auto", "none", "mmap"})
 OPT_IN_MODES: frozenset[str] = frozenset({"mlock", "direct"})
 
 HEALTH_ROUTE = "aiogguf-healthz"
+
+# Every key a request's config could name: those not in the policy's set are refused.
+_ALL_KEYS: frozenset[str] = frozenset(
+    {
+        *(
+            key
+            for section in ("load", "placement", "pipeline")
+            for key in Config().to_dict()[section]
+        ),
+        "sim_gpus",
+        "device",
+    }
+)
 
 
 class RequestRefused(Exception):
@@ -155,28 +168,25 @@ def request_config(base: Config, overrides: Mapping[str, Any], policy: ServerPol
     return config
 
 
-_ALL_KEYS = frozenset(
-    {
-        *Config().to_dict()["load"],
-        *Config().to_dict()["placement"],
-        *Config().to_dict()["pipeline"],
-        "sim_gpus",
-        "device",
-    }
-)
-
-
 class PreOpened:
     """An opener that hands out the descriptor opened while the request was checked (as
     a duplicate) for that path, and opens any other file of the load (split shards)
     through ``opener``. Owns that descriptor: ``close()`` once the load has ended."""
 
-    def __init__(self, opener: FileOpener, path: str, fd: int) -> None:
+    def __init__(self, opener: FileOpener, path: str) -> None:
+        """Open ``path`` through ``opener`` (blocking: call it in a worker thread).
+
+        Raises what ``opener.open`` raises."""
         self._opener = opener
         self.path = path
+        fd = opener.open(path)
         self._fd: int | None = fd
         self._lock = threading.Lock()
-        self.size_bytes = os.fstat(fd).st_size
+        try:
+            self.size_bytes = os.fstat(fd).st_size
+        except OSError as exc:
+            os.close(fd)
+            raise LoadError(path, None, f"cannot read the file: {exc.strerror}") from exc
 
     def open(self, path: str) -> int:
         if path == self.path:

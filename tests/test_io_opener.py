@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from aiogguf.errors import LoadError, PathNotAllowedError
 from aiogguf.io.buffers import HostBuffer
@@ -144,3 +146,47 @@ def test_a_data_file_reads_the_descriptor_not_the_name(tmp_path: Path, direct: b
             else:
                 f.read_into(buf.memoryview, 0)
             assert bytes(buf.memoryview) == first
+
+
+# Path pieces that walk in and out of the root: dot-dots, links inside and out, files,
+# directories, a FIFO, odd bytes.
+_PIECES = ["..", ".", "", "in.gguf", "sub", "up", "out-abs", "out-rel", "in-rel", "fifo", "\0"]
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(pieces=st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6), absolute=st.booleans())
+@pytest.mark.parametrize("way", ["openat2", "verify"])
+def test_any_path_either_opens_a_file_inside_or_is_refused(
+    tmp_path: Path, way: str, pieces: list[str], absolute: bool
+) -> None:
+    """Whatever the path: an fd of a regular file beneath the root, or a ``LoadError``;
+    never a file outside, never another exception."""
+    served = tmp_path / "served"
+    if not served.exists():
+        served.mkdir()
+        (served / "in.gguf").write_bytes(b"inside")
+        (served / "sub").mkdir()
+        (served / "sub" / "up").symlink_to("..")
+        (served / "up").symlink_to("..")  # served/up -> tmp_path: outside
+        (served / "out-abs").symlink_to(tmp_path / "out.gguf")
+        (served / "out-rel").symlink_to("../out.gguf")
+        (served / "in-rel").symlink_to("sub/../in.gguf")
+        os.mkfifo(served / "fifo")
+        (tmp_path / "out.gguf").write_bytes(b"outside")
+    relative = "/".join(pieces)
+    path = f"{served}/{relative}" if absolute else relative
+    with RootedOpener([served]) as opener:
+        if way == "verify":
+            opener._openat2 = False
+        try:
+            fd = opener.open(path)
+        except LoadError:
+            return
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+            assert real.startswith(f"{served}/"), (path, real)
+            assert read_all(fd) == b"inside"
+        finally:
+            os.close(fd)
