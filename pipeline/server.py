@@ -1,7 +1,8 @@
 """An HTTP load server: start, follow, cancel and unload model loads while serving.
 
-Mount ``create_app()`` inside your own aiohttp application (``app.add_subapp("/gguf",
-create_app())``) or run it alone with ``aiogguf serve``. Routes::
+Mount ``create_app(roots=[...])`` inside your own aiohttp application
+(``app.add_subapp("/gguf", create_app(roots=["/models"]))``) or run it alone with
+``aiogguf serve``. Routes::
 
     POST   /models              {"path": ..., "config": {overrides}} → 201 {"id": ...}
     GET    /models              every load the server knows
