@@ -1,9 +1,9 @@
 """ctypes bindings for the few memory calls the standard library does not offer well.
 
-``mlock``, ``munlock``, ``mincore`` have no stdlib wrapper at all. ``madvise`` has one
-(``mmap.madvise``) but it holds the GIL for the whole call, and ``MADV_WILLNEED`` or
-``MADV_POPULATE_READ`` on a large range can take long enough to stall the event loop;
-ctypes releases the GIL around every foreign call, so we call libc directly.
+``mlock``, ``munlock``, ``mincore`` and ``openat2`` have no stdlib wrapper at all.
+``madvise`` has one (``mmap.madvise``) but it holds the GIL for the whole call, and
+``MADV_WILLNEED`` or ``MADV_POPULATE_READ`` on a large range can take long enough to
+stall the event loop; ctypes releases the GIL around every foreign call, so we call libc directly.
 
 Each function raises ``OSError`` with the C ``errno`` on failure; callers translate it to
 ``LoadError`` at their own boundary, where the path and offset are known.
@@ -14,14 +14,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import platform
+from errno import ENOSYS
 
 __all__ = [
     "MADV_POPULATE_READ",
     "MADV_POPULATE_WRITE",
+    "RESOLVE_BENEATH",
+    "RESOLVE_NO_MAGICLINKS",
     "madvise",
     "mincore",
     "mlock",
     "munlock",
+    "openat2",
 ]
 
 # Linux ≥ 5.14 (<linux/mman.h>); Python 3.11's mmap module does not export them.
@@ -81,3 +86,42 @@ def mincore(address: int, length: int) -> bytearray:
         # Drop the ctypes export so the bytearray can be used (and resized) freely.
         del c_vector
     return vector
+
+
+# openat2(2), Linux >= 5.6: the same number on x86_64 and aarch64 (asm-generic).
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(platform.machine())
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_BENEATH = 0x08
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (
+        ("flags", ctypes.c_uint64),
+        ("mode", ctypes.c_uint64),
+        ("resolve", ctypes.c_uint64),
+    )
+
+
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
+    """``openat2(dirfd, path, {flags, 0, resolve})``: a new descriptor.
+
+    Raises ``OSError`` with ``ENOSYS`` where the kernel or the architecture lacks it.
+    """
+    if _SYS_OPENAT2 is None:
+        raise OSError(ENOSYS, f"openat2: {os.strerror(ENOSYS)}")
+    how = _OpenHow(flags, 0, resolve)
+    fd = _syscall(
+        ctypes.c_long(_SYS_OPENAT2),
+        ctypes.c_int(dirfd),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
+    if fd < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"openat2: {os.strerror(errno)}", path)
+    return int(fd)

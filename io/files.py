@@ -71,7 +71,11 @@ class FileAdvice(enum.Enum):
 
 
 def open_file(
-    path: str | os.PathLike[str], *, direct: bool = False, alignment: int = DIRECT_ALIGNMENT
+    path: str | os.PathLike[str],
+    *,
+    direct: bool = False,
+    alignment: int = DIRECT_ALIGNMENT,
+    fd: int | None = None,
 ) -> DataFile:
     """Open ``path`` for reading; with ``direct=True`` also try ``O_DIRECT``.
 
@@ -79,16 +83,25 @@ def open_file(
     is not an error: the file falls back to buffered reads, ``direct_ok`` is False and
     ``direct_refusal`` says why, so the caller can warn.
 
+    ``fd``: an open descriptor of the file (see ``aiogguf.io.opener``) to read through
+    instead of opening ``path``, which then only names the file in messages. The
+    ``DataFile`` keeps a duplicate; the caller still closes ``fd``.
+
     Raises ``LoadError`` if the file cannot be opened.
     """
-    return DataFile(path, direct=direct, alignment=alignment)
+    return DataFile(path, direct=direct, alignment=alignment, fd=fd)
 
 
 class DataFile(Closeable):
     """An open model file: positional reads into caller-owned memory. Use ``open_file``."""
 
     def __init__(
-        self, path: str | os.PathLike[str], *, direct: bool, alignment: int = DIRECT_ALIGNMENT
+        self,
+        path: str | os.PathLike[str],
+        *,
+        direct: bool,
+        alignment: int = DIRECT_ALIGNMENT,
+        fd: int | None = None,
     ) -> None:
         if alignment <= 0 or alignment % 512:
             raise ValueError(f"alignment must be a positive multiple of 512, got {alignment}")
@@ -100,8 +113,14 @@ class DataFile(Closeable):
         self._inflight = 0
         self._direct_fd: int | None = None
         self._direct_enabled = False
+        # An adopted descriptor was opened once under a policy (the server's roots):
+        # from here on the file is reached through it, never through its name.
+        self._adopted = fd is not None
         try:
-            self._fd: int = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            if fd is not None:
+                self._fd: int = os.dup(fd)
+            else:
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
             raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
         self._state = ResourceState.OPEN
@@ -115,8 +134,11 @@ class DataFile(Closeable):
             raise
 
     def _open_direct(self) -> int | None:
+        # /proc/self/fd/N reopens the inode that N refers to, not whatever the name
+        # points at now: O_DIRECT needs a new open file description of its own.
+        source = f"/proc/self/fd/{self._fd}" if self._adopted else self.path
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc

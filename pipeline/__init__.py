@@ -14,6 +14,7 @@ from aiogguf.errors import ConfigError as ConfigError
 from aiogguf.errors import GGUFError as GGUFError
 from aiogguf.errors import GGUFFormatError as GGUFFormatError
 from aiogguf.errors import LoadError as LoadError
+from aiogguf.errors import PathNotAllowedError as PathNotAllowedError
 from aiogguf.errors import PlacementError as PlacementError
 from aiogguf.errors import SplitError as SplitError
 from aiogguf.errors import TensorFailure as TensorFailure
@@ -35,6 +36,7 @@ __all__ = [
     "LoadHandle",
     "LoadReport",
     "Model",
+    "PathNotAllowedError",
     "PlacementError",
     "Progress",
     "SplitError",

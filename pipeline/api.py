@@ -23,6 +23,7 @@ from aiogguf.events import Progress, ProgressCallback, ProgressHub, Stage
 from aiogguf.io.devices.base import Device, UploadTarget
 from aiogguf.io.devices.pool import close_staging_pools, staging_pool
 from aiogguf.io.ggml_types import GGML_TYPES
+from aiogguf.io.opener import FileOpener
 from aiogguf.model import Model
 from aiogguf.stages.validate import PieceCheck
 
@@ -52,9 +53,11 @@ class LoadHandle:
         progress: ProgressCallback | None = None,
         devices: Sequence[Device] | None = None,
         limiter: anyio.CapacityLimiter | None = None,
+        opener: FileOpener | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self._limiter = limiter
+        self._opener = opener
         self.config = config
         self.hub = ProgressHub(progress)
         self._devices = devices
@@ -78,6 +81,7 @@ class LoadHandle:
                 stack,
                 devices=self._devices,
                 limiter=self._limiter,
+                opener=self._opener,
             )
         except BaseException as exc:
             # Release what the load holds even while being cancelled; the stack is told
@@ -117,6 +121,7 @@ def load(
     progress: ProgressCallback | None = None,
     devices: Sequence[Device] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
+    opener: FileOpener | None = None,
     **overrides: Any,
 ) -> LoadHandle:
     """Load a GGUF model: ``async with aiogguf.load("m.gguf", mode="direct") as model``.
@@ -125,13 +130,17 @@ def load(
     keys by their plain names (``mode``, ``check_tensors``, ``n_gpu_layers``,
     ``chunk_size="16MiB"``, ``sim_gpus=["24GiB"]``, …). ``devices`` replaces device
     discovery (tests, embedding). ``limiter``, shared between loads, bounds their reads
-    in flight together (a server loading several models at once).
+    in flight together (a server loading several models at once). ``opener`` opens each
+    file of the load, once, and every read goes through that descriptor: pass
+    ``aiogguf.io.opener.RootedOpener(roots)`` to read only beneath ``roots`` (default:
+    any path the process can read).
 
     Raises ``GGUFFormatError``/``SplitError`` for bad files, ``PlacementError``,
-    ``ConfigError``, ``LoadError`` for I/O failures, ``TensorValidationError`` listing
+    ``ConfigError``, ``LoadError`` for I/O failures (``PathNotAllowedError`` for a file
+    the ``opener`` refuses), ``TensorValidationError`` listing
     every bad tensor when ``check_tensors`` is on.
     """
-    return LoadHandle(path, load_config(config, **overrides), progress, devices, limiter)
+    return LoadHandle(path, load_config(config, **overrides), progress, devices, limiter, opener)
 
 
 @contextmanager

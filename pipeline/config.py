@@ -14,14 +14,14 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
 import tomllib
 import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
+import re2
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -44,11 +44,14 @@ __all__ = [
     "Config",
     "LoadConfig",
     "LoadMode",
+    "NamePattern",
     "OverrideRule",
     "PathLimit",
     "PipelineConfig",
     "PlacementConfig",
+    "ServerConfig",
     "SimDeviceConfig",
+    "compile_pattern",
     "format_size",
     "load_config",
 ]
@@ -114,11 +117,41 @@ class OverrideRule(_Section):
     @classmethod
     def _compiles(cls, pattern: str) -> str:
         # Caught here, the error names the file; the plan would only name the pattern.
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"expected a regular expression, got {pattern!r}: {exc}") from None
+        compile_pattern(pattern)
         return pattern
+
+
+class NamePattern(Protocol):
+    """A compiled override pattern: ``search`` a tensor name, None when it does not match."""
+
+    @property
+    def pattern(self) -> str: ...
+
+    def search(self, text: str) -> object | None: ...
+
+
+def compile_pattern(pattern: str) -> NamePattern:
+    """``pattern`` compiled by RE2, the engine every tensor-name match uses.
+
+    RE2 matches in time linear in the name, so no pattern (``(.|.)*Z``, from a server's
+    client) can stall a load or the thread it runs on; it has no backreferences or
+    lookaround, and such patterns are refused rather than matched some other way.
+
+    Raises ``ValueError`` saying why RE2 refuses ``pattern``.
+    """
+    try:
+        compiled: NamePattern = re2.compile(pattern, options=_RE2_OPTIONS)
+        return compiled
+    except re2.error as exc:
+        why = exc.args[0] if exc.args else exc
+        why = why.decode(errors="replace") if isinstance(why, bytes) else str(why)
+        raise ValueError(
+            f"expected a regular expression RE2 accepts, got {pattern!r}: {why}"
+        ) from None
+
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # refusals are raised, not also printed by RE2
 
 
 class PlacementConfig(_Section):
@@ -204,6 +237,14 @@ class PipelineConfig(_Section):
             if inside and len(prefix) > best_len:
                 best, best_len = limit, len(prefix)
         return best
+
+
+class ServerConfig(_Section):
+    """``[server]``: settings of ``aiogguf serve``, not of a load (no override sets them).
+
+    ``roots``: the directories whose files clients may load (``--root`` adds to them)."""
+
+    roots: tuple[Annotated[str, Field(min_length=1)], ...] = ()
 
 
 def usable_cores() -> int:
@@ -310,7 +351,8 @@ def _number(text: str) -> float | str:
 
 
 class Config(_Section):
-    """A whole load: ``[load]``, ``[placement]``, ``[pipeline]`` and ``[[device]]``.
+    """A whole load: ``[load]``, ``[placement]``, ``[pipeline]`` and ``[[device]]``; and
+    ``[server]`` for ``aiogguf serve``.
 
     ``source`` is the file it was read from (for error messages), never a TOML key.
     """
@@ -319,6 +361,7 @@ class Config(_Section):
     placement: PlacementConfig = PlacementConfig()
     pipeline: PipelineConfig = PipelineConfig()
     device: tuple[SimDeviceConfig, ...] = ()
+    server: ServerConfig = ServerConfig()
     source: str | None = Field(default=None, exclude=True)
 
     @classmethod
@@ -405,10 +448,12 @@ class Config(_Section):
             lines.append("")
         for device in self.device:
             lines.extend(["[[device]]", *_toml_pairs(device), ""])
+        if self.server != ServerConfig():
+            lines.extend(["[server]", *_toml_pairs(self.server), ""])
         return "\n".join(lines)
 
 
-_SECTIONS = "load, placement, pipeline, device"
+_SECTIONS = "load, placement, pipeline, device, server"
 _UNSET_NOTES = {"bandwidth": "as fast as the host copies"}
 
 _SECTION_OF: dict[str, str] = {

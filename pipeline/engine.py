@@ -44,6 +44,7 @@ from aiogguf.io.byteswap import can_convert, needs_swap, to_native
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile, FileAdvice, align_up, open_file
 from aiogguf.io.mapping import MapAdvice, numa_nodes
+from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import BufferLayout, ReadJob, TensorSlot
 from aiogguf.model import Model
@@ -134,6 +135,9 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 class _Load:
     """One load in flight. Only ``run()`` is public; the rest is the wiring."""
+
+    # The descriptors parsed by the index stage, set by ``run_load``; None: open by path.
+    opened: OpenFiles | None = None
 
     def __init__(
         self,
@@ -288,9 +292,7 @@ class _Load:
         direct = self.mode == "direct"
         files: list[DataFile] = []
         for parsed in self.index.files:
-            f = await anyio.to_thread.run_sync(
-                partial(open_file, parsed.path, direct=direct, alignment=self.alignment)
-            )
+            f = await anyio.to_thread.run_sync(partial(self._open_file, parsed.path, direct))
             stack.callback(f.close)
             files.append(f)
             if direct and not f.direct_ok:
@@ -299,6 +301,12 @@ class _Load:
             for f in files:
                 await anyio.to_thread.run_sync(f.fadvise, FileAdvice.SEQUENTIAL)
         return files
+
+    def _open_file(self, path: str, direct: bool) -> DataFile:
+        # The descriptor the parse stage opened (under the load's opener): the file that
+        # was parsed is the file that is read, whatever its name points at now.
+        fd = self.opened.open(path) if self.opened is not None else None
+        return open_file(path, direct=direct, alignment=self.alignment, fd=fd)
 
     def _piece_checks(self) -> dict[str, PieceCheck]:
         """Tensors checked piece by piece as they land: those read into host memory
@@ -323,7 +331,8 @@ class _Load:
         for f in files:
             disk = self._disk_of(f)
             if disk not in by_disk:
-                by_disk[disk] = anyio.CapacityLimiter(self.config.pipeline.readers_for(f.path))
+                readers = self.config.pipeline.readers_for(f.path, direct=f.direct_ok)
+                by_disk[disk] = anyio.CapacityLimiter(readers)
             limiters.append(by_disk[disk])
             self.disks.append(disk)
         return limiters
@@ -724,17 +733,23 @@ async def run_load(
     *,
     devices: Sequence[Device] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
+    opener: FileOpener | None = None,
 ) -> Model:
     """Parse, index, plan and load ``path``. Resources are pushed on ``stack`` until the
     returned model owns them; on failure the caller closes the stack. ``limiter``, shared
-    between loads, bounds their reads in flight together."""
+    between loads, bounds their reads in flight together. ``opener`` opens every file of
+    the load, once (default: any path)."""
     t0 = hub.elapsed()
     hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
-    index = await open_index(path)
+    # Each file is opened once, by the parse stage; the engine reads through the same
+    # descriptors (its DataFiles hold duplicates), so the table closes with the stack.
+    opened = stack.enter_context(OpenFiles(opener))
+    index = await open_index(path, files=opened)
     t1 = hub.elapsed()
     found, plan = await anyio.to_thread.run_sync(_devices_and_plan, index, config, devices)
     t2 = hub.elapsed()
     load = _Load(index, plan, found, config, hub, limiter)
+    load.opened = opened
     load.stage_busy["parse"] = t1 - t0
     load.stage_busy["plan"] = t2 - t1
     hub.emit(

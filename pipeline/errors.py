@@ -8,7 +8,8 @@ Every error a user can see from aiogguf is one of these::
     ├── PlacementError             the plan cannot be made (bad main_gpu, no split buffer type…)
     ├── ConfigError                a config key that is unknown, mistyped or out of range
     ├── LoadError                  I/O failed or came up short: path and offset
-    │   └── BigEndianError         a big-endian tensor whose type cannot be byte-swapped
+    │   ├── BigEndianError         a big-endian tensor whose type cannot be byte-swapped
+    │   └── PathNotAllowedError    a file outside the roots a loader may read (a server's)
     └── TensorValidationError      every bad tensor of a load, at once (``.failures``)
 
 Low-level errors (``OSError``, ``struct.error``, CuPy's) are translated where they
@@ -27,6 +28,7 @@ __all__ = [
     "GGUFError",
     "GGUFFormatError",
     "LoadError",
+    "PathNotAllowedError",
     "PlacementError",
     "SplitError",
     "TensorFailure",
@@ -99,6 +101,16 @@ class LoadError(GGUFError):
 
 class BigEndianError(LoadError):
     """A big-endian file holds a tensor type whose byte order cannot be converted."""
+
+
+class PathNotAllowedError(LoadError):
+    """A path lies outside every root the loader may read, or a symlink leads out of one.
+
+    Says nothing about the file itself (whether it exists, its size, its bytes): only the
+    path as it was asked for."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path, None, "not under a served root")
 
 
 @dataclass(frozen=True, slots=True)

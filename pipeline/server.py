@@ -1,7 +1,8 @@
 """An HTTP load server: start, follow, cancel and unload model loads while serving.
 
-Mount ``create_app()`` inside your own aiohttp application (``app.add_subapp("/gguf",
-create_app())``) or run it alone with ``aiogguf serve``. Routes::
+Mount ``create_app(roots=[...])`` inside your own aiohttp application
+(``app.add_subapp("/gguf", create_app(roots=["/models"]))``) or run it alone with
+``aiogguf serve``. Routes::
 
     POST   /models              {"path": ..., "config": {overrides}} → 201 {"id": ...}
     GET    /models              every load the server knows
@@ -13,7 +14,14 @@ create_app())``) or run it alone with ``aiogguf serve``. Routes::
     GET    /healthz             liveness, with the limiter's counters
 
 States: ``loading`` (``queued`` while it waits for the limiter), ``ready``, ``failed``,
-``cancelled``, ``unloaded``. Bad requests get a 4xx with ``{"error": "one line"}``.
+``cancelled``, ``unloaded``. Every error reply is JSON, ``{"error": "one line"}``.
+
+What clients may do is the operator's choice (``aiogguf.server_policy``): files are read
+only beneath the roots (each file opened once, under them, and read only through that
+descriptor; a path outside gets 403 and learns nothing of the file), an optional bearer
+token guards every route but ``/healthz``, a request's config may set only some keys,
+only some modes, and no value above the server's own, and the models held and the
+records kept are bounded. Model ids are 128 random bits.
 
 Every load runs as a task of one task group that the application owns: its startup
 opens the group, its shutdown cancels every load and closes every model, and no load
@@ -27,13 +35,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import math
 import os
 import re
+import secrets
 import signal
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -47,17 +57,29 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from aiogguf.api import LoadHandle, load
 from aiogguf.config import Config, load_config
 from aiogguf.devices import enumerate_devices
-from aiogguf.errors import ConfigError, GGUFError
+from aiogguf.errors import ConfigError, GGUFError, LoadError, PathNotAllowedError
 from aiogguf.events import Progress
 from aiogguf.io.devices.base import Device
+from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
 from aiogguf.model import Model
 from aiogguf.report import LoadReport
+from aiogguf.server_policy import (
+    HEALTH_ROUTE,
+    PreOpened,
+    RequestRefused,
+    ServerPolicy,
+    auth_middleware,
+    json_errors_middleware,
+    request_config,
+    server_base_config,
+)
 
 __all__ = [
     "LimiterStats",
     "LoadLimiter",
     "LoadState",
     "LoaderRegistry",
+    "ServerPolicy",
     "create_app",
     "registry_of",
     "serve",
@@ -174,6 +196,8 @@ class _Request:
     devices: tuple[Device, ...]
     readers: int
     staging_bytes: int
+    opener: PreOpened  # the file checked at the request, and the way to its shards
+    nbytes: int  # file bytes the model will hold (split sets: estimated from the first)
 
 
 class _Entry:
@@ -190,6 +214,7 @@ class _Entry:
         self.scope = anyio.CancelScope()  # cancellable before its task even starts
         self.unload = anyio.Event()
         self.finished = anyio.Event()
+        self.holds_memory = True  # loading or ready: counted against the server's limits
         self._subscribers: list[MemoryObjectSendStream[dict[str, Any]]] = []
         # Set (and replaced) whenever subscribers may have something new.
         self.changed = anyio.Event()
@@ -322,13 +347,19 @@ class LoaderRegistry:
     """
 
     def __init__(
-        self, config: Config, limiter: LoadLimiter, roots: Sequence[str] | None = None
+        self,
+        config: Config,
+        limiter: LoadLimiter,
+        opener: FileOpener,
+        policy: ServerPolicy | None = None,
     ) -> None:
         self.config = config
         self.limiter = limiter
-        self.roots = tuple(os.path.realpath(r) for r in roots) if roots is not None else None
+        self.opener = opener
+        self.policy = policy if policy is not None else ServerPolicy()
         self.entries: dict[str, _Entry] = {}
-        self._ids = itertools.count(1)
+        # Ended loads by id, least recently used first, with the time each ended.
+        self._ended: OrderedDict[str, float] = OrderedDict()
         self._tg: TaskGroup | None = None
         self._stop: anyio.Event | None = None  # made in ``start``, inside the loop
         self._supervisor: asyncio.Task[None] | None = None
@@ -367,18 +398,73 @@ class LoaderRegistry:
         for entry in self.entries.values():
             entry.close_subscribers()
 
+    def held(self) -> tuple[int, int]:
+        """Models loading or ready, and the file bytes they hold or will hold."""
+        holding = [e for e in self.entries.values() if e.holds_memory]
+        return len(holding), sum(e.request.nbytes for e in holding)
+
     def submit(self, request: _Request) -> _Entry:
+        """Start ``request``'s load; ``RequestRefused`` (429, 507) over a limit."""
         if self._tg is None or self._closing:
             raise RuntimeError("the server is shutting down")
-        entry = _Entry(str(next(self._ids)), request)
+        policy = self.policy
+        models, nbytes = self.held()
+        if policy.max_models is not None and models >= policy.max_models:
+            raise RequestRefused(
+                f"this server holds {models} models, its limit; unload one first", status=429
+            )
+        if (
+            policy.max_loaded_bytes is not None
+            and nbytes + request.nbytes > policy.max_loaded_bytes
+        ):
+            raise RequestRefused(
+                f"{request.path}: {request.nbytes} bytes would take the models held to "
+                f"{nbytes + request.nbytes} bytes, over this server's limit of "
+                f"{policy.max_loaded_bytes}",
+                status=507,
+            )
+        self.prune()
+        # 128 random bits: one client cannot guess, and so cannot DELETE, another's model.
+        entry = _Entry(secrets.token_hex(16), request)
         self.entries[entry.id] = entry
         self._tg.start_soon(self._run, entry, name=f"aiogguf load {entry.id}")
         return entry
 
+    def touch(self, entry: _Entry) -> None:
+        """A record was read: it is the last to go among the ended ones."""
+        if entry.id in self._ended:
+            self._ended.move_to_end(entry.id)
+
+    def forget(self, entry: _Entry) -> None:
+        self.entries.pop(entry.id, None)
+        self._ended.pop(entry.id, None)
+
+    def prune(self) -> None:
+        """Drop records of ended loads older than the TTL, then the least recently used
+        beyond ``max_finished``."""
+        now = time.monotonic()
+        ttl, keep = self.policy.finished_ttl_s, self.policy.max_finished
+        for load_id, ended in list(self._ended.items()):
+            if now - ended > ttl:
+                del self._ended[load_id]
+                self.entries.pop(load_id, None)
+        while len(self._ended) > keep:
+            load_id, _ = self._ended.popitem(last=False)
+            self.entries.pop(load_id, None)
+
+    def _ended_now(self, entry: _Entry) -> None:
+        entry.holds_memory = False
+        self._ended[entry.id] = time.monotonic()
+        self.prune()
+
     async def _run(self, entry: _Entry) -> None:
         request = entry.request
         handle: LoadHandle = load(
-            request.path, request.config, progress=entry.on_progress, devices=request.devices
+            request.path,
+            request.config,
+            progress=entry.on_progress,
+            devices=request.devices,
+            opener=request.opener,
         )
         try:
             with entry.scope:
@@ -389,6 +475,9 @@ class LoaderRegistry:
                         entry.queued = False
                         entry.publish()
                         model = await stack.enter_async_context(handle)
+                    # Loaded: the model holds what it needs of the file (its own
+                    # descriptors or copies); the request's descriptor can go.
+                    request.opener.close()
                     stack.push_async_callback(_close_model, model)
                     entry.report = model.report
                     entry.state = LoadState.READY
@@ -406,7 +495,9 @@ class LoaderRegistry:
                 entry.state = LoadState.CANCELLED
             elif entry.state is LoadState.READY:
                 entry.state = LoadState.UNLOADED
+            request.opener.close()
             entry.finished.set()
+            self._ended_now(entry)
             entry.publish()
 
     async def stop(self, entry: _Entry, timeout_s: float) -> bool:
@@ -423,23 +514,6 @@ class LoaderRegistry:
 # --- request parsing -----------------------------------------------------------------
 
 
-class _BadRequest(Exception):
-    def __init__(self, reason: str, status: int = 400) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-
-
-def _locate(path: str, roots: Sequence[str] | None) -> tuple[str, bool, bool]:
-    """``path`` made absolute, whether it is a file, whether ``roots`` allow it."""
-    full = os.path.abspath(os.path.expanduser(path))
-    if roots is None:
-        return full, os.path.isfile(full), True
-    real = os.path.realpath(full)  # a symlink out of the roots does not count as inside
-    allowed = any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
-    return full, os.path.isfile(full), allowed
-
-
 def _split_count(path: str) -> int:
     match = _SPLIT_NAME.search(os.path.basename(path))
     return int(match.group(2)) if match else 1
@@ -449,46 +523,52 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
     try:
         body = json.loads(await request.read())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise _BadRequest(f"request body is not valid JSON: {exc}") from exc
+        raise RequestRefused(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
-        raise _BadRequest('expected a JSON object like {"path": "model.gguf"}')
+        raise RequestRefused('expected a JSON object like {"path": "model.gguf"}')
     unknown = sorted(set(body) - {"path", "config"})
     if unknown:
-        raise _BadRequest(f"unknown field {unknown[0]!r}; expected 'path' and 'config'")
+        raise RequestRefused(f"unknown field {unknown[0]!r}; expected 'path' and 'config'")
     path = body.get("path")
     if not isinstance(path, str) or not path:
-        raise _BadRequest("'path' is required: the GGUF file to load, as a string")
+        raise RequestRefused("'path' is required: the GGUF file to load, as a string")
     overrides = body.get("config") or {}
     if not isinstance(overrides, dict):
-        raise _BadRequest('\'config\' must be an object of config keys, like {"mode": "none"}')
+        raise RequestRefused('\'config\' must be an object of config keys, like {"mode": "none"}')
     limiter = registry.limiter
+    # Compiling a client's override patterns is work: not on the loop.
+    config = await anyio.to_thread.run_sync(
+        request_config, registry.config, overrides, registry.policy
+    )
+    if config.pipeline.reader_count() > limiter.max_readers:
+        config = config.with_settings({"readers": limiter.max_readers})
+    # A relative path is the server's directory's; ``~`` is not expanded.
+    # The file is opened here, once, under the roots: the load reads this descriptor.
     try:
-        config = registry.config.with_settings(overrides, origin="request config")
-        if config.pipeline.reader_count() > limiter.max_readers:
-            config = config.with_settings({"readers": limiter.max_readers})
-    except ConfigError as exc:
-        raise _BadRequest(_one_line(exc)) from exc
-    except (TypeError, ValueError) as exc:  # a JSON value of a shape no key takes
-        raise _BadRequest(f"request config: {_one_line(exc)}") from exc
-    # A stat and device discovery (CuPy initialisation) may block: not on the loop.
-    full, exists, allowed = await anyio.to_thread.run_sync(_locate, path, registry.roots)
-    if not allowed:
+        opener = await anyio.to_thread.run_sync(PreOpened, registry.opener, path)
+    except PathNotAllowedError as exc:
         # Said the same way whether or not the file exists: nothing leaks from outside.
-        raise _BadRequest(f"{path}: not under a served directory", status=403)
-    if not exists:
-        raise _BadRequest(f"{path}: no such file")
-    path = full
+        raise RequestRefused(str(exc), status=403) from exc
+    except LoadError as exc:
+        raise RequestRefused(_one_line(exc)) from exc
     try:
-        devices = await anyio.to_thread.run_sync(enumerate_devices, config)
-    except ConfigError as exc:
-        raise _BadRequest(_one_line(exc)) from exc
-    readers = config.pipeline.readers_for(path) * _split_count(path)
-    gpus = sum(1 for d in devices if d.kind != "cpu")
-    staging = 0
-    if gpus and config.placement.n_gpu_layers != 0:
-        pipeline = config.pipeline
-        staging = gpus * readers * pipeline.staging_buffers * pipeline.staging_bytes()
-    return _Request(path, config, devices, readers, staging)
+        try:
+            devices = await anyio.to_thread.run_sync(enumerate_devices, config)
+        except ConfigError as exc:
+            raise RequestRefused(_one_line(exc)) from exc
+        splits = _split_count(path)
+        readers = config.pipeline.readers_for(path) * splits
+        gpus = sum(1 for d in devices if d.kind != "cpu")
+        staging = 0
+        if gpus and config.placement.n_gpu_layers != 0:
+            pipeline = config.pipeline
+            # Slots come from each device's pool, which never grows past its cap.
+            per_device = readers * pipeline.staging_buffers * pipeline.staging_bytes()
+            staging = gpus * min(per_device, pipeline.staging_pool_size)
+        return _Request(path, config, devices, readers, staging, opener, opener.size_bytes * splits)
+    except BaseException:
+        opener.close()
+        raise
 
 
 # --- handlers --------------------------------------------------------------------------
@@ -508,10 +588,12 @@ def _error(status: int, reason: str) -> web.Response:
 
 def _entry(request: web.Request) -> _Entry | web.Response:
     registry = request.app[_REGISTRY]
+    registry.prune()
     load_id = request.match_info["id"]
     entry = registry.entries.get(load_id)
     if entry is None:
         return _error(404, f"no load with id {load_id!r}")
+    registry.touch(entry)
     return entry
 
 
@@ -521,9 +603,17 @@ async def _post_model(request: web.Request) -> web.Response:
         return _error(503, "the server is shutting down")
     try:
         parsed = await _parse_request(request, registry)
-    except _BadRequest as exc:
+    except RequestRefused as exc:
         return _error(exc.status, exc.reason)
-    entry = registry.submit(parsed)
+    # No await between the limits' check in ``submit`` and the load taking its place.
+    try:
+        entry = registry.submit(parsed)
+    except RequestRefused as exc:
+        parsed.opener.close()
+        return _error(exc.status, exc.reason)
+    except RuntimeError as exc:
+        parsed.opener.close()
+        return _error(503, str(exc))
     return web.json_response(
         {"id": entry.id, "state": entry.state.value},
         status=201,
@@ -533,6 +623,7 @@ async def _post_model(request: web.Request) -> web.Response:
 
 async def _list_models(request: web.Request) -> web.Response:
     registry = request.app[_REGISTRY]
+    registry.prune()
     return web.json_response({"models": [e.snapshot() for e in registry.entries.values()]})
 
 
@@ -580,7 +671,7 @@ async def _delete_model(request: web.Request) -> web.Response:
         return entry
     if entry.finished.is_set():
         # Already over: forget the record.
-        del registry.entries[entry.id]
+        registry.forget(entry)
         return web.json_response({**entry.snapshot(), "forgotten": True})
     if not await registry.stop(entry, _STOP_WAIT_S):
         return web.json_response(entry.snapshot(), status=202)
@@ -613,8 +704,12 @@ async def _healthz(request: web.Request) -> web.Response:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     registry = app[_REGISTRY]
     await registry.start()
-    yield
-    await registry.aclose()
+    try:
+        yield
+    finally:
+        await registry.aclose()
+        if isinstance(registry.opener, RootedOpener):
+            registry.opener.close()
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -628,24 +723,43 @@ def create_app(
     config: Config | str | os.PathLike[str] | None = None,
     limiter: LoadLimiter | None = None,
     roots: Sequence[str | os.PathLike[str]] | None = None,
+    allow_any_path: bool = False,
+    policy: ServerPolicy | None = None,
 ) -> web.Application:
     """The load server as an aiohttp application, standalone or mounted with
-    ``parent.add_subapp(prefix, create_app())``.
+    ``parent.add_subapp(prefix, create_app(roots=[...]))``.
 
     ``config``: the base of every load (a ``Config``, a TOML path or None); a request's
-    ``config`` overrides keys of it. ``limiter``: the budget shared by the loads (pass
-    the same one to several apps to share it); default ``LoadLimiter()``. ``roots``:
-    directories whose files may be loaded (others get 403); None allows any path the
-    process can read, so bind such a server to a trusted interface only.
+    ``config`` overrides the keys ``policy`` allows, never above this config's values. Its
+    mode ``auto`` becomes ``none`` (a copy: a mapped model dies with its file).
+    ``limiter``: the budget shared by the loads (pass the same one to several apps to
+    share it); default ``LoadLimiter()``. ``roots``: the directories whose files may be
+    loaded, with those of the config's ``[server] roots``; a path beneath none gets 403.
+    ``allow_any_path=True`` instead serves any file the process can read: only for a
+    server that trusts every client. ``policy``: token, request keys, modes and limits
+    (default: ``ServerPolicy()``, no token).
 
-    Raises ``ConfigError`` for a bad ``config``.
+    Raises ``ConfigError`` for a bad ``config``, ``ValueError`` when neither ``roots`` nor
+    ``allow_any_path`` is given, ``LoadError`` for a root that is not a directory.
     """
-    app = web.Application()
-    registry = LoaderRegistry(
-        load_config(config),
-        limiter or LoadLimiter(),
-        [os.fspath(r) for r in roots] if roots is not None else None,
-    )
+    base = server_base_config(load_config(config))
+    all_roots = [*(os.fspath(r) for r in roots or ()), *base.server.roots]
+    opener: FileOpener
+    if all_roots:
+        opener = RootedOpener(all_roots)
+    elif allow_any_path:
+        opener = AnyPathOpener()
+    else:
+        raise ValueError(
+            "create_app: give roots=[...] (directories clients may load from) "
+            "or allow_any_path=True"
+        )
+    policy = policy if policy is not None else ServerPolicy()
+    middlewares: list[Any] = [json_errors_middleware]
+    if policy.token is not None:
+        middlewares.append(auth_middleware(policy.token))
+    app = web.Application(middlewares=middlewares)
+    registry = LoaderRegistry(base, limiter or LoadLimiter(), opener, policy)
     app[_REGISTRY] = registry
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
@@ -654,7 +768,7 @@ def create_app(
     app.router.add_get("/models/{id}", _get_model)
     app.router.add_get("/models/{id}/events", _model_events)
     app.router.add_delete("/models/{id}", _delete_model)
-    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/healthz", _healthz, name=HEALTH_ROUTE)
     return app
 
 

@@ -15,6 +15,7 @@ from typing import Final
 import anyio
 
 from aiogguf.errors import GGUFFormatError, SplitError
+from aiogguf.io.opener import OpenFiles
 from aiogguf.records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
 from aiogguf.stages.parse import parse_model
 
@@ -225,14 +226,19 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
     )
 
 
-async def open_index(path: str | os.PathLike[str]) -> WeightIndex:
+async def open_index(
+    path: str | os.PathLike[str], *, files: OpenFiles | None = None
+) -> WeightIndex:
     """Parse a model (every split, concurrently) and index it.
 
     :param path: a single-file model or the first split of a split set.
+    :param files: the load's open files; each file is opened through it once and stays
+        open there for the engine (default: opened by path and closed after parsing).
     :raises GGUFFormatError: a file is malformed or truncated.
     :raises SplitError: the split set is incomplete, out of order or mixed.
+    :raises PathNotAllowedError: the opener of ``files`` refuses a file.
     :raises LoadError: a file cannot be read.
     """
-    parsed = await parse_model(path)
+    parsed = await parse_model(path, files=files)
     # Ordering and checking thousands of tensors takes milliseconds: not on the loop.
     return await anyio.to_thread.run_sync(build_index, parsed)

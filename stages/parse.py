@@ -25,6 +25,7 @@ import numpy as np
 
 from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError
 from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
+from aiogguf.io.opener import OpenFiles
 from aiogguf.records import (
     GGUFArray,
     MetadataEntry,
@@ -59,6 +60,9 @@ MIN_TENSOR_INFO_BYTES: Final = 8 + 4 + 4 + 8
 # an attack on the recursion limit, not data.
 MAX_ARRAY_DEPTH: Final = 16
 SPLIT_MAX_COUNT: Final = 65535  # split.count is a u16
+
+# Magics of ggml's older formats and of a byte-reversed GGUF, named in the magic error.
+_OTHER_MAGICS: Final = frozenset({b"GGML", b"GGMF", b"GGJT", b"FUGG", b"lmgg", b"fmgg", b"tjgg"})
 
 FIRST_READ_BYTES: Final = 1 << 20
 GROWTH_FACTOR: Final = 4
@@ -209,7 +213,10 @@ class _HeaderParser:
         self.need(0, 4, "magic")
         magic = self.buf[:4]
         if magic != GGUF_MAGIC:
-            raise self.error(0, "magic", f"expected b'GGUF', found {magic!r}: not a GGUF file")
+            # Only a known magic is repeated: the bytes of an arbitrary file are not
+            # GGUF's to show (a server's client could read /etc/shadow's that way).
+            found = f"found {magic!r}" if magic in _OTHER_MAGICS else "found other bytes"
+            raise self.error(0, "magic", f"expected b'GGUF', {found}: not a GGUF file")
         self.need(4, 4, "version")
         (version,) = struct.unpack_from("<I", self.buf, 4)
         # Real versions are tiny, so a little-endian read with the low 16 bits all zero
@@ -502,42 +509,64 @@ def parse_header(
 
 
 async def parse_file(
-    path: str | os.PathLike[str], *, limiter: anyio.CapacityLimiter | None = None
+    path: str | os.PathLike[str],
+    *,
+    limiter: anyio.CapacityLimiter | None = None,
+    files: OpenFiles | None = None,
 ) -> ParsedFile:
     """Parse one GGUF file's header, reading only as many bytes as the header needs.
 
     :param path: the file.
     :param limiter: bounds the worker threads that walk the bytes (default: anyio's).
+    :param files: the load's open files: ``path`` is opened through it (under its
+        opener's policy) and stays open there for the later stages. Default: a table of
+        its own, any path, closed on return.
     :return: the parsed header; the data section is not read.
     :raises GGUFFormatError: the file is not a valid GGUF file.
+    :raises PathNotAllowedError: the opener of ``files`` refuses ``path``.
     :raises LoadError: the file cannot be opened or read (``__cause__`` is the OSError).
     """
+    if files is None:
+        with OpenFiles() as own:
+            return await parse_file(path, limiter=limiter, files=own)
     fspath = os.fspath(path)
+    fd = await anyio.to_thread.run_sync(files.open, fspath, limiter=limiter)
     try:
-        # anyio's file, not aiofiles: a cancelled aiofiles call abandons its worker
-        # thread, which can leave the file open behind the caller's back.
-        async with await anyio.open_file(fspath, "rb") as f:
-            file_size = await f.seek(0, os.SEEK_END)
-            await f.seek(0)
-            parser = _HeaderParser(fspath, file_size)
-            data = b""
-            target = min(file_size, FIRST_READ_BYTES)
-            while True:
-                chunk = await f.read(target - len(data))
-                data += chunk
-                if len(data) < target:
-                    raise LoadError(
-                        fspath, len(data), f"short read: the file shrank below {target} bytes"
-                    )
-                try:
-                    return await anyio.to_thread.run_sync(parser.parse, data, limiter=limiter)
-                except NeedMoreBytes as more:
-                    # Grow geometrically (x4: a 10 MiB vocabulary costs three reads and
-                    # three resumed walks), never past the end of the file (the parser
-                    # checked ``more.end`` against it).
-                    target = min(file_size, max(more.end, GROWTH_FACTOR * len(data)))
+        file_size = await anyio.to_thread.run_sync(os.lseek, fd, 0, os.SEEK_END, limiter=limiter)
+        parser = _HeaderParser(fspath, file_size)
+        data = b""
+        target = min(file_size, FIRST_READ_BYTES)
+        while True:
+            # Through the descriptor, never the name: it is the file the opener allowed.
+            data += await anyio.to_thread.run_sync(
+                _pread_upto, fd, len(data), target - len(data), limiter=limiter
+            )
+            if len(data) < target:
+                raise LoadError(
+                    fspath, len(data), f"short read: the file shrank below {target} bytes"
+                )
+            try:
+                return await anyio.to_thread.run_sync(parser.parse, data, limiter=limiter)
+            except NeedMoreBytes as more:
+                # Grow geometrically (x4: a 10 MiB vocabulary costs three reads and
+                # three resumed walks), never past the end of the file (the parser
+                # checked ``more.end`` against it).
+                target = min(file_size, max(more.end, GROWTH_FACTOR * len(data)))
     except OSError as exc:
         raise LoadError(fspath, None, f"cannot read the file: {exc.strerror or exc}") from exc
+
+
+def _pread_upto(fd: int, offset: int, nbytes: int) -> bytes:
+    """Up to ``nbytes`` at ``offset``: fewer only at the end of the file."""
+    parts: list[bytes] = []
+    done = 0
+    while done < nbytes:
+        part = os.pread(fd, nbytes - done, offset + done)
+        if not part:
+            break
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
 
 
 def split_paths(path: str | os.PathLike[str], split_no: int, split_count: int) -> list[str]:
@@ -570,17 +599,25 @@ def _split_int(parsed: ParsedFile, key: str) -> int | None:
     return value
 
 
-async def parse_model(path: str | os.PathLike[str]) -> tuple[ParsedFile, ...]:
+async def parse_model(
+    path: str | os.PathLike[str], *, files: OpenFiles | None = None
+) -> tuple[ParsedFile, ...]:
     """Parse a model: one file, or every split of a split set (concurrently).
 
     :param path: a single-file model, or the **first** split of a set.
+    :param files: the load's open files (see ``parse_file``); every split is opened
+        through it. Default: a table of its own, closed on return.
     :return: one ``ParsedFile`` per file, in split order.
     :raises GGUFFormatError: a file is malformed.
     :raises SplitError: ``path`` is not the first split (the message names the first), a
         split file is missing (named), or a split's ``split.no`` is not its position.
+    :raises PathNotAllowedError: the opener of ``files`` refuses a file.
     :raises LoadError: a file cannot be read.
     """
-    first = await parse_file(path)
+    if files is None:
+        with OpenFiles() as own:
+            return await parse_model(path, files=own)
+    first = await parse_file(path, files=files)
     count = _split_int(first, "split.count")
     if count is None or count <= 1:
         return (first,)
@@ -606,7 +643,7 @@ async def parse_model(path: str | os.PathLike[str]) -> tuple[ParsedFile, ...]:
 
     async def parse_split(i: int) -> None:
         try:
-            found[i] = await parse_file(paths[i], limiter=limiter)
+            found[i] = await parse_file(paths[i], limiter=limiter, files=files)
         except LoadError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 failed[i] = SplitError(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aiogguf.config import Config, LoadMode, PlacementConfig
+from aiogguf.config import Config, LoadMode, NamePattern, PlacementConfig, compile_pattern
 from aiogguf.errors import PlacementError
 from aiogguf.io.devices.base import BufferRole, BufferType, Device, all_buffer_types
 from aiogguf.records import (
@@ -290,15 +290,13 @@ def _override_targets(
 
 def _compile_overrides(
     placement: PlacementConfig, targets: dict[str, _Candidate]
-) -> list[tuple[re.Pattern[str], _Candidate]]:
-    rules: list[tuple[re.Pattern[str], _Candidate]] = []
+) -> list[tuple[NamePattern, _Candidate]]:
+    rules: list[tuple[NamePattern, _Candidate]] = []
     for rule in placement.override:
         try:
-            pattern = re.compile(rule.pattern)
-        except re.error as exc:
-            raise PlacementError(
-                f"override pattern {rule.pattern!r} is not a regex: {exc}"
-            ) from exc
+            pattern = compile_pattern(rule.pattern)
+        except ValueError as exc:
+            raise PlacementError(f"override pattern: {exc}") from exc
         target = targets.get(rule.buffer_type)
         if target is None:
             known = ", ".join(sorted(targets))
@@ -443,7 +441,7 @@ def _choose(
     tensor: TensorEntry,
     candidates: tuple[_Candidate, ...],
     cpu_list: tuple[_Candidate, ...],
-    overrides: list[tuple[re.Pattern[str], _Candidate]],
+    overrides: list[tuple[NamePattern, _Candidate]],
     cpu_default: _Candidate,
     use_mmap: bool,
     warnings: _Warnings,

@@ -22,8 +22,12 @@ from aiohttp import web
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aiogguf.server
-from aiogguf.server import LoadLimiter, create_app, registry_of
+from aiogguf.server import LoadLimiter, ServerPolicy, create_app, registry_of
+from aiogguf.server_policy import REQUEST_KEYS
 from aiogguf.synth import write_synthetic_model
+
+# These tests choose their simulated GPUs and chunk sizes per request.
+SIM_POLICY = ServerPolicy(request_keys=REQUEST_KEYS | {"sim_gpus", "chunk_size"})
 
 # A simulated GPU slow enough that a load takes about a second per 64 MiB.
 FAST_GPU = "name=g0,free=1GiB,bandwidth=64MiB"
@@ -168,7 +172,9 @@ async def test_concurrent_loads_cancel_and_latency(tmp_path: Path) -> None:
     models = (a, b, c)
     baseline = all_fds()
 
-    app = create_app(limiter=LoadLimiter(max_loads=4, max_readers=8))
+    app = create_app(
+        limiter=LoadLimiter(max_loads=4, max_readers=8), roots=[tmp_path], policy=SIM_POLICY
+    )
     async with running(app) as url, aiohttp.ClientSession() as http:
         sampler = HealthSampler(http, url)
         streams: dict[str, list[dict[str, Any]]] = {}
@@ -251,7 +257,7 @@ async def test_bad_requests_get_one_line_errors(tmp_path: Path) -> None:
 
     parent = web.Application()
     parent.router.add_get("/", own_route)
-    parent.add_subapp("/gguf", create_app())
+    parent.add_subapp("/gguf", create_app(roots=[tmp_path], policy=SIM_POLICY))
     async with running(parent) as root, aiohttp.ClientSession() as http:
         url = f"{root}/gguf"
 
@@ -275,14 +281,14 @@ async def test_bad_requests_get_one_line_errors(tmp_path: Path) -> None:
         missing = tmp_path / "missing.gguf"
         error = await refused("POST", "/models", 400, json={"path": str(missing)})
         assert str(missing) in error
-        assert "no such file" in error
+        assert "no such file" in error.lower()
         error = await refused(
             "POST", "/models", 400, json={"path": str(model), "config": {"moda": "mmap"}}
         )
         assert "moda" in error
         assert "mode" in error
         error = await refused(
-            "POST", "/models", 400, json={"path": str(model), "config": {"readers": "many"}}
+            "POST", "/models", 403, json={"path": str(model), "config": {"readers": "many"}}
         )
         assert "readers" in error
         error = await refused(
@@ -350,9 +356,9 @@ async def test_shutdown_cancels_loads_and_closes_models(
     write_synthetic_model(small, size_bytes="2MiB")
     write_synthetic_model(big, size_bytes="64MiB")
     # One load at a time: the third waits in the limiter's queue.
-    app = create_app(limiter=LoadLimiter(max_loads=1))
+    app = create_app(limiter=LoadLimiter(max_loads=1), roots=[tmp_path], policy=SIM_POLICY)
     async with running(app) as url, aiohttp.ClientSession() as http:
-        ready_id = await start_load(http, url, small)
+        ready_id = await start_load(http, url, small, mode="mmap")
         assert (await follow(http, url, ready_id))[-1]["state"] == "ready"
         slow = {"sim_gpus": [SLOW_GPU], "n_gpu_layers": -1}
         loading_id = await start_load(http, url, big, **slow)
@@ -380,7 +386,7 @@ async def test_shutdown_cancels_loads_and_closes_models(
 @pytest.mark.asyncio
 async def test_cli_serve_stops_on_sigint(tmp_path: Path) -> None:
     # cwd outside the repository: our io/ folder must not shadow the standard library.
-    command = [sys.executable, "-m", "aiogguf", "serve", "--port", "0"]
+    command = [sys.executable, "-m", "aiogguf", "serve", "--port", "0", "--root", str(tmp_path)]
     async with await anyio.open_process(command, cwd=tmp_path, stderr=subprocess.STDOUT) as proc:
         assert proc.stdout is not None
         output = BufferedByteReceiveStream(proc.stdout)
