@@ -54,7 +54,7 @@ from aiohttp import web
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from aiogguf.api import LoadHandle, load
+from aiogguf.api import LoadHandle, load, warm_up
 from aiogguf.config import Config, load_config
 from aiogguf.devices import enumerate_devices
 from aiogguf.errors import ConfigError, GGUFError, LoadError, PathNotAllowedError
@@ -785,7 +785,12 @@ async def serve(
     on_started: Callable[[Sequence[Any]], None] | None = None,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM (or cancellation), then shut it down:
-    every load cancelled, every model closed. ``on_started`` gets the bound addresses."""
+    every load cancelled, every model closed. ``on_started`` gets the bound addresses.
+
+    Before it listens, the process is warmed up for the app's configuration (devices
+    found, staging pools filled): CUDA's start-up holds the GIL for part of its time,
+    which no client should wait behind."""
+    await warm_up(registry_of(app).config)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     try:
