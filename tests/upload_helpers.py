@@ -98,7 +98,17 @@ async def upload_all(
     return buffers
 
 
+def host_array(buf: DeviceBuffer, offset: int, nbytes: int) -> np.ndarray:
+    """``buf.array(offset, nbytes)`` as a numpy array: a device view (CuPy) is copied
+    back with ``xp.asnumpy``, since numpy refuses to convert a CuPy array implicitly."""
+    array = buf.array(offset, nbytes)
+    if isinstance(array, np.ndarray):
+        return array
+    host: np.ndarray = buf.xp.asnumpy(array)
+    return host
+
+
 def assert_exact(targets: Sequence[Target], buffers: Sequence[DeviceBuffer]) -> None:
     for t, buf in zip(targets, buffers, strict=True):
         assert bytes(buf.to_host(0, buf.nbytes)) == t.payload.tobytes()
-        assert np.array_equal(buf.array(0, buf.nbytes), t.payload)
+        assert np.array_equal(host_array(buf, 0, buf.nbytes), t.payload)
