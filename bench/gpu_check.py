@@ -319,26 +319,6 @@ def _load_steps(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [s for s in result["steps"] if s.get("op") == "load"]
 
 
-def _summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [s for s in samples if s.get("ok") and "gbps" in s]
-    lags = [s["lag_ms"] for s in ok if "lag_ms" in s]
-    uploads = [s["report"].get("uploads") for s in ok if "report" in s]
-    return {
-        "runs": len(samples),
-        "ok_runs": len(ok),
-        "gbps": median([s["gbps"] for s in ok]),
-        "runs_gbps": [s["gbps"] for s in ok],
-        "seconds": median([s["seconds"] for s in ok]),
-        "lag_p99_ms": median([lag["p99"] for lag in lags]),
-        "lag_p99_ms_worst": max((lag["p99"] for lag in lags), default=None),
-        "lag_max_ms": max((lag["max"] for lag in lags), default=None),
-        "device_bytes": [s["report"]["device_bytes"] for s in ok if "report" in s],
-        "uploads": uploads[:2],
-        "stages_first": ok[0]["report"]["stages"] if ok and "report" in ok[0] else None,
-        "errors": [s.get("error", "") for s in samples if not s.get("ok")],
-    }
-
-
 def first_loads(
     path: Path, expected: Path | None, runs: int, run: Run, timeout_s: float
 ) -> dict[str, Any]:
@@ -380,8 +360,8 @@ def first_loads(
                     f"max {lag.get('max', 0):.1f} ms"
                 )
     return {
-        "before_warm_up": _summary(samples["before_warm_up"]),
-        "after_warm_up": _summary(samples["after_warm_up"]),
+        "before_warm_up": driver.summarise(samples["before_warm_up"]),
+        "after_warm_up": driver.summarise(samples["after_warm_up"]),
         "warm_up": warm_ups,
         "samples": samples,
         "processes": processes,
@@ -435,11 +415,11 @@ def warm_loads(
         shown = f"{s['gbps']:6.2f} GB/s" if s.get("ok") else f"ERROR {s.get('error')}"
         run.say(f"    warm load {s.get('label', ''):<17} {shown}")
     return {
-        "check_on": _summary(by_label.get("check_on", [])),
-        "check_off": _summary(by_label.get("check_off", [])),
-        "prime": _summary(by_label.get("prime", [])),
+        "check_on": driver.summarise(by_label.get("check_on", [])),
+        "check_off": driver.summarise(by_label.get("check_off", [])),
+        "prime": driver.summarise(by_label.get("prime", [])),
         "slot_sizes": {
-            slot: _summary(by_label.get(f"slot_{slot}", []))["gbps"] for slot in SLOT_SIZES
+            slot: driver.summarise(by_label.get(f"slot_{slot}", []))["gbps"] for slot in SLOT_SIZES
         },
         "samples": loads,
         "warm_up": [s for s in result["steps"] if s.get("op") == "warm_up"],

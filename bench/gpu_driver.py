@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -123,6 +124,31 @@ def run_driver(task: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
     out["stderr_tail"] = "\n".join((stderr or "").strip().splitlines()[-15:])
     out["wall_s"] = time.perf_counter() - start
     return out
+
+
+def summarise(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians (GB/s, seconds, lag p99) and worsts (lag) over load steps of ``run_driver``."""
+    ok = [s for s in samples if s.get("ok") and "gbps" in s]
+    lags = [s["lag_ms"] for s in ok if "lag_ms" in s]
+    uploads = [s["report"].get("uploads") for s in ok if "report" in s]
+    return {
+        "runs": len(samples),
+        "ok_runs": len(ok),
+        "gbps": _median([s["gbps"] for s in ok]),
+        "runs_gbps": [s["gbps"] for s in ok],
+        "seconds": _median([s["seconds"] for s in ok]),
+        "lag_p99_ms": _median([lag["p99"] for lag in lags]),
+        "lag_p99_ms_worst": max((lag["p99"] for lag in lags), default=None),
+        "lag_max_ms": max((lag["max"] for lag in lags), default=None),
+        "device_bytes": [s["report"]["device_bytes"] for s in ok if "report" in s],
+        "uploads": uploads[:2],
+        "stages_first": ok[0]["report"]["stages"] if ok and "report" in ok[0] else None,
+        "errors": [s.get("error", "") for s in samples if not s.get("ok")],
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 # --- the driver itself --------------------------------------------------------------------
