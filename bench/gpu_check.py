@@ -153,7 +153,7 @@ def pinned_copy(cupy: Any, nbytes: int = GiB, repeats: int = 5) -> dict[str, Any
         host_mem = cupy.cuda.PinnedMemory(nbytes)
         out["pin_s"] = time.perf_counter() - t
         out["pin_s_per_gib"] = out["pin_s"] * GiB / nbytes
-        host = np.frombuffer(cupy.cuda.PinnedMemoryPointer(host_mem, 0), np.uint8, nbytes)
+        host_ptr, host = pinned_array(cupy, host_mem, nbytes)
         host[:] = 1  # fault the pages in
         dev = cupy.cuda.Memory(nbytes)
         streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
@@ -168,7 +168,7 @@ def pinned_copy(cupy: Any, nbytes: int = GiB, repeats: int = 5) -> dict[str, Any
                 for i, s in enumerate(streams[:n_streams]):
                     runtime.memcpyAsync(
                         dev.ptr + i * part,
-                        host_mem.ptr + i * part,
+                        host_ptr + i * part,
                         part,
                         runtime.memcpyHostToDevice,
                         s.ptr,
@@ -182,9 +182,16 @@ def pinned_copy(cupy: Any, nbytes: int = GiB, repeats: int = 5) -> dict[str, Any
                 ms = cupy.cuda.get_elapsed_time(start, end)
                 best = max(best, part * n_streams / (ms / 1000.0) / GB)
             out[f"gbps_{n_streams}_stream{'s' if n_streams > 1 else ''}"] = best
-        del host, host_mem, dev
+        del host, host_mem, dev, host_ptr
     out["gbps"] = max(out["gbps_1_stream"], out["gbps_2_streams"])
     return out
+
+
+def pinned_array(cupy: Any, mem: Any, nbytes: int) -> tuple[int, np.ndarray]:
+    """(address, numpy view) of pinned memory, as the library's CuPy staging slots take
+    them (``PinnedMemoryPointer``, ``numpy.ndarray(buffer=...)``)."""
+    pointer = cupy.cuda.PinnedMemoryPointer(mem, 0)
+    return int(pointer.ptr), np.ndarray((nbytes,), dtype=np.uint8, buffer=pointer)
 
 
 class RawPipeline:
@@ -202,13 +209,10 @@ class RawPipeline:
                 for _ in range(max_threads)
             ]
             self.pin_s = time.perf_counter() - t
-            self.views = [
-                [
-                    np.frombuffer(cupy.cuda.PinnedMemoryPointer(m, 0), np.uint8, RAW_CHUNK_BYTES)
-                    for m in pair
-                ]
-                for pair in self.pinned
-            ]
+            size = RAW_CHUNK_BYTES
+            arrays = [[pinned_array(cupy, m, size) for m in pair] for pair in self.pinned]
+            self.ptrs = [[ptr for ptr, _ in pair] for pair in arrays]
+            self.views = [[view for _, view in pair] for pair in arrays]
             self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(max_threads)]
             self.events = [
                 [cupy.cuda.Event(block=True, disable_timing=True) for _ in range(2)]
@@ -218,6 +222,7 @@ class RawPipeline:
 
     def close(self) -> None:
         self.views = []
+        self.ptrs = []
         self.pinned = []
         self.dev = None
 
@@ -233,7 +238,7 @@ class RawPipeline:
             try:
                 with cupy.cuda.Device(0):
                     stream, events, views = self.streams[k], self.events[k], self.views[k]
-                    ptrs = [m.ptr for m in self.pinned[k]]
+                    ptrs = self.ptrs[k]
                     barrier.wait()
                     n = 0
                     while (i := next(counter)) < self.chunks:

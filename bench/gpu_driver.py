@@ -12,7 +12,8 @@ Steps, run in one event loop (uvloop when installed, as ``load_sync`` does):
   would see). ``verify`` compares every tensor's fingerprint, computed where the tensor
   lives (CuPy on a GPU, numpy on the host), with ``expected`` (a JSON file written by the
   parent from the file's bytes);
-- ``{"op": "release"}``: ``aiogguf.release_staging()``.
+- ``{"op": "release"}``: ``aiogguf.release_staging()``;
+- ``{"op": "sleep", "seconds": s}``: a pause between steps.
 
 Every step is measured in its own ``try``: a failure is recorded in that step's line
 (``"ok": false, "error": ...``) and the next step runs. API the library does not have
@@ -343,6 +344,9 @@ def main(argv: Sequence[str]) -> int:
                     result = await _warm_up_step(aiogguf, step)
                 elif op == "release":
                     result = await _release_step(aiogguf)
+                elif op == "sleep":
+                    await anyio.sleep(float(step["seconds"]))
+                    result = {}
                 else:
                     result = {"ok": False, "error": f"unknown op {op!r}"}
                 record.update({"ok": True, **result})
