@@ -86,10 +86,13 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000] + "\n" + tail[-2000:]
 
 
-def run_driver(task: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Run ``task`` in a fresh interpreter; never raises. Returns ``{"steps": [...],
-    "returncode", "wall_s", "stderr_tail", "error"}``: the steps that finished, even when
-    the process crashed or ran out of time."""
+def run_driver(
+    task: Mapping[str, Any], timeout_s: float, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``task`` in a fresh interpreter (``env`` added to this process's environment);
+    never raises. Returns ``{"steps": [...], "returncode", "wall_s", "stderr_tail",
+    "error"}``: the steps that finished, even when the process crashed or ran out of
+    time."""
     start = time.perf_counter()
     out: dict[str, Any] = {"steps": [], "returncode": None, "error": None, "stderr_tail": ""}
     stdout: str | bytes | None = ""
@@ -104,6 +107,7 @@ def run_driver(task: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
             timeout=max(1.0, timeout_s),
             check=False,
             cwd=os.path.dirname(os.path.abspath(task["path"])),
+            env={**os.environ, **env} if env else None,
         )
         stdout, stderr = proc.stdout, proc.stderr
         out["returncode"] = proc.returncode
