@@ -273,9 +273,9 @@ def test_concurrent_loads_share_the_pool(rig: Rig, model: SynthModel, fresh_pool
 
     anyio.run(both)
     assert len(pinned) == 2
-    # One pool of SLOTS slots for both loads: two private rings would pin twice that.
-    # (Slots are over-allocated by up to one page for alignment.)
-    assert sum(pinned) <= SLOTS * (SLOT_BYTES + 64 * KiB)
+    # One pool of SLOTS slots for both loads; two private rings would pin twice that.
+    # (A slot may be over-allocated by a page, for alignment: hence the half.)
+    assert sum(pinned) <= SLOTS * SLOT_BYTES * 3 // 2
     slots = live_staging_slots()
     assert 0 < len(slots) <= SLOTS
 
