@@ -1,15 +1,15 @@
 """Load speed per mode against this machine's limits, measured in the same run.
 
 Writes (or reuses) a synthetic model, then ``--runs`` times, mode by mode: measures the
-mode's limit, then loads the model in that mode with the default config
-(``check_tensors`` on) and with ``check_tensors=False`` (llama.cpp's default); every other
-run does the three in the reverse order (use an even ``--runs``). Limits and
-loads alike run in a fresh process after the same pause (``--settle``), so that each
-starts with the same kind of memory. ``none``, ``mmap`` and ``mlock`` load from a warm
-page cache; ``direct`` from a dropped one. Also times ``gguf.GGUFReader`` copying every
-tensor out. Prints medians, each mode's ratio to the limit measured next to it (median
-over runs), the event loop's lag during the loads (1 ms ticker), peak RSS per load, and
-which targets were met, per setting. Not part of the test run.
+mode's limit, then loads the model in that mode into host memory (``n_gpu_layers=0``)
+with the default config (``check_tensors`` on) and with ``check_tensors=False``
+(llama.cpp's default); every other run does the three in the reverse order (use an even
+``--runs``). Limits and loads alike run in a fresh process after the same pause
+(``--settle``), so that each starts with the same kind of memory. ``none``, ``mmap`` and
+``mlock`` load from a warm page cache; ``direct`` from a dropped one. Also times
+``gguf.GGUFReader`` copying every tensor out. Prints medians, each mode's ratio to the
+limit measured next to it (median over runs), the event loop's lag during the loads (1 ms
+ticker), peak RSS per load, and which targets were met, per setting. Not part of the test run.
 
     python bench/load.py [--size 4GiB] [--runs 4] [--dir /work/bench-data] [--settle 3]
                          [--json] [--out F]
@@ -174,7 +174,9 @@ def run(path: Path, modes: list[str], runs: int, settle_s: float, say: Any) -> d
                 ok = drop_or_warm(path, cold)
                 if cold:
                     drops.append(ok)
-                overrides: dict[str, Any] = {"mode": mode}
+                # Host modes are judged against host limits: n_gpu_layers=0 keeps the
+                # tensors in host memory where a GPU is visible (the default offloads).
+                overrides: dict[str, Any] = {"mode": mode, "n_gpu_layers": 0}
                 if not step:
                     overrides["check_tensors"] = False
                 settle(settle_s, touch_bytes=size, near=path)

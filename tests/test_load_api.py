@@ -50,7 +50,9 @@ def _assert_progress(events: list[Progress], total: int) -> None:
 @pytest.mark.asyncio
 async def test_progress_callback(model_file: SynthModel) -> None:
     events: list[Progress] = []
-    async with aiogguf.load(model_file.path, progress=events.append, chunk_size="64KiB") as m:
+    async with aiogguf.load(
+        model_file.path, progress=events.append, chunk_size="64KiB", n_gpu_layers=0
+    ) as m:
         assert m.report.nbytes == model_file.tensor_bytes
         assert m.report.n_tensors == model_file.n_tensors
         _assert_progress(events, model_file.tensor_bytes)
@@ -62,7 +64,7 @@ async def test_progress_callback(model_file: SynthModel) -> None:
 
 @pytest.mark.asyncio
 async def test_events_iterated_in_another_task(model_file: SynthModel) -> None:
-    handle = aiogguf.load(model_file.path, mode="none")
+    handle = aiogguf.load(model_file.path, mode="none", n_gpu_layers=0)
     seen: list[Progress] = []
 
     async def consume() -> None:
@@ -82,7 +84,7 @@ async def test_events_iterated_in_another_task(model_file: SynthModel) -> None:
 async def test_events_end_with_failed_on_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 8)
-    handle = aiogguf.load(bad)
+    handle = aiogguf.load(bad, n_gpu_layers=0)
     seen: list[Progress] = []
 
     async def consume() -> None:
@@ -104,7 +106,7 @@ async def test_events_end_with_failed_on_error(tmp_path: Path) -> None:
 
 def test_events_after_the_load_get_the_final_event(model_file: SynthModel) -> None:
     async def main() -> list[Progress]:
-        handle = aiogguf.load(model_file.path)
+        handle = aiogguf.load(model_file.path, n_gpu_layers=0)
         async with handle:
             pass
         return [e async for e in handle.events()]
@@ -114,7 +116,7 @@ def test_events_after_the_load_get_the_final_event(model_file: SynthModel) -> No
 
 
 async def _load_and_check(path: SynthModel) -> str:
-    async with aiogguf.load(path.path, mode="none") as model:
+    async with aiogguf.load(path.path, mode="none", n_gpu_layers=0) as model:
         t = path.tensors[-1]
         assert bytes(model.raw(t.name)) == _file_bytes(path.path, t.file_offset, t.nbytes)
     return type(asyncio.get_running_loop()).__module__
@@ -140,7 +142,7 @@ async def test_concurrent_loads_in_one_loop(model_file: SynthModel, tmp_path: Pa
 
 def test_load_sync(model_file: SynthModel) -> None:
     events: list[Progress] = []
-    with aiogguf.load_sync(model_file.path, progress=events.append) as model:
+    with aiogguf.load_sync(model_file.path, progress=events.append, n_gpu_layers=0) as model:
         assert model.metadata["general.architecture"] == "llama"
         assert model.metadata["llama.block_count"] == model_file.n_layer
         t = model_file.tensors[0]
@@ -155,15 +157,15 @@ def test_load_sync(model_file: SynthModel) -> None:
 
 @pytest.mark.parametrize("mode", ["mmap", "none", "direct"])
 def test_mode_override(model_file: SynthModel, mode: str) -> None:
-    with aiogguf.load_sync(model_file.path, mode=mode) as model:
+    with aiogguf.load_sync(model_file.path, mode=mode, n_gpu_layers=0) as model:
         assert model.report.mode == model.plan.mode == mode
         assert [f.direct for f in model.report.files] == [mode == "direct"]
 
 
 def test_check_tensors_override(model_file: SynthModel) -> None:
-    with aiogguf.load_sync(model_file.path, check_tensors=False) as model:
+    with aiogguf.load_sync(model_file.path, check_tensors=False, n_gpu_layers=0) as model:
         assert model.report.validated == 0
-    with aiogguf.load_sync(model_file.path, check_tensors=True) as model:
+    with aiogguf.load_sync(model_file.path, check_tensors=True, n_gpu_layers=0) as model:
         assert model.report.validated == model_file.n_tensors
 
 
@@ -178,7 +180,9 @@ def test_n_gpu_layers_override(model_file: SynthModel) -> None:
 
 def test_chunk_size_override(model_file: SynthModel) -> None:
     def reads(chunk: str) -> int:
-        with aiogguf.load_sync(model_file.path, mode="none", chunk_size=chunk) as model:
+        with aiogguf.load_sync(
+            model_file.path, mode="none", chunk_size=chunk, n_gpu_layers=0
+        ) as model:
             return sum(f.reads for f in model.report.files)
 
     big, small = reads("16MiB"), reads("64KiB")
@@ -188,7 +192,7 @@ def test_chunk_size_override(model_file: SynthModel) -> None:
 
 def test_config_object_and_overrides_together(model_file: SynthModel) -> None:
     config = load_config(None, mode="none")
-    with aiogguf.load_sync(model_file.path, config, check_tensors=False) as model:
+    with aiogguf.load_sync(model_file.path, config, check_tensors=False, n_gpu_layers=0) as model:
         assert model.report.mode == "none"
         assert model.report.validated == 0
 
@@ -208,7 +212,7 @@ def test_bad_override_is_a_config_error(
 def test_missing_file_is_a_load_error(tmp_path: Path) -> None:
     with (
         pytest.raises(aiogguf.LoadError, match=r"missing\.gguf"),
-        aiogguf.load_sync(tmp_path / "missing.gguf"),
+        aiogguf.load_sync(tmp_path / "missing.gguf", n_gpu_layers=0),
     ):
         pass
 
@@ -225,7 +229,7 @@ async def test_a_cancelled_load_ends_with_a_cancelled_event(model_file: SynthMod
 
     with anyio.CancelScope() as scope:
         async with aiogguf.load(
-            model_file.path, mode="none", chunk_size="64KiB", progress=on_progress
+            model_file.path, mode="none", chunk_size="64KiB", progress=on_progress, n_gpu_layers=0
         ):
             pytest.fail("the load was cancelled: the body must not run")
     last = seen[-1]

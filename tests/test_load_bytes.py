@@ -118,7 +118,7 @@ def test_reference_file_bytes(reference_dir: Path, name: str, mode: str) -> None
         if name == SPLIT_FIRST
         else [path]
     )
-    with aiogguf.load_sync(path, mode=mode) as model:
+    with aiogguf.load_sync(path, mode=mode, n_gpu_layers=0) as model:
         assert model.report.mode == mode
         assert model.report.n_tensors == len(model.tensors)
         assert_same_bytes(model, paths)
@@ -129,8 +129,10 @@ def test_reference_file_bytes(reference_dir: Path, name: str, mode: str) -> None
 def test_reference_split_equals_unsplit(reference_dir: Path) -> None:
     """The split set loads to exactly the tensors of the file it was cut from."""
     with (
-        aiogguf.load_sync(reference_dir / SPLIT_FIRST, mode="none") as split,
-        aiogguf.load_sync(reference_dir / "tiny-llama-Q4_K_M.gguf", mode="mmap") as whole,
+        aiogguf.load_sync(reference_dir / SPLIT_FIRST, mode="none", n_gpu_layers=0) as split,
+        aiogguf.load_sync(
+            reference_dir / "tiny-llama-Q4_K_M.gguf", mode="mmap", n_gpu_layers=0
+        ) as whole,
     ):
         assert list(split.tensors)
         assert set(split.tensors) == set(whole.tensors)
@@ -141,7 +143,10 @@ def test_reference_split_equals_unsplit(reference_dir: Path) -> None:
 
 def test_later_shard_alone_is_refused(reference_dir: Path) -> None:
     later = reference_dir / "tiny-llama-Q4_K_M-split-00002-of-00003.gguf"
-    with pytest.raises(SplitError, match="00001-of-00003"), aiogguf.load_sync(later):
+    with (
+        pytest.raises(SplitError, match="00001-of-00003"),
+        aiogguf.load_sync(later, n_gpu_layers=0),
+    ):
         pass
 
 
@@ -173,7 +178,7 @@ def split_model(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
 def test_every_type_bytes_and_shapes(all_types: SynthModel, mode: str) -> None:
     wanted = {GGML_TYPES[t.type_id].name for t in all_types.tensors}
     assert {"F32", "F16", "BF16", "F64", "I8", "Q4_K", "IQ1_M", "TQ2_0", "MXFP4"} <= wanted
-    with aiogguf.load_sync(all_types.path, mode=mode) as model:
+    with aiogguf.load_sync(all_types.path, mode=mode, n_gpu_layers=0) as model:
         assert_same_bytes(model, [all_types.path])
         assert_shapes(model, [all_types.path])
 
@@ -182,7 +187,7 @@ def test_every_type_bytes_and_shapes(all_types: SynthModel, mode: str) -> None:
 def test_q2_0_bytes_from_the_writers_record(all_types_q2_0: SynthModel, mode: str) -> None:
     """Q2_0 (which GGUFReader cannot read): the file bytes at the writer's offsets."""
     path = all_types_q2_0.path
-    with aiogguf.load_sync(path, mode=mode) as model:
+    with aiogguf.load_sync(path, mode=mode, n_gpu_layers=0) as model:
         assert len(model.tensors) == all_types_q2_0.n_tensors
         for t in all_types_q2_0.tensors:
             assert bytes(model.raw(t.name)) == file_bytes(path, t.file_offset, t.nbytes), t.name
@@ -194,7 +199,7 @@ def test_q2_0_bytes_from_the_writers_record(all_types_q2_0: SynthModel, mode: st
 @pytest.mark.parametrize("mode", _mode_params())
 def test_synthetic_split_bytes(split_model: SynthModel, mode: str) -> None:
     assert len(split_model.paths) == 3
-    with aiogguf.load_sync(split_model.path, mode=mode) as model:
+    with aiogguf.load_sync(split_model.path, mode=mode, n_gpu_layers=0) as model:
         assert_same_bytes(model, split_model.paths)
         assert len(model.report.files) == 3
         for record, path in zip(model.report.files, split_model.paths, strict=True):
@@ -206,7 +211,9 @@ def test_synthetic_split_bytes(split_model: SynthModel, mode: str) -> None:
 def test_chunking_does_not_change_bytes(split_model: SynthModel) -> None:
     """Reads cut into many small chunks (crossing tensor bounds) land the same bytes."""
     for mode in ("none", "direct"):
-        with aiogguf.load_sync(split_model.path, mode=mode, chunk_size="64KiB") as model:
+        with aiogguf.load_sync(
+            split_model.path, mode=mode, chunk_size="64KiB", n_gpu_layers=0
+        ) as model:
             assert_same_bytes(model, split_model.paths)
             assert sum(f.reads for f in model.report.files) > 4 * 1024**2 // (64 * 1024) // 2
 
@@ -248,8 +255,8 @@ def test_big_endian_values_equal_little_endian_twin(
     little, big = endian_twins
     before = big.read_bytes()
     with (
-        aiogguf.load_sync(little, mode="none") as le,
-        aiogguf.load_sync(big, mode=mode) as be,
+        aiogguf.load_sync(little, mode="none", n_gpu_layers=0) as le,
+        aiogguf.load_sync(big, mode=mode, n_gpu_layers=0) as be,
     ):
         assert len(be.tensors) == 8
         for name in le.tensors:
@@ -272,7 +279,7 @@ def test_big_endian_values_equal_little_endian_twin(
 @pytest.mark.parametrize("mode", ["mmap", "direct"])
 def test_big_endian_synthetic_model_is_swapped(tmp_path: Path, mode: str) -> None:
     m = write_synthetic_model(tmp_path / "be.gguf", size_bytes="1MiB", big_endian=True, seed=2)
-    with aiogguf.load_sync(m.path, mode=mode) as model:
+    with aiogguf.load_sync(m.path, mode=mode, n_gpu_layers=0) as model:
         for t in m.tensors:
             dtype = np.dtype(GGML_TYPES[t.type_id].element_dtype or "u2")
             on_disk = np.frombuffer(file_bytes(m.path, t.file_offset, t.nbytes), np.uint8)
@@ -285,7 +292,10 @@ def test_big_endian_synthetic_model_is_swapped(tmp_path: Path, mode: str) -> Non
 def test_big_endian_quantized_file_is_refused(tmp_path: Path, mode: str) -> None:
     m = write_synthetic_model(tmp_path / "q.gguf", size_bytes="1MiB", types="Q4_K", big_endian=True)
     (first_q4k, *_) = m.tensors_of_type("Q4_K")
-    with pytest.raises(BigEndianError) as info, aiogguf.load_sync(m.path, mode=mode):
+    with (
+        pytest.raises(BigEndianError) as info,
+        aiogguf.load_sync(m.path, mode=mode, n_gpu_layers=0),
+    ):
         pass
     message = str(info.value)
     assert "Q4_K" in message

@@ -96,6 +96,8 @@ async def _cancelled_load(
     overrides: dict[str, Any] = {"mode": mode, "chunk_size": "256KiB"}
     if gpus:
         overrides.update(sim_gpus=["1GiB", "1GiB"], n_gpu_layers=4, staging_buffer_size="256KiB")
+    else:
+        overrides["n_gpu_layers"] = 0  # host memory even where a real GPU is visible
     armed = anyio.Event()
     with anyio.CancelScope() as scope:
         seen = 0
@@ -134,7 +136,7 @@ def _file_bytes(path: Path, offset: int, n: int) -> bytes:
 
 
 async def _full_load_is_exact(model: SynthModel) -> None:
-    async with aiogguf.load(model.path, mode="none") as m:
+    async with aiogguf.load(model.path, mode="none", n_gpu_layers=0) as m:
         for t in model.tensors[:: max(1, len(model.tensors) // 8)]:
             want = _file_bytes(model.paths[t.shard], t.file_offset, t.nbytes)
             assert bytes(m.raw(t.name)) == want, t.name
@@ -185,7 +187,7 @@ async def test_cancel_from_outside_task(model: SynthModel) -> None:
         def on_progress(event: Progress) -> None:
             started.set()
 
-        async with aiogguf.load(model.path, mode="direct", progress=on_progress):
+        async with aiogguf.load(model.path, mode="direct", progress=on_progress, n_gpu_layers=0):
             await anyio.sleep_forever()
 
     async with anyio.create_task_group() as tg:
@@ -208,7 +210,7 @@ async def test_failed_load_releases_everything(model: SynthModel, tmp_path: Path
     first.write_bytes(model.paths[0].read_bytes())
     fds_before = open_fds()
     with pytest.raises(aiogguf.GGUFError):
-        async with aiogguf.load(first, mode="mmap"):
+        async with aiogguf.load(first, mode="mmap", n_gpu_layers=0):
             pass
     assert open_fds() == fds_before
     assert mappings_of([first]) == []

@@ -40,7 +40,7 @@ def _assert_report(out: str, n_tensors: int, mode: str) -> None:
 def test_load_prints_the_report(
     model_file: SynthModel, mode: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["load", str(model_file.path), "--mode", mode]) == 0
+    assert main(["load", str(model_file.path), "--mode", mode, "-ngl", "0"]) == 0
     out = capsys.readouterr().out
     _assert_report(out, model_file.n_tensors, mode)
     assert f"{model_file.n_tensors} tensors validated" in out
@@ -59,21 +59,24 @@ def test_load_with_sim_gpus_and_no_check(
 
 def test_load_split_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     m = write_synthetic_model(tmp_path / "s.gguf", size_bytes="2MiB", split_count=2, seed=1)
-    assert main(["load", str(m.path), "--mode", "none"]) == 0
+    assert main(["load", str(m.path), "--mode", "none", "-ngl", "0"]) == 0
     out = capsys.readouterr().out
     for p in m.paths:
         assert p.name in out
 
 
 def test_demo_writes_and_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--size", "32MiB", "--dir", str(tmp_path)]) == 0
+    assert main(["demo", "--size", "32MiB", "--dir", str(tmp_path), "-ngl", "0"]) == 0
     out = capsys.readouterr().out
     assert "wrote in" in out
     written = list(tmp_path.glob("*.gguf"))
     assert len(written) == 1
     _assert_report(out, int(out.split("loaded ")[1].split()[0]), "mmap")
     # A second run reuses the file.
-    assert main(["demo", "--size", "32MiB", "--dir", str(tmp_path), "--mode", "none"]) == 0
+    assert (
+        main(["demo", "--size", "32MiB", "--dir", str(tmp_path), "--mode", "none", "-ngl", "0"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "reusing" in out
     _assert_report(out, int(out.split("loaded ")[1].split()[0]), "none")

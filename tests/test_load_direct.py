@@ -45,7 +45,7 @@ def cold_model(disk_dir: Path) -> SynthModel:
 def test_direct_load_leaves_the_file_out_of_the_page_cache(cold_model: SynthModel) -> None:
     path = cold_model.path
     size = path.stat().st_size
-    with aiogguf.load_sync(path, mode="direct") as model:
+    with aiogguf.load_sync(path, mode="direct", n_gpu_layers=0) as model:
         assert model.report.mode == "direct"
         assert [f.direct for f in model.report.files] == [True]
         cached = resident_bytes(path)
@@ -61,7 +61,7 @@ def test_direct_load_leaves_the_file_out_of_the_page_cache(cold_model: SynthMode
 def test_buffered_load_fills_the_page_cache(cold_model: SynthModel) -> None:
     """The control: the same measurement sees a buffered load's pages."""
     path = cold_model.path
-    with aiogguf.load_sync(path, mode="none"):
+    with aiogguf.load_sync(path, mode="none", n_gpu_layers=0):
         pass
     assert resident_bytes(path) >= cold_model.tensor_bytes * 0.9
 
@@ -96,7 +96,9 @@ def test_direct_unaligned_tensors_and_small_chunks(
     )
     reader = gguf.GGUFReader(m.path)
     assert any(int(t.data_offset) % 4096 for t in reader.tensors)
-    with aiogguf.load_sync(m.path, mode="direct", chunk_size=chunk, alignment=alignment) as model:
+    with aiogguf.load_sync(
+        m.path, mode="direct", chunk_size=chunk, alignment=alignment, n_gpu_layers=0
+    ) as model:
         # A filesystem whose blocks are larger than 512 bytes refuses the 512-byte case
         # and falls back with a warning; the bytes must be exact either way.
         assert model.report.files[0].direct or alignment == "512B"
@@ -121,7 +123,7 @@ def test_direct_falls_back_with_a_warning_when_refused(
     monkeypatch.setattr(os, "open", refusing_open)
     with contextlib.ExitStack() as stack:
         with pytest.warns(LoadWarning, match="mode 'none'") as record:
-            model = stack.enter_context(aiogguf.load_sync(m.path, mode="direct"))
+            model = stack.enter_context(aiogguf.load_sync(m.path, mode="direct", n_gpu_layers=0))
         assert str(m.path) in str(record[0].message)
         assert model.report.mode == "direct"
         assert [f.direct for f in model.report.files] == [False]
@@ -156,7 +158,7 @@ def test_checks_run_apart_so_the_disk_gets_its_next_read(
 
     monkeypatch.setattr(DataFile, "read_direct_into", timed("read", read_direct_into, 0.002))
     monkeypatch.setattr(_Load, "_check_piece", timed("check", check_piece, 0.02))
-    with aiogguf.load_sync(m.path, mode="direct", chunk_size="256KiB") as model:
+    with aiogguf.load_sync(m.path, mode="direct", chunk_size="256KiB", n_gpu_layers=0) as model:
         assert model.report.files[0].direct
         assert model.report.validated == m.n_tensors
     assert len(spans["read"]) >= 8

@@ -147,7 +147,7 @@ async def test_only_host_ranges_are_mapped(model_file: SynthModel, lazy: str) ->
 
 def test_host_only_mmap_maps_only_tensor_data(model_file: SynthModel) -> None:
     """Without GPUs the mapping starts at the data, not at the header."""
-    with aiogguf.load_sync(model_file.path, mode="mmap") as model:
+    with aiogguf.load_sync(model_file.path, mode="mmap", n_gpu_layers=0) as model:
         extents = mapped_extents(model_file.path)
         first = min(t.file_offset for t in model_file.tensors)
         assert extents

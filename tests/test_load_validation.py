@@ -86,7 +86,7 @@ def _assert_names_every_failure(exc: TensorValidationError, damaged: Damaged) ->
 def test_every_bad_tensor_in_one_error(damaged: Damaged, mode: str) -> None:
     with (
         pytest.raises(TensorValidationError) as info,
-        aiogguf.load_sync(damaged.bad.path, mode=mode),
+        aiogguf.load_sync(damaged.bad.path, mode=mode, n_gpu_layers=0),
     ):
         pytest.fail("a model with bad tensors must not be returned")
     _assert_names_every_failure(info.value, damaged)
@@ -124,14 +124,14 @@ def test_clean_twin_passes_on_simulated_gpus(damaged: Damaged) -> None:
 
 
 def test_clean_twin_passes(damaged: Damaged) -> None:
-    with aiogguf.load_sync(damaged.clean.path) as model:
+    with aiogguf.load_sync(damaged.clean.path, n_gpu_layers=0) as model:
         assert model.failures == ()
         assert model.report.validated == damaged.clean.n_tensors
         assert model.report.stage("validate").items == damaged.clean.n_tensors
 
 
 def test_no_check_loads_the_damaged_bytes(damaged: Damaged) -> None:
-    with aiogguf.load_sync(damaged.bad.path, check_tensors=False) as model:
+    with aiogguf.load_sync(damaged.bad.path, check_tensors=False, n_gpu_layers=0) as model:
         assert model.failures == ()
         assert model.report.validated == 0
         with pytest.raises(KeyError):
@@ -145,7 +145,7 @@ def test_no_check_loads_the_damaged_bytes(damaged: Damaged) -> None:
 
 
 def test_keep_invalid_returns_the_model_with_its_failures(damaged: Damaged) -> None:
-    with aiogguf.load_sync(damaged.bad.path, keep_invalid=True) as model:
+    with aiogguf.load_sync(damaged.bad.path, keep_invalid=True, n_gpu_layers=0) as model:
         got = {f.name: (f.type_name, f.first_index, f.count) for f in model.failures}
         assert got == damaged.expected
         assert len(model.tensors) == damaged.bad.n_tensors
@@ -154,7 +154,7 @@ def test_keep_invalid_returns_the_model_with_its_failures(damaged: Damaged) -> N
 def test_cli_validate_lists_every_bad_tensor(
     damaged: Damaged, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["validate", str(damaged.bad.path)]) == 2
+    assert main(["validate", str(damaged.bad.path), "-ngl", "0"]) == 2
     out = capsys.readouterr().out
     assert f"{len(damaged.expected)} bad tensors" in out
     for name, (type_name, first, count) in damaged.expected.items():
@@ -165,17 +165,17 @@ def test_cli_validate_lists_every_bad_tensor(
 
 
 def test_cli_validate_clean_model(damaged: Damaged, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["validate", str(damaged.clean.path)]) == 0
+    assert main(["validate", str(damaged.clean.path), "-ngl", "0"]) == 0
     assert f"{damaged.clean.n_tensors} tensors valid" in capsys.readouterr().out
 
 
 def test_cli_load_no_check(damaged: Damaged, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["load", str(damaged.bad.path), "--no-check"]) == 0
+    assert main(["load", str(damaged.bad.path), "--no-check", "-ngl", "0"]) == 0
     assert "loaded" in capsys.readouterr().out
 
 
 def test_cli_load_with_checks_fails(damaged: Damaged, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["load", str(damaged.bad.path)]) == 2
+    assert main(["load", str(damaged.bad.path), "-ngl", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("aiogguf load: ")
     for name in damaged.expected:

@@ -44,7 +44,7 @@ def _config(disks: list[Path]) -> Config:
 
 def test_each_shard_is_read_from_its_own_disk(array_model: tuple[SynthModel, list[Path]]) -> None:
     model, disks = array_model
-    with aiogguf.load_sync(model.path, _config(disks)) as loaded:
+    with aiogguf.load_sync(model.path, _config(disks), n_gpu_layers=0) as loaded:
         report = loaded.report
         assert [f.disk for f in report.files] == [str(d) for d in disks]
         assert [d.disk for d in report.disks] == [str(d) for d in disks]
@@ -61,7 +61,9 @@ def test_each_shard_is_read_from_its_own_disk(array_model: tuple[SynthModel, lis
 def test_disks_are_read_at_the_same_time(array_model: tuple[SynthModel, list[Path]]) -> None:
     """The per-disk intervals overlap: no disk waits for another to finish."""
     model, disks = array_model
-    with aiogguf.load_sync(model.path, _config(disks), check_tensors=False) as loaded:
+    with aiogguf.load_sync(
+        model.path, _config(disks), check_tensors=False, n_gpu_layers=0
+    ) as loaded:
         intervals = [(d.start_s, d.end_s) for d in loaded.report.disks]
     latest_start = max(start for start, _ in intervals)
     earliest_end = min(end for _, end in intervals)
@@ -71,7 +73,7 @@ def test_disks_are_read_at_the_same_time(array_model: tuple[SynthModel, list[Pat
 def test_files_on_one_disk_share_its_readers(tmp_path: Path) -> None:
     """Without [[pipeline.path]], a disk is the filesystem device: all shards on it."""
     model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="4MiB", split_count=3)
-    with aiogguf.load_sync(model.path, mode="none") as loaded:
+    with aiogguf.load_sync(model.path, mode="none", n_gpu_layers=0) as loaded:
         disks = loaded.report.disks
     assert len(disks) == 1
     assert disks[0].disk.startswith("dev ")

@@ -449,15 +449,16 @@ async def test_serve_warms_the_process_up_before_it_listens(tmp_path: Path) -> N
     config = Config().with_overrides(sim_gpus=["free=1GiB,pin_s_per_gib=0"], readers=2)
     app = create_app(config=config, roots=[tmp_path])
     pinned_when_listening: list[int] = []
+    listening = anyio.Event()
 
     def started(addresses: object) -> None:
         pinned_when_listening.append(sum(p.stats().pinned_bytes for p in staging_pools()))
+        listening.set()
 
     with anyio.move_on_after(10) as scope:
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: aiogguf.server.serve(app, port=0, on_started=started))
-            while not pinned_when_listening:
-                await anyio.sleep(0.01)
+            await listening.wait()
             tg.cancel_scope.cancel()
     assert not scope.cancelled_caught
     # Two transfer threads, two 16 MiB slots each: pinned before the first request.

@@ -105,10 +105,17 @@ def stats_by_device(up: Uploader) -> dict[str, DeviceUploadStats]:
     return {s.device: s for s in up.stats}
 
 
+def host_array(buf: DeviceBuffer, offset: int, nbytes: int) -> np.ndarray:
+    """``buf.array(offset, nbytes)`` as a numpy array: a device view (CuPy) is copied
+    back with ``xp.asnumpy``, since numpy refuses to convert a CuPy array implicitly."""
+    array = buf.array(offset, nbytes)
+    if isinstance(array, np.ndarray):
+        return array
+    host: np.ndarray = buf.xp.asnumpy(array)
+    return host
+
+
 def assert_exact(targets: Sequence[Target], buffers: Sequence[DeviceBuffer]) -> None:
     for t, buf in zip(targets, buffers, strict=True):
         assert bytes(buf.to_host(0, buf.nbytes)) == t.payload.tobytes()
-        array = buf.array(0, buf.nbytes)
-        # A CuPy array comes back with .get(); numpy compares it only on the host.
-        host = array.get() if hasattr(array, "get") else array
-        assert np.array_equal(host, t.payload)
+        assert np.array_equal(host_array(buf, 0, buf.nbytes), t.payload)
