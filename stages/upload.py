@@ -11,12 +11,11 @@ loop on its own (design §1.6):
    until the event recorded behind the slot's last copy has completed — the *only*
    wait on the device: it sits before a slot is reused, never after a copy is issued;
 3. run the caller's ``fill`` on the slot (it reads the file straight into it, in read
-   calls far smaller than the slot);
+   calls far smaller than the slot), then the caller's ``check`` while the bytes are
+   still in the CPU cache;
 4. queue one async host-to-device copy into the device image at the job's buffer offset
-   on the thread's own stream, and record the slot's event behind it;
-5. run the caller's ``check`` on the slot while it is still in the CPU cache (the copy
-   reads the same bytes meanwhile), and tell the loop, without waiting for it, that the
-   job landed.
+   on the thread's own stream, record the slot's event behind it, and tell the loop,
+   without waiting for it, that the job landed.
 
 Slots come from the device's process-wide ``StagingPool``: pinned once, reused by every
 later load, shared by loads that run side by side. A thread gives its slots back only
@@ -343,7 +342,7 @@ class Uploader:
     def _stage(
         self, lane: _Lane, job: ReadJob, dest: DeviceBuffer, fill: Fill, check: Check | None
     ) -> None:
-        """Wait for a slot, fill it, issue its copy, check it."""
+        """Wait for a slot, fill it, check it, issue its copy."""
         pooled = self._next_slot(lane)
         slot = pooled.slot
         slot.begin_write()
@@ -363,6 +362,16 @@ class Uploader:
             with contextlib.suppress(BufferError):
                 part.release()
         lane.fill_s += time.perf_counter() - start
+        if check is not None:
+            # Before the copy is queued, while the bytes are in the CPU's cache: the
+            # copy of the thread's other slot runs meanwhile. (Checked after, the scan
+            # would compete with this copy's own driver work, and gain nothing.)
+            view = slot.view()[: job.nbytes]
+            try:
+                check(job, view)
+            finally:
+                with contextlib.suppress(BufferError):
+                    view.release()
         if lane.asynchronous:
             lane.stream.copy_async(dest, job.buffer_offset, slot, job.nbytes)
             pooled.event.record(lane.stream)
@@ -374,13 +383,6 @@ class Uploader:
                 src.release()
         lane.copies += 1
         lane.bytes_copied += job.nbytes
-        if check is not None:
-            view = slot.view()[: job.nbytes]
-            try:
-                check(job, view)
-            finally:
-                with contextlib.suppress(BufferError):
-                    view.release()
 
     def _close_lanes(self, lanes: Iterable[_Lane]) -> None:
         """Wait for every copy of the lanes, close their streams, give their slots back,
