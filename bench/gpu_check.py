@@ -37,7 +37,6 @@ and every verified byte matched, 1 otherwise, 2 without CuPy or a CUDA device.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -47,7 +46,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -70,18 +68,9 @@ LAG_MAX_AFTER_WARM_UP_MS = 20.0
 WARM_RESERVE_S = 60.0  # budget kept for the warm-load process
 
 
-def _driver() -> ModuleType:
-    """``bench/gpu_driver.py``, imported by path: this script may run from anywhere."""
-    path = Path(__file__).resolve().with_name("gpu_driver.py")
-    spec = importlib.util.spec_from_file_location("aiogguf_bench_gpu_driver", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-driver = _driver()
+# The driver sits beside this script; run as a script, this folder is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_driver as driver  # noqa: E402
 
 
 def median(values: list[float]) -> float | None:

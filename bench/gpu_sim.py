@@ -27,14 +27,12 @@ missing and left out of the spec.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from aiogguf.benchmark import SETTLE_S, settle
@@ -60,17 +58,9 @@ raise ImportError("aiogguf bench/gpu_sim.py: a stand-in for CuPy's start-up")
 TIMEOUT_S = 600.0
 
 
-def _driver() -> ModuleType:
-    path = Path(__file__).resolve().with_name("gpu_driver.py")
-    spec = importlib.util.spec_from_file_location("aiogguf_bench_gpu_driver", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-driver = _driver()
+# The driver sits beside this script; run as a script, this folder is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_driver as driver  # noqa: E402
 
 
 def sim_spec(extra: dict[str, str]) -> tuple[str, dict[str, Any], list[str]]:
