@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers_gguf import write_gguf
 
-from aiogguf.synth import (
+from aiogguf.testing.synth import (
     Corruption,
     CorruptionKind,
     SynthModel,
