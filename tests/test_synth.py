@@ -1,6 +1,6 @@
 """The synthetic model writer, checked against gguf's own reader and raw bytes.
 
-Scale offsets are restated here from gguf-format §4.2 rather than taken from
+Scale offsets are restated here from format §4.2 rather than taken from
 ``aiogguf.io.ggml_types``, so a wrong row in that table cannot hide in both places.
 """
 
