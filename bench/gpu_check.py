@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from aiogguf.synth import ensure_synthetic_model
+from aiogguf.testing.synth import ensure_synthetic_model
 from aiogguf.units import parse_size
 
 GB = 1e9

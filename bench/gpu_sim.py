@@ -35,10 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aiogguf.benchmark import SETTLE_S, settle
 from aiogguf.config import Config, SimDeviceConfig
 from aiogguf.errors import GGUFError
-from aiogguf.synth import ensure_synthetic_model
+from aiogguf.testing.bench import SETTLE_S, settle
+from aiogguf.testing.synth import ensure_synthetic_model
 from aiogguf.units import parse_size
 
 GB = 1e9

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aiogguf.benchmark import (
+from aiogguf.testing.baselines import GB, drop_or_warm
+from aiogguf.testing.bench import (
     LIMIT_NOTES,
     MODES,
     SETTLE_S,
@@ -34,8 +35,7 @@ from aiogguf.benchmark import (
     measure_in_subprocess,
     settle,
 )
-from aiogguf.limits import GB, drop_or_warm
-from aiogguf.synth import ensure_synthetic_model
+from aiogguf.testing.synth import ensure_synthetic_model
 from aiogguf.units import format_bytes, parse_size
 
 MiB = 1 << 20

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import aiogguf
 from aiogguf.config import Config
-from aiogguf.limits import drop_or_warm
 from aiogguf.report import LoadReport
-from aiogguf.synth import ensure_synthetic_model
+from aiogguf.testing.baselines import drop_or_warm
+from aiogguf.testing.synth import ensure_synthetic_model
 from aiogguf.units import parse_size
 
 

@@ -11,7 +11,7 @@ time (a ``load_mode`` enum in newer versions; ``use_mmap``/``use_mlock`` and may
 
 Every load runs in a fresh process (this script with ``--worker``), after a spacer
 process that backs and frees as much memory as the file and a pause (``--settle``; see
-``aiogguf.benchmark.settle``). The two loaders alternate on the same file, and every
+``aiogguf.testing.bench.settle``). The two loaders alternate on the same file, and every
 other run the other one goes first. Warm cases read the file from a full page cache;
 cold cases drop it first (``posix_fadvise(DONTNEED)``, else ``/proc/sys/vm/drop_caches``
 when writable); where neither works the cold cases are skipped, and the output says so.
@@ -374,8 +374,8 @@ def drop_cache(path: Path) -> str | None:
 
 
 def _prepare(path: Path, cold: bool, settle_s: float) -> None:
-    from aiogguf.benchmark import settle
-    from aiogguf.limits import warm_file
+    from aiogguf.testing.baselines import warm_file
+    from aiogguf.testing.bench import settle
 
     if cold:
         if drop_cache(path) is None:
@@ -622,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NO_PEER
     say(f"llama-cpp-python {info['version']}, llama.cpp load modes: {info['load_modes']}")
 
-    from aiogguf.synth import ensure_synthetic_model
+    from aiogguf.testing.synth import ensure_synthetic_model
     from aiogguf.units import format_bytes, parse_size
 
     if args.path:

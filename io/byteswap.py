@@ -1,7 +1,7 @@
 """Byte order conversion of tensor data from files of the other byte order.
 
 A big-endian GGUF file stores every multi-byte value big-endian, the fields inside
-quantized blocks included (gguf-format §1.4). We convert what has one obvious element
+quantized blocks included (format §1.4). We convert what has one obvious element
 layout — F32, F16, BF16, F64 and the integer types — and refuse every block type with a
 ``BigEndianError`` rather than hand out silently wrong data.
 """

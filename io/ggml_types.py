@@ -1,7 +1,7 @@
-"""The ggml tensor type table, as data (gguf-format §4).
+"""The ggml tensor type table, as data (format §4).
 
 Schema of ``GGML_TYPES``: type id → ``GGMLType`` with the block geometry and the
-byte offsets of the scale fields that validation checks (gguf-format §4.2, §5.2).
+byte offsets of the scale fields that validation checks (format §4.2, §5.2).
 Removed ids (4, 5, 31–33, 36–38) are present with ``valid=False`` and zero sizes,
 so that an error can name them instead of calling them unknown.
 """

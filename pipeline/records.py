@@ -41,7 +41,7 @@ ByteOrder: TypeAlias = Literal["little", "big"]
 
 
 class ValueType(IntEnum):
-    """GGUF metadata value types (gguf-format §1.5.1)."""
+    """GGUF metadata value types (format §1.5.1)."""
 
     UINT8 = 0
     INT8 = 1
@@ -138,7 +138,7 @@ class ParsedFile:
 
 
 class TensorClass(StrEnum):
-    """llama.cpp's layer classes (gguf-format §3.1)."""
+    """llama.cpp's layer classes (format §3.1)."""
 
     INPUT = "input"
     OUTPUT = "output"

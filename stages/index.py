@@ -1,6 +1,6 @@
 """The index stage: parsed files → one checked ``WeightIndex`` (design §1.2).
 
-Pure and synchronous: absolute offsets and bounds per file (gguf-format §5.5), duplicate
+Pure and synchronous: absolute offsets and bounds per file (format §5.5), duplicate
 names across splits, the split checks of llama.cpp plus the agreement checks it skips
 (§2.4), tensor classes (§3.1) and llama.cpp's layer order (§3.2).
 """
@@ -26,7 +26,7 @@ U64_LIMIT: Final = 1 << 64
 # Like C's sscanf("blk.%d"): whitespace and a sign may precede the digits (§3.2).
 _LAYER = re.compile(r"blk\.\s*([+-]?\d+)")
 
-# Name-based classification, tried in this order (gguf-format §3.1).
+# Name-based classification, tried in this order (format §3.1).
 _REPEATING_PREFIXES: Final = ("blk.", "enc.blk.", "dec.blk.", "posnet.", "convnext.")
 _INPUT_NAMES: Final = frozenset(
     {
@@ -107,7 +107,7 @@ def _int_key(parsed: ParsedFile, key: str) -> int | None:
 
 
 def _check_split_set(files: Sequence[ParsedFile]) -> int | None:
-    """Split checks (gguf-format §2.4) plus the agreement checks llama.cpp skips.
+    """Split checks (format §2.4) plus the agreement checks llama.cpp skips.
 
     Runs before the tensors are indexed, so a shard of another set is named as such
     rather than as a duplicate tensor. Returns ``split.tensors.count`` for a split set.

@@ -1,4 +1,4 @@
-"""The parse stage: a GGUF file's header → ``ParsedFile`` (design §1.1, gguf-format §1, §2).
+"""The parse stage: a GGUF file's header → ``ParsedFile`` (design §1.1, format §1, §2).
 
 Only header bytes are read, in growing chunks; the data section is never mapped or read.
 Every count and length is checked against the bytes left in the *file* before anything is
@@ -45,7 +45,7 @@ __all__ = [
 
 GGUF_MAGIC: Final = b"GGUF"
 DEFAULT_ALIGNMENT: Final = 32
-# Limits of ggml's C reader (gguf-format §1.5.2, §1.5.4, §1.6).
+# Limits of ggml's C reader (format §1.5.2, §1.5.4, §1.6).
 MAX_STRING_BYTES: Final = 1 << 30
 MAX_ARRAY_ITEMS: Final = 1 << 30
 MAX_NAME_BYTES: Final = 63
@@ -53,7 +53,7 @@ MAX_DIMS: Final = 4
 # The C reader reads counts and dims as int64: the top bit set means negative.
 INT64_LIMIT: Final = 1 << 63
 U64_LIMIT: Final = 1 << 64
-# Our own sanity bounds (gguf-format §1.9): the smallest possible KV and tensor-info records.
+# Our own sanity bounds (format §1.9): the smallest possible KV and tensor-info records.
 MIN_KV_BYTES: Final = 8 + 1 + 4 + 1
 MIN_TENSOR_INFO_BYTES: Final = 8 + 4 + 4 + 8
 # Nested arrays are walked recursively; no standard key nests at all, so a deep nest is
@@ -220,7 +220,7 @@ class _HeaderParser:
         self.need(4, 4, "version")
         (version,) = struct.unpack_from("<I", self.buf, 4)
         # Real versions are tiny, so a little-endian read with the low 16 bits all zero
-        # means the file is big-endian (gguf-format §1.4); the magic is never swapped.
+        # means the file is big-endian (format §1.4); the magic is never swapped.
         if version and version & 0xFFFF == 0:
             self._set_order(">")
             (version,) = self.u32(self.buf, 4)
@@ -464,7 +464,7 @@ class _HeaderParser:
                 f"starts at {data_offset} (padded to {self.alignment}) but the file ends at "
                 f"{self.file_size} (truncated)",
             )
-        # ggml's C reader demands exact packing in file order (gguf-format §1.8).
+        # ggml's C reader demands exact packing in file order (format §1.8).
         expected = 0
         for info in self.tensors:
             if info.offset != expected:
@@ -572,7 +572,7 @@ def _pread_upto(fd: int, offset: int, nbytes: int) -> bytes:
 def split_paths(path: str | os.PathLike[str], split_no: int, split_count: int) -> list[str]:
     """The paths of every split of a set, derived from the path of split ``split_no``.
 
-    The name must end in ``-<split_no+1:05d>-of-<split_count:05d>.gguf`` (gguf-format §2.2).
+    The name must end in ``-<split_no+1:05d>-of-<split_count:05d>.gguf`` (format §2.2).
 
     :raises SplitError: the name does not follow that pattern.
     """

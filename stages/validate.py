@@ -1,4 +1,4 @@
-"""The validate stage: ggml's tensor data checks (gguf-format §5.1, §5.2), vectorised.
+"""The validate stage: ggml's tensor data checks (format §5.1, §5.2), vectorised.
 
 Rules, per type (driven by the ``ScaleField``s of ``aiogguf.io.ggml_types``):
 
@@ -90,7 +90,7 @@ def _fp16_bits(block: bytes, offset: int) -> int:
 
 def _iq1m_bits(block: bytes, offset: int) -> int:
     # The top nibbles of the u16 words at offset, +2, +4, +6 (i.e. of bytes +1, +3, +5,
-    # +7) are the fp16's bits 0-3, 4-7, 8-11, 12-15 (gguf-format §4.2).
+    # +7) are the fp16's bits 0-3, 4-7, 8-11, 12-15 (format §4.2).
     return sum((block[offset + 2 * k + 1] >> 4) << (4 * k) for k in range(4))
 
 
@@ -589,7 +589,7 @@ class TensorChecker:
 def check_tensor(
     name: str, type: GGMLType, data: Bytes, xp: ModuleType = numpy
 ) -> TensorFailure | None:
-    """Check one whole tensor's bytes by ggml's rules (gguf-format §5.2).
+    """Check one whole tensor's bytes by ggml's rules (format §5.2).
 
     Args:
         name: the tensor's name, for the report.

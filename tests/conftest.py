@@ -1,5 +1,6 @@
-"""Shared fixtures. ``reference_dir`` is llama.cpp's own files in ../shared/testdata:
-missing on a developer's machine they skip, missing under CI they fail."""
+"""Shared fixtures. ``reference_dir`` is llama.cpp's own files: the folder named by
+``AIOGGUF_TESTDATA`` when it is set, else ../shared/testdata/reference next to the
+repository. Missing on a developer's machine they skip, missing under CI they fail."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from aiogguf.io.devices.pool import close_staging_pools
 from aiogguf.io.pagecache import drop_from_cache
 
 ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_DIR = ROOT.parent / "shared" / "testdata" / "reference"
+REFERENCE_DIR = Path(
+    os.environ.get("AIOGGUF_TESTDATA") or ROOT.parent / "shared" / "testdata" / "reference"
+).resolve()
 
 
 @pytest.fixture(autouse=True)

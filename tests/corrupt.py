@@ -1,7 +1,7 @@
 """Tensor corruption helpers for tests, with an independent oracle.
 
 ``make_valid`` builds a well-formed random tensor of any type; the ``plant_*`` and
-``fill_ff`` helpers damage it in place the way real files get damaged (gguf-format §6)
+``fill_ff`` helpers damage it in place the way real files get damaged (format §6)
 and return the index the validator must report first. ``expected_bad`` is the oracle:
 it decodes the checked values with numpy's own float conversions (not the bit masks the
 validator uses) and says which blocks/elements are non-finite.

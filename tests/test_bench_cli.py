@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from aiogguf.benchmark import grid, limit_for_mode, measure_in_subprocess, settle
 from aiogguf.cli import main
+from aiogguf.testing.bench import grid, limit_for_mode, measure_in_subprocess, settle
 
 POINT_KEYS = {
     "mode",

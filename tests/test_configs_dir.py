@@ -18,7 +18,7 @@ from aiogguf.devices import enumerate_devices
 from aiogguf.records import Plan, WeightIndex
 from aiogguf.stages.index import open_index
 from aiogguf.stages.plan import make_plan
-from aiogguf.synth import write_synthetic_model
+from aiogguf.testing.synth import write_synthetic_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_FILES = sorted(p.name for p in CONFIGS.glob("*.toml"))

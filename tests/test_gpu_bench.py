@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from aiogguf.io.devices.cupy_backend import cupy_devices
-from aiogguf.synth import SynthModel, write_synthetic_model
+from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 

@@ -32,7 +32,7 @@ from aiogguf.events import Progress
 from aiogguf.io.devices.cupy_backend import CupyCopyStream, cupy_devices, import_cupy
 from aiogguf.io.devices.sim import SimCopyStream
 from aiogguf.io.ggml_types import GGML_TYPES
-from aiogguf.synth import Corruption, SynthModel, write_synthetic_model
+from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -15,7 +15,7 @@ from aiogguf.config import load_config
 from aiogguf.errors import ConfigError, GGUFError
 from aiogguf.events import Progress, Stage
 from aiogguf.model import ModelState
-from aiogguf.synth import SynthModel, write_synthetic_model
+from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 
 @pytest.fixture(scope="module")

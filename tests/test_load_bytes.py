@@ -23,7 +23,7 @@ from helpers_gguf import write_gguf
 import aiogguf
 from aiogguf.errors import BigEndianError, SplitError
 from aiogguf.io.ggml_types import GGML_TYPES
-from aiogguf.synth import SynthModel, write_synthetic_model
+from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 MODES = ("mmap", "mlock", "none", "direct")
 SPLIT_FIRST = "tiny-llama-Q4_K_M-split-00001-of-00003.gguf"

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import aiogguf
 from aiogguf.events import Progress, Stage
-from aiogguf.synth import SynthModel, write_synthetic_model
+from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 PACKAGE_DIRS = tuple(
     str(Path(p).resolve())

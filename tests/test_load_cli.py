@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from aiogguf.cli import main
-from aiogguf.synth import SynthModel, write_synthetic_model
+from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ import pytest
 import aiogguf
 from aiogguf.engine import LoadWarning
 from aiogguf.io.pagecache import drop_from_cache, resident_bytes
-from aiogguf.synth import SynthModel, write_synthetic_model
+from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 MiB = 1024**2
 

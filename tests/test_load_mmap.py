@@ -15,7 +15,7 @@ import pytest
 import aiogguf
 from aiogguf.events import Progress
 from aiogguf.io.buffers import PAGE_BYTES
-from aiogguf.synth import SynthModel, write_synthetic_model
+from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 GiB = 1024**3
 

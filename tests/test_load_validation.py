@@ -19,7 +19,7 @@ import aiogguf
 from aiogguf.cli import main
 from aiogguf.errors import TensorValidationError
 from aiogguf.io.ggml_types import GGML_TYPES
-from aiogguf.synth import Corruption, SynthModel, write_synthetic_model
+from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model
 
 
 @dataclass(frozen=True, slots=True)

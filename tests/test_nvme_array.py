@@ -11,7 +11,7 @@ import pytest
 
 import aiogguf
 from aiogguf.config import Config
-from aiogguf.synth import SynthModel, write_synthetic_model
+from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from aiogguf.devices import enumerate_devices
 from aiogguf.io.devices import cupy_backend
 from aiogguf.io.devices.pool import staging_pool, staging_pools
 from aiogguf.io.devices.sim import SimDevice
-from aiogguf.synth import write_synthetic_model
+from aiogguf.testing.synth import write_synthetic_model
 
 MiB = 1024**2
 # Small slots so that a 6 MiB model makes many jobs per transfer thread.

@@ -10,13 +10,13 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from conftest import REFERENCE_DIR
 from gguf_oracle import json_metadata, reader_metadata, run_inspect
 
 from aiogguf.cli import main
 from aiogguf.records import TensorClass
 from aiogguf.stages.index import layer_of, tensor_class
 
-REFERENCE_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "reference"
 NAMES = sorted(p.name for p in REFERENCE_DIR.glob("*.gguf")) or ["<missing>"]
 LATER_SPLITS = {n for n in NAMES if "-split-" in n and "-00001-of-" not in n}
 

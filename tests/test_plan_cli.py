@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REFERENCE_DIR
 
 from aiogguf.cli import main
 
-REFERENCE_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "reference"
 NAMES = sorted(p.name for p in REFERENCE_DIR.glob("*.gguf")) or ["<missing>"]
 LATER_SPLITS = {n for n in NAMES if "-split-" in n and "-00001-of-" not in n}
 FIRST_FILES = [n for n in NAMES if n not in LATER_SPLITS]

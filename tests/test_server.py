@@ -24,7 +24,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 import aiogguf.server
 from aiogguf.server import LoadLimiter, ServerPolicy, create_app, registry_of
 from aiogguf.server_policy import REQUEST_KEYS
-from aiogguf.synth import write_synthetic_model
+from aiogguf.testing.synth import write_synthetic_model
 
 # These tests choose their simulated GPUs and chunk sizes per request.
 SIM_POLICY = ServerPolicy(request_keys=REQUEST_KEYS | {"sim_gpus", "chunk_size"})

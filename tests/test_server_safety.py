@@ -29,7 +29,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 import aiogguf.server
 from aiogguf.server import LoadLimiter, ServerPolicy, create_app, registry_of
 from aiogguf.server_policy import REQUEST_KEYS
-from aiogguf.synth import write_synthetic_model
+from aiogguf.testing.synth import write_synthetic_model
 
 SECRET = b"root:$6$hash-of-a-password:19000:0:99999:7:::\n"
 

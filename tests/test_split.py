@@ -1,4 +1,4 @@
-"""Split models (gguf-format §2): the first split stands for the set; every way a set can
+"""Split models (format §2): the first split stands for the set; every way a set can
 be incomplete, out of order or mixed is a ``SplitError`` that names the right file."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The synthetic model writer, checked against gguf's own reader and raw bytes.
 
-Scale offsets are restated here from gguf-format §4.2 rather than taken from
+Scale offsets are restated here from format §4.2 rather than taken from
 ``aiogguf.io.ggml_types``, so a wrong row in that table cannot hide in both places.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers_gguf import write_gguf
 
-from aiogguf.synth import (
+from aiogguf.testing.synth import (
     Corruption,
     CorruptionKind,
     SynthModel,

@@ -13,7 +13,7 @@ import pytest
 from aiogguf.io.devices.cpu import CpuDevice
 from aiogguf.io.devices.pool import staging_pools
 from aiogguf.io.devices.sim import SimDevice, SimUsage
-from aiogguf.synth import write_synthetic_model
+from aiogguf.testing.synth import write_synthetic_model
 
 api = pytest.importorskip("aiogguf.api")
 

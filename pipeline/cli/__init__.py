@@ -8,6 +8,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from aiogguf.cli.extras import MissingExtraError
 from aiogguf.errors import GGUFError
 
 __all__ = ["main"]
@@ -53,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GGUFError as exc:
         if args.debug:
             raise
+        print(f"aiogguf {args.command}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except MissingExtraError as exc:
         print(f"aiogguf {args.command}: {exc}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:

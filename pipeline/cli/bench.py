@@ -4,6 +4,10 @@ model, against this machine's limits measured in the same run; write JSON and a 
 Each load runs in a fresh process; each run measures a mode's limit right before that
 mode's loads, so both see the same (possibly busy) machine. ``--cold`` drops the file
 from the page cache before every load (``direct`` bypasses it anyway).
+
+The harness (``aiogguf.testing``) is imported when the command runs, never when the
+parser is built; writing the synthetic model needs ``gguf`` (the ``demo`` extra),
+benchmarking a file given with ``--path`` does not.
 """
 
 from __future__ import annotations
@@ -12,24 +16,22 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from aiogguf.benchmark import (
-    LIMIT_NOTES,
-    MODES,
-    SETTLE_S,
-    SweepResult,
-    grid,
-    plot_sweep,
-    run_sweep,
-)
+from aiogguf.cli.extras import needs_demo_extra
 from aiogguf.config import load_config
 from aiogguf.errors import ConfigError
-from aiogguf.synth import default_demo_path, ensure_synthetic_model
 from aiogguf.units import format_bytes, parse_size
 
+if TYPE_CHECKING:
+    from aiogguf.testing.bench import SweepResult
+
+# aiogguf.testing.bench.SETTLE_S, restated so that building the parser imports no harness
+# (a test holds the two equal).
+SETTLE_DEFAULT_S = 3.0
 # (size, chunk sizes, readers, queue depths, runs): the full sweep and --quick.
 FULL = ("1GiB", "1MiB,4MiB,16MiB,64MiB,256MiB", "1,2,4", "2,8", 3)
 QUICK = ("256MiB", "4MiB,64MiB", "2", "8", 1)
@@ -56,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot", metavar="FILE", default="aiogguf-bench.png", help="PNG plot (default %(default)s)"
     )
     parser.add_argument("--runs", type=int, help=f"runs per point (default {FULL[4]}, quick 1)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma list (default all)")
+    parser.add_argument("--modes", help="comma list of load modes (default all)")
     parser.add_argument("--chunk-sizes", metavar="LIST", help=f"default {FULL[1]}")
     parser.add_argument("--readers", metavar="LIST", help=f"default {FULL[2]}")
     parser.add_argument("--queue-depths", metavar="LIST", help=f"default {FULL[3]}")
@@ -65,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--settle",
         type=float,
-        default=SETTLE_S,
+        default=SETTLE_DEFAULT_S,
         metavar="SECONDS",
         help="pause before each limit and load (default %(default)g; see bench/load.py)",
     )
@@ -84,7 +86,11 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def _modes(text: str) -> list[str]:
+def _modes(text: str | None) -> list[str]:
+    from aiogguf.testing.bench import MODES
+
+    if text is None:
+        return list(MODES)
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -95,6 +101,8 @@ def _modes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiogguf.testing.bench import grid, plot_sweep, run_sweep
+
     console = Console()
     size_text, chunks_text, readers_text, depths_text, runs = QUICK if args.quick else FULL
     if args.config is not None:
@@ -107,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     if args.path:
         path = Path(args.path)
     else:
+        with needs_demo_extra("the benchmark's synthetic model"):
+            from aiogguf.testing.synth import default_demo_path, ensure_synthetic_model
         size = parse_size(args.size or size_text)
         path = default_demo_path(args.dir, size_bytes=size)
         t0 = time.perf_counter()
@@ -144,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
 
 def render(result: SweepResult, console: Console) -> None:
     """The limits, every point, and the best setting per mode."""
+    from aiogguf.testing.bench import LIMIT_NOTES
+
     limits = Table(title=f"limits (median of {result.runs} run(s))")
     limits.add_column("limit")
     limits.add_column("GB/s", justify="right")

@@ -1,5 +1,8 @@
 """`aiogguf demo`: write a synthetic llama-shaped model (no download), load it, and
-print the report. The model is kept in a cache folder and reused by later runs."""
+print the report. The model is kept in a cache folder and reused by later runs.
+
+The model's writer needs ``gguf`` (the ``demo`` extra); it is imported only when the
+command runs."""
 
 from __future__ import annotations
 
@@ -8,10 +11,10 @@ import time
 
 from rich.console import Console
 
+from aiogguf.cli.extras import needs_demo_extra
 from aiogguf.cli.loading import load_with_progress, render_report
 from aiogguf.cli.options import add_placement_options, config_from_args
 from aiogguf.errors import ConfigError
-from aiogguf.synth import default_demo_path, ensure_synthetic_model
 from aiogguf.units import format_bytes, parse_size
 
 
@@ -25,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with needs_demo_extra("the demo's synthetic model"):
+        from aiogguf.testing.synth import default_demo_path, ensure_synthetic_model
     console = Console()
     try:
         size = parse_size(args.size)

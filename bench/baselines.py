@@ -2,10 +2,10 @@
 
 No loader can beat ``preadv`` into memory that is already touched (warm cache: memory
 bandwidth; cold: the disk), and ``O_DIRECT`` shows the disk without the page cache. The
-measurements live in ``aiogguf.limits`` (the benchmarks measure them in the same run as
+measurements live in ``aiogguf.testing.baselines`` (the benchmarks measure them in the same run as
 the loads); this script writes a test file and prints them all. Not part of the test run.
 
-    python bench/limits.py [--size 2GiB] [--dir /var/tmp] [--runs 3] [--json]
+    python bench/baselines.py [--size 2GiB] [--dir /var/tmp] [--runs 3] [--json]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aiogguf import limits
+from aiogguf.testing import baselines
 from aiogguf.units import parse_size
 
 
@@ -39,13 +39,15 @@ def measure_all(path: Path, *, threads: int, runs: int) -> dict[str, float]:
     """Every limit, in GB/s, keyed by name (``*_warm``: the file in the page cache)."""
     size = path.stat().st_size
     return {
-        "preadv_fresh_warm": limits.preadv_fresh_gbps(path, threads=threads, runs=runs),
-        "preadv_touched_warm": limits.preadv_touched_gbps(path, threads=threads, runs=runs),
-        "preadv_fresh_cold": limits.preadv_fresh_gbps(path, threads=threads, cold=True, runs=runs),
-        "direct": limits.direct_gbps(path, threads=threads, runs=runs),
-        "direct_fresh": limits.direct_gbps(path, threads=threads, runs=runs, fresh=True),
-        "memcpy": limits.memcpy_gbps(size, threads=threads, runs=runs),
-        "np_memmap_touch_warm": size / limits.np_memmap_touch_s(path) / limits.GB,
+        "preadv_fresh_warm": baselines.preadv_fresh_gbps(path, threads=threads, runs=runs),
+        "preadv_touched_warm": baselines.preadv_touched_gbps(path, threads=threads, runs=runs),
+        "preadv_fresh_cold": baselines.preadv_fresh_gbps(
+            path, threads=threads, cold=True, runs=runs
+        ),
+        "direct": baselines.direct_gbps(path, threads=threads, runs=runs),
+        "direct_fresh": baselines.direct_gbps(path, threads=threads, runs=runs, fresh=True),
+        "memcpy": baselines.memcpy_gbps(size, threads=threads, runs=runs),
+        "np_memmap_touch_warm": size / baselines.np_memmap_touch_s(path) / baselines.GB,
     }
 
 

@@ -4,7 +4,7 @@ Every measured load runs in a fresh Python process (``measure_in_subprocess``), 
 peak RSS (``VmHWM``) is that load's alone and no load inherits another's memory. Inside,
 a ticker task sleeps 1 ms at a time on the same event loop and records how late it
 wakes: that is the loop lag a server embedding the load would see. The machine's limits
-(``aiogguf.limits``) are measured in the parent between loads, mode by mode, so a load
+(``aiogguf.testing.baselines``) are measured in the parent between loads, mode by mode, so a load
 and the limit it is compared with see the same (noisy, shared) machine.
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from aiogguf.api import load
 from aiogguf.io.buffers import HostBuffer
-from aiogguf.limits import (
+from aiogguf.testing.baselines import (
     GB,
     direct_gbps,
     drop_or_warm,
@@ -248,7 +248,7 @@ def measure_in_subprocess(task: Mapping[str, Any], *, timeout_s: float = _WORKER
 
     Raises ``RuntimeError`` with the worker's stderr if it fails.
     """
-    code = "from aiogguf.benchmark import worker_main; worker_main()"
+    code = "from aiogguf.testing.bench import worker_main; worker_main()"
     # -P: never put the working directory on sys.path (a repository root holds a
     # folder named io that would shadow the standard library).
     proc = subprocess.run(
@@ -344,18 +344,21 @@ def settle(
 ) -> None:
     """Put the machine's memory in the same state before every measurement.
 
-    Virtual machines with free page reporting (virtio-balloon) hand freed guest memory
-    back to the host about 2 s after it is freed; a process that allocates before then
-    gets pages the host still backs, afterwards pages whose first touch faults in the
-    host too, at a third of the speed on the VM these figures come from. And a process
-    that fills gigabytes of new memory ran fast or slow by turns, depending on the one
-    before it: twelve identical loads in a row, 3 s apart, went 1.75 2.26 1.87 2.44 1.85
-    2.24 ... GB/s, so two measurements taken back to back compare a fast process with a
-    slow one. So first a spacer process backs and frees ``touch_bytes`` of memory (the
-    size of what is measured), then the pause: every measurement follows the same kind
-    of process after the same time (eight identical loads, each after a spacer:
-    2.15-2.53 GB/s). ``seconds`` 0 skips both (tests). ``near``: the measured
-    file; the spacer runs in its folder, as the measurements do.
+    A process that allocates a lot of new memory runs at a speed that depends on what
+    ran just before it. On a virtual machine with free page reporting (virtio-balloon)
+    the guest hands freed memory back to the host a few seconds after it is freed; pages
+    allocated before then are still backed by the host, pages allocated afterwards fault
+    in the host as well on their first touch, which is much slower. Two measurements
+    taken back to back can therefore compare a fast process with a slow one.
+
+    ``settle`` makes every measurement follow the same history: first a spacer process
+    backs and frees ``touch_bytes`` of memory (the size of what is measured), then the
+    caller waits ``seconds``. Measurements that each follow a spacer and the same pause
+    vary much less than measurements taken one after another.
+
+    :param seconds: the pause after the spacer; 0 or less skips both (the tests use 0).
+    :param touch_bytes: how much memory the spacer backs and frees; 0: no spacer.
+    :param near: the measured file; the spacer runs in its folder, as the measurements do.
     """
     if seconds <= 0:
         return
