@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 from aiogguf.errors import BigEndianError
 from aiogguf.io.ggml_types import GGMLType, TypeKind
-from aiogguf.records import ByteOrder
 
-__all__ = ["can_convert", "needs_swap", "to_native"]
+__all__ = ["ByteOrder", "can_convert", "needs_swap", "to_native"]
+
+ByteOrder: TypeAlias = Literal["little", "big"]
+"""The byte order of a GGUF file."""
 
 # Element width in bytes → an unsigned view to swap through. Width 1 (I8) needs nothing.
 _SWAP_VIEWS: dict[int, type[np.unsignedinteger[Any]] | None] = {

@@ -38,8 +38,15 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from aiogguf.config import Config
 from aiogguf.devices import enumerate_devices
-from aiogguf.errors import BigEndianError, GGUFError, TensorFailure, TensorValidationError
+from aiogguf.errors import (
+    BigEndianError,
+    GGUFError,
+    LoadWarning,
+    TensorFailure,
+    TensorValidationError,
+)
 from aiogguf.events import ProgressHub, Stage
+from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.byteswap import can_convert, needs_swap, to_native
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile, FileAdvice, align_up, open_file
@@ -51,10 +58,6 @@ from aiogguf.model import Model
 from aiogguf.records import Plan, TensorEntry, WeightIndex
 from aiogguf.report import BufferReport, FileReport, LoadReport, StageReport, UploadReport
 from aiogguf.stages.allocate import (
-    DeviceImage,
-    HostImage,
-    Image,
-    MappedImage,
     allocate_host,
     allocate_mapped,
     layout_buffers,
@@ -68,11 +71,7 @@ from aiogguf.stages.read import Reader
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 from aiogguf.stages.validate import PieceCheck, ValidationCollector
 
-__all__ = ["LoadWarning", "run_load"]
-
-
-class LoadWarning(UserWarning):
-    """Something about a load the user should know (a fallback, a low limit)."""
+__all__ = ["run_load"]
 
 
 class _Spans:

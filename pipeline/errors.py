@@ -13,7 +13,8 @@ Every error a user can see from aiogguf is one of these::
     └── TensorValidationError      every bad tensor of a load, at once (``.failures``)
 
 Low-level errors (``OSError``, ``struct.error``, CuPy's) are translated where they
-happen, with ``raise ... from exc``; one escaping unchanged is a bug.
+happen, with ``raise ... from exc``; one escaping unchanged is a bug. What does not stop a
+load is a ``LoadWarning`` (a ``UserWarning``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "GGUFError",
     "GGUFFormatError",
     "LoadError",
+    "LoadWarning",
     "PathNotAllowedError",
     "PlacementError",
     "SplitError",
@@ -142,3 +144,8 @@ class TensorValidationError(GGUFError):
         n = len(self.failures)
         noun = "tensor" if n == 1 else "tensors"
         super().__init__(f"{_where(path)}found {n} {noun} with invalid data:\n{lines}")
+
+
+class LoadWarning(UserWarning):
+    """Something about a load the user should know, that does not stop it: a fallback
+    (O_DIRECT refused, mode ``none`` instead), a limit too low (``RLIMIT_MEMLOCK``)."""

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from aiogguf.errors import GGUFError, TensorFailure
+from aiogguf.images import DeviceImage, Image
 from aiogguf.jobs import TensorSlot
 from aiogguf.records import MetadataValue, Plan, TensorEntry, WeightIndex
 from aiogguf.report import LoadReport
-from aiogguf.stages.allocate import DeviceImage, Image
 
 __all__ = ["Model", "ModelState"]
 

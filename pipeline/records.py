@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Literal, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
+from aiogguf.io.byteswap import ByteOrder
 from aiogguf.io.ggml_types import GGMLType
 
 __all__ = [
@@ -36,8 +37,6 @@ __all__ = [
     "ValueType",
     "WeightIndex",
 ]
-
-ByteOrder: TypeAlias = Literal["little", "big"]
 
 
 class ValueType(IntEnum):

@@ -9,21 +9,16 @@ tensors first; host buffers after, in file order (sequential reads are the faste
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator, Sequence
 
+from aiogguf.images import HostImage, MappedImage
 from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
-from aiogguf.io.devices.base import DeviceBuffer
 from aiogguf.io.files import DataFile, align_down, align_up
 from aiogguf.io.mapping import FileMapping
 from aiogguf.jobs import BufferLayout, RangeSlot, ReadJob, TensorSlot
 from aiogguf.records import Plan, WeightIndex
 
 __all__ = [
-    "DeviceImage",
-    "HostImage",
-    "Image",
-    "MappedImage",
     "allocate_host",
     "allocate_mapped",
     "layout_buffers",
@@ -114,79 +109,6 @@ def read_jobs(
             )
             seq += 1
             offset += n
-
-
-# --- images: the allocated buffers -------------------------------------------------------
-
-
-class HostImage:
-    """A planned host buffer in page-aligned anonymous memory (modes ``none``/``direct``)."""
-
-    host = True
-
-    def __init__(self, layout: BufferLayout, buffer: HostBuffer) -> None:
-        self.layout = layout
-        self.buffer = buffer
-
-    def dest(self, job: ReadJob) -> memoryview:
-        """Where ``job``'s bytes land."""
-        return self.buffer.memoryview[job.buffer_offset : job.buffer_offset + job.nbytes]
-
-    def prefault(self, job: ReadJob) -> None:
-        """Blocking: back ``job``'s destination with memory before the read comes."""
-        self.buffer.prefault(job.buffer_offset, job.buffer_offset + job.nbytes)
-
-    def tensor_bytes(self, slot: TensorSlot) -> memoryview:
-        return self.buffer.memoryview[slot.buffer_offset : slot.buffer_offset + slot.nbytes]
-
-    def close(self) -> None:
-        self.buffer.close()
-
-
-class MappedImage:
-    """A planned host buffer made of mappings of exactly the group's file ranges
-    (modes ``mmap``/``mlock``): the page cache is the buffer, nothing is copied."""
-
-    host = True
-
-    def __init__(self, layout: BufferLayout, mappings: Sequence[FileMapping]) -> None:
-        self.layout = layout
-        self.mappings = tuple(mappings)
-        # (file, range start) → mapping, for finding a tensor's mapping by its offset.
-        self._starts: dict[int, list[tuple[int, FileMapping]]] = {}
-        for rs, mapping in zip(layout.slots, self.mappings, strict=True):
-            self._starts.setdefault(rs.range.file_index, []).append((rs.range.start, mapping))
-        for entries in self._starts.values():
-            entries.sort(key=lambda e: e[0])
-
-    def mapping_at(self, file_index: int, file_offset: int) -> FileMapping:
-        entries = self._starts[file_index]
-        i = bisect.bisect_right(entries, file_offset, key=lambda e: e[0]) - 1
-        return entries[i][1]
-
-    def tensor_bytes(self, slot: TensorSlot) -> memoryview:
-        mapping = self.mapping_at(slot.file_index, slot.file_offset)
-        return mapping.view(slot.file_offset, slot.nbytes)
-
-    def close(self) -> None:
-        for mapping in self.mappings:
-            mapping.close()
-
-
-class DeviceImage:
-    """A planned buffer in device memory; bytes arrive through the upload stage."""
-
-    host = False
-
-    def __init__(self, layout: BufferLayout, buffer: DeviceBuffer) -> None:
-        self.layout = layout
-        self.buffer = buffer
-
-    def close(self) -> None:
-        self.buffer.close()
-
-
-Image = HostImage | MappedImage | DeviceImage
 
 
 def allocate_host(layout: BufferLayout, alignment: int = PAGE_BYTES) -> HostImage:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import anyio
 
+from aiogguf.images import HostImage, Image, MappedImage
 from aiogguf.io.files import MAX_CALL_BYTES, DataFile
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import ReadJob
-from aiogguf.stages.allocate import HostImage, Image, MappedImage
 
 __all__ = ["FileStats", "Reader"]
 

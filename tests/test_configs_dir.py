@@ -7,7 +7,6 @@ import asyncio
 import shutil
 import tomllib
 from pathlib import Path
-from typing import Any
 
 import pytest
 from synthetic_index import llama_index
@@ -152,7 +151,6 @@ def test_nvme_example_per_disk_readers(tmp_path: Path) -> None:
     assert len({r.file_index for b in plan.buffers for r in b.ranges}) == 3
 
 
-@pytest.mark.skipif(not hasattr(aiogguf, "load_sync"), reason="aiogguf.load_sync not built yet")
 @pytest.mark.filterwarnings("ignore")  # direct mode on a tmpfs falls back to "none", warning
 @pytest.mark.parametrize("name", CONFIG_FILES)
 def test_example_loads_synthetic_model(name: str, model: tuple[Path, WeightIndex]) -> None:
@@ -163,6 +161,6 @@ def test_example_loads_synthetic_model(name: str, model: tuple[Path, WeightIndex
         config = Config.from_toml(CONFIGS / name).with_overrides(
             path=[{"prefix": str(path.parent), "readers": 3}]
         )
-    load_sync: Any = vars(aiogguf)["load_sync"]  # not typed until it exists
+    load_sync = aiogguf.load_sync
     with load_sync(path, config) as loaded:
         assert set(loaded.tensors) == {t.name for t in index.tensors}

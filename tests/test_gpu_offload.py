@@ -5,7 +5,7 @@ and how to read that GPU's arrays back. The ``cupy`` rig is a real CUDA device
 (``gpu``-marked, skipped without CuPy and a device); the ``sim`` rig is a simulated GPU
 and runs everywhere. Tests of issue 10's process-wide staging pool (a second load pins
 nothing, concurrent loads share the pool, a cancelled load leaves nothing pinned beyond
-it) skip with "needs aiogguf.warm_up" on builds that lack the pool's API.
+it) run on both rigs.
 
 Oracles: the file's bytes (read with plain ``open``), and ``corrupt.expected_bad`` for
 planted bad tensors (numpy's own float conversions, not the validator's bit masks).
@@ -90,11 +90,8 @@ def rig(request: pytest.FixtureRequest) -> Rig:
 
 
 def pool_api() -> dict[str, Any]:
-    """``warm_up_sync`` and ``release_staging_sync``, or skip: the pool is issue 10's."""
-    if not hasattr(aiogguf, "warm_up"):
-        pytest.skip("needs aiogguf.warm_up")
-    names = vars(aiogguf)  # not typed until the API exists
-    return {"warm_up": names["warm_up_sync"], "release": names["release_staging_sync"]}
+    """``warm_up_sync`` and ``release_staging_sync``."""
+    return {"warm_up": aiogguf.warm_up_sync, "release": aiogguf.release_staging_sync}
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from aiogguf.testing.synth import SynthModel, write_synthetic_model
 MODES = ("mmap", "mlock", "none", "direct")
 SPLIT_FIRST = "tiny-llama-Q4_K_M-split-00001-of-00003.gguf"
 # A low RLIMIT_MEMLOCK turns mlock into a LoadWarning ("goes on unlocked"): still a load.
-mlock_ok = pytest.mark.filterwarnings("ignore::aiogguf.engine.LoadWarning")
+mlock_ok = pytest.mark.filterwarnings("ignore::aiogguf.errors.LoadWarning")
 
 
 def _mode_params() -> list[Any]:

@@ -152,7 +152,7 @@ async def _settle() -> None:
         await anyio.sleep(0.01)
 
 
-@pytest.mark.filterwarnings("ignore::aiogguf.engine.LoadWarning")  # low RLIMIT_MEMLOCK
+@pytest.mark.filterwarnings("ignore::aiogguf.errors.LoadWarning")  # low RLIMIT_MEMLOCK
 @settings(
     max_examples=16,
     deadline=None,

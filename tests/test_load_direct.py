@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import aiogguf
-from aiogguf.engine import LoadWarning
+from aiogguf.errors import LoadWarning
 from aiogguf.io.pagecache import drop_from_cache, resident_bytes
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
