@@ -18,7 +18,6 @@ last of them is released — never earlier, so no view can ever point at freed m
 from __future__ import annotations
 
 import builtins
-import contextlib
 import enum
 import mmap
 import threading
@@ -50,7 +49,6 @@ __all__ = [
 ]
 
 PAGE_BYTES: int = mmap.PAGESIZE
-_HUGE_PAGE_BYTES = 2 << 20
 # Private anonymous memory, as malloc gives. Python's mmap(-1, n) defaults to MAP_SHARED,
 # which is shared memory (shmem): every first touch goes through its page cache, and
 # preadv into fresh shmem ran at 1.9-2.7 GB/s here against 3.3-3.4 GB/s for private
@@ -150,8 +148,7 @@ class HostBuffer(Closeable):
     ``alignment`` (a power of two) raises the guarantee above the page for ``O_DIRECT``
     on devices with larger logical blocks: the mapping is over-sized and the buffer
     starts at the first aligned address inside it. ``prefault=True`` backs every page
-    now (see ``prefault``); ``huge_pages`` asks for transparent huge pages on buffers of
-    2 MiB and more.
+    now (see ``prefault``).
 
     Thread-safe: any thread may read into the memory while others do the same; ``close``
     may race with them safely (see the module docstring).
@@ -169,7 +166,6 @@ class HostBuffer(Closeable):
         *,
         alignment: int = PAGE_BYTES,
         prefault: bool = False,
-        huge_pages: bool = False,
     ) -> None:
         if nbytes < 0:
             raise ValueError(f"buffer size must be >= 0, got {nbytes}")
@@ -187,14 +183,6 @@ class HostBuffer(Closeable):
         except OSError as exc:
             raise MemoryError(f"cannot map {capacity} bytes of host memory: {exc}") from exc
         self._capacity_bytes = capacity
-        if huge_pages and capacity >= _HUGE_PAGE_BYTES:
-            # Transparent huge pages: one fault per 2 MiB instead of per 4 KiB. Not used
-            # by the loader: on the development VM preadv into fresh huge pages ran at
-            # 0.4-0.7 GB/s against 3.3 GB/s for 4 KiB pages (each huge page is zeroed,
-            # and backed by the host, in one go), and with THP defrag "madvise" a fault
-            # may also stall on compaction. Only a hint; THP off refuses it.
-            with contextlib.suppress(OSError):
-                self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._mmap_ref: weakref.ref[mmap.mmap] = weakref.ref(self._mmap)
         base = buffer_address(self._mmap)
         self._start = -base % alignment

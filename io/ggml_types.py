@@ -74,10 +74,6 @@ class GGMLType:
     def is_quantized(self) -> bool:
         return self.kind is TypeKind.QUANT
 
-    @property
-    def bits_per_weight(self) -> float:
-        return self.block_bytes * 8 / self.block_elems if self.block_elems else 0.0
-
     def nbytes(self, n_elements: int) -> int:
         """Bytes of ``n_elements`` elements stored contiguously (a whole number of blocks)."""
         return n_elements // self.block_elems * self.block_bytes

@@ -24,7 +24,6 @@ class Stage(StrEnum):
     PARSE = "parse"
     PLAN = "plan"
     READ = "read"
-    VALIDATE = "validate"
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"

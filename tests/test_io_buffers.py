@@ -150,10 +150,3 @@ def test_buffer_address_rejects_non_contiguous() -> None:
     array = np.zeros((4, 4), dtype=np.uint8)[:, ::2]
     with pytest.raises(ValueError, match="contiguous"):
         buffer_address(array)
-
-
-def test_huge_page_hint_is_harmless() -> None:
-    with HostBuffer(4 << 20, huge_pages=True, prefault=True) as buf:
-        assert buf.address % PAGE_BYTES == 0
-        buf.as_array()[::PAGE_BYTES] = 3
-        assert int(buf.as_array().sum()) == 3 * (4 << 20) // PAGE_BYTES

@@ -137,7 +137,6 @@ def preadv_fresh_gbps(
     cold: bool = False,
     runs: int = 1,
     chunk_bytes: int = CHUNK_BYTES,
-    huge_pages: bool = False,
 ) -> float:
     """``preadv`` into a new, never-touched page-aligned buffer each run (the first-load
     limit: page faults are paid inside the read, as they are in a real load)."""
@@ -149,7 +148,7 @@ def preadv_fresh_gbps(
     def prepare() -> None:
         warm_or_drop()
         # Mapping is instant; its pages are backed during the reads, inside the clock.
-        bufs.append(HostBuffer(nbytes, huge_pages=huge_pages))
+        bufs.append(HostBuffer(nbytes))
 
     def cleanup() -> None:
         while bufs:
