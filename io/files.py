@@ -106,7 +106,8 @@ class DataFile(Closeable):
             raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
         self._state = ResourceState.OPEN
         try:
-            self.size_bytes = os.fstat(self._fd).st_size
+            self._opened = os.fstat(self._fd)
+            self.size_bytes = self._opened.st_size
             if direct:
                 self._direct_fd = self._open_direct()
                 self._direct_enabled = self._direct_fd is not None
@@ -126,7 +127,11 @@ class DataFile(Closeable):
         # aligned block now, so direct_ok is settled before the caller's first read.
         import mmap  # local: only the probe needs an aligned scratch page
 
-        scratch = mmap.mmap(-1, self.alignment)
+        try:
+            scratch = mmap.mmap(-1, self.alignment)
+        except OSError as exc:
+            os.close(fd)
+            raise LoadError(self.path, None, f"out of host memory: {exc}") from exc
         try:
             os.preadv(fd, [scratch], 0)
         except OSError as exc:
@@ -314,6 +319,40 @@ class DataFile(Closeable):
             if stop_unaligned and done % stop_unaligned and done < total:
                 break
         return done
+
+    def check_unchanged(self) -> None:
+        """Raise ``LoadError`` if the file changed since it was opened.
+
+        Changed means: its size or modification time differ (truncated, extended or
+        rewritten in place), it has no name left (deleted), or its path now names
+        another file (replaced, e.g. by a rename over it). Blocking (two ``stat`` calls).
+        """
+        self._enter()
+        try:
+            now = os.fstat(self._fd)
+        except OSError as exc:
+            raise LoadError(self.path, None, f"cannot stat the open file: {exc}") from exc
+        finally:
+            self._leave()
+        was = self._opened
+        if now.st_size != was.st_size:
+            raise LoadError(
+                self.path,
+                min(now.st_size, was.st_size),
+                f"the file changed during the load: it was {was.st_size} bytes, now {now.st_size}",
+            )
+        if now.st_mtime_ns != was.st_mtime_ns:
+            raise LoadError(self.path, 0, "the file was modified during the load")
+        if now.st_nlink == 0:
+            raise LoadError(self.path, None, "the file was deleted during the load")
+        try:
+            named = os.stat(self.path)
+        except OSError as exc:
+            raise LoadError(
+                self.path, None, f"the file was removed or renamed during the load ({exc.strerror})"
+            ) from exc
+        if (named.st_dev, named.st_ino) != (was.st_dev, was.st_ino):
+            raise LoadError(self.path, None, "the file was replaced during the load")
 
     # -- hints -------------------------------------------------------------------
 
