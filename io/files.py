@@ -15,7 +15,9 @@ from __future__ import annotations
 import builtins
 import enum
 import errno
+import fcntl
 import os
+import stat
 import threading
 from typing import TYPE_CHECKING
 
@@ -33,6 +35,7 @@ __all__ = [
     "align_down",
     "align_up",
     "open_file",
+    "open_readable",
 ]
 
 # O_DIRECT needs offset, length and memory address aligned to the device's logical block
@@ -70,6 +73,48 @@ class FileAdvice(enum.Enum):
     NOREUSE = os.POSIX_FADV_NOREUSE
 
 
+# st_mode kind → its name, for the error. Anything not regular or a block device is
+# refused: a FIFO or a socket blocks the open or the first read for ever, a character
+# device (/dev/zero) never ends, a directory is no model.
+_KIND_NAMES = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
+def open_readable(path: str | os.PathLike[str], flags: int = 0) -> int:
+    """Open ``path`` read-only (plus ``flags``) if it is a regular file or a block
+    device; return the descriptor (blocking, close-on-exec).
+
+    The open itself is non-blocking, so a FIFO with no writer cannot hang it, and the
+    kind is checked on the descriptor (``fstat``) before anything is read: no gap in
+    which the path could be swapped for something else.
+
+    Raises ``LoadError`` naming the path if it cannot be opened or is of another kind.
+    """
+    fspath = os.fspath(path)
+    try:
+        fd = os.open(fspath, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flags)
+    except OSError as exc:
+        raise LoadError(fspath, None, f"cannot open: {exc.strerror}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
+            kind = _KIND_NAMES.get(stat.S_IFMT(mode), "not a file")
+            raise LoadError(fspath, None, f"not a regular file: it is {kind}")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except OSError as exc:
+        os.close(fd)
+        raise LoadError(fspath, None, f"cannot open: {exc.strerror}") from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_file(
     path: str | os.PathLike[str], *, direct: bool = False, alignment: int = DIRECT_ALIGNMENT
 ) -> DataFile:
@@ -100,10 +145,7 @@ class DataFile(Closeable):
         self._inflight = 0
         self._direct_fd: int | None = None
         self._direct_enabled = False
-        try:
-            self._fd: int = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
+        self._fd: int = open_readable(self.path)
         self._state = ResourceState.OPEN
         try:
             self._opened = os.fstat(self._fd)
@@ -117,11 +159,12 @@ class DataFile(Closeable):
 
     def _open_direct(self) -> int | None:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
-            self.direct_refusal = f"the filesystem refuses O_DIRECT at open ({exc.strerror})"
+            fd = open_readable(self.path, os.O_DIRECT)
+        except LoadError as exc:
+            cause = exc.__cause__
+            if not isinstance(cause, OSError) or cause.errno != errno.EINVAL:
+                raise
+            self.direct_refusal = f"the filesystem refuses O_DIRECT at open ({cause.strerror})"
             return None
         # Some filesystems accept the flag and fail the first read instead: probe one
         # aligned block now, so direct_ok is settled before the caller's first read.

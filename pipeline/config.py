@@ -31,6 +31,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import ErrorDetails
 
@@ -72,6 +73,14 @@ def _to_bytes(value: object) -> object:
         raise ValueError(f"expected a byte count or a size like '64MiB', got {_show(value)}")
     return parse_size(value)
 
+
+# Caps on what one load may ask for. Each thread or queue slot costs memory and
+# scheduling; past these a machine gains nothing and a bad value (``readers = 1000``)
+# slows the load down instead of failing fast.
+MAX_THREADS = 256  # readers (per disk) and validate_workers
+MAX_QUEUE_DEPTH = 4096
+MAX_STAGING_BUFFERS = 256
+MAX_CHUNK_BYTES = 4 * 1024**3  # one read job, one staging slot
 
 Size = Annotated[int, BeforeValidator(_to_bytes), Field(ge=0), _SizeMark]
 PositiveSize = Annotated[int, BeforeValidator(_to_bytes), Field(gt=0), _SizeMark]
@@ -124,18 +133,18 @@ class PathLimit(_Section):
     """Reader concurrency for files under ``prefix`` (one entry per disk of an array)."""
 
     prefix: str = Field(min_length=1)
-    readers: Int = Field(ge=1)
+    readers: Int = Field(ge=1, le=MAX_THREADS)
 
 
 class PipelineConfig(_Section):
-    queue_depth: Int = Field(default=8, ge=1)
-    readers: Int = Field(default=2, ge=1)
-    chunk_size: PositiveSize = 64 * 1024**2
+    queue_depth: Int = Field(default=8, ge=1, le=MAX_QUEUE_DEPTH)
+    readers: Int = Field(default=2, ge=1, le=MAX_THREADS)
+    chunk_size: PositiveSize = Field(default=64 * 1024**2, le=MAX_CHUNK_BYTES)
     coalesce_gap: Size = 1024**2
-    staging_buffers: Int = Field(default=4, ge=1)
+    staging_buffers: Int = Field(default=4, ge=1, le=MAX_STAGING_BUFFERS)
     # None: 64 MiB in direct mode, 1 MiB otherwise.
-    staging_buffer_size: PositiveSize | None = None
-    validate_workers: Int = Field(default=2, ge=1)
+    staging_buffer_size: PositiveSize | None = Field(default=None, le=MAX_CHUNK_BYTES)
+    validate_workers: Int = Field(default=2, ge=1, le=MAX_THREADS)
     alignment: PositiveSize = 4096
     path: tuple[PathLimit, ...] = ()
 
@@ -147,6 +156,19 @@ class PipelineConfig(_Section):
         if alignment & (alignment - 1) or alignment < 512:
             raise ValueError(f"expected a power of two of at least 512, got {alignment}")
         return alignment
+
+    @model_validator(mode="after")
+    def _chunks_hold_a_block(self) -> PipelineConfig:
+        # Jobs and staging slots are cut in multiples of the alignment: a smaller size
+        # would round down to nothing.
+        for key in ("chunk_size", "staging_buffer_size"):
+            value = getattr(self, key)
+            if value is not None and value < self.alignment:
+                raise ValueError(
+                    f"{key}: expected at least the alignment ({format_size(self.alignment)}),"
+                    f" got {format_size(value)}"
+                )
+        return self
 
     @field_validator("path")
     @classmethod

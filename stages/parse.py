@@ -17,13 +17,14 @@ import os
 import struct
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final
+from typing import BinaryIO, Final
 
 import anyio
 import anyio.to_thread
 import numpy as np
 
 from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError
+from aiogguf.io.files import open_readable
 from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
 from aiogguf.records import (
     GGUFArray,
@@ -501,6 +502,17 @@ def parse_header(
     return _HeaderParser(os.fspath(path), file_size).parse(buf)
 
 
+def _open_binary(path: str) -> BinaryIO:
+    """Blocking: ``path`` as a binary file object, if it is a regular file or a block
+    device (a FIFO would block the open and the reads for ever)."""
+    fd = open_readable(path)
+    try:
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 async def parse_file(
     path: str | os.PathLike[str], *, limiter: anyio.CapacityLimiter | None = None
 ) -> ParsedFile:
@@ -516,7 +528,7 @@ async def parse_file(
     try:
         # anyio's file, not aiofiles: a cancelled aiofiles call abandons its worker
         # thread, which can leave the file open behind the caller's back.
-        async with await anyio.open_file(fspath, "rb") as f:
+        async with anyio.wrap_file(await anyio.to_thread.run_sync(_open_binary, fspath)) as f:
             file_size = await f.seek(0, os.SEEK_END)
             await f.seek(0)
             parser = _HeaderParser(fspath, file_size)
