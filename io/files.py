@@ -15,7 +15,9 @@ from __future__ import annotations
 import builtins
 import enum
 import errno
+import fcntl
 import os
+import stat
 import threading
 from typing import TYPE_CHECKING
 
@@ -33,6 +35,8 @@ __all__ = [
     "align_down",
     "align_up",
     "open_file",
+    "open_readable",
+    "readable_descriptor",
 ]
 
 # O_DIRECT needs offset, length and memory address aligned to the device's logical block
@@ -68,6 +72,55 @@ class FileAdvice(enum.Enum):
     WILLNEED = os.POSIX_FADV_WILLNEED
     DONTNEED = os.POSIX_FADV_DONTNEED
     NOREUSE = os.POSIX_FADV_NOREUSE
+
+
+# st_mode kind → its name, for the error. Anything not regular or a block device is
+# refused: a FIFO or a socket blocks the open or the first read for ever, a character
+# device (/dev/zero) never ends, a directory is no model.
+_KIND_NAMES = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
+def open_readable(path: str | os.PathLike[str], flags: int = 0) -> int:
+    """Open ``path`` read-only (plus ``flags``) if it is a regular file or a block
+    device; return the descriptor (blocking, close-on-exec).
+
+    The open itself is non-blocking, so a FIFO with no writer cannot hang it, and the
+    kind is checked on the descriptor (``fstat``) before anything is read: no gap in
+    which the path could be swapped for something else.
+
+    Raises ``LoadError`` naming the path if it cannot be opened or is of another kind.
+    """
+    fspath = os.fspath(path)
+    try:
+        fd = os.open(fspath, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flags)
+    except OSError as exc:
+        raise LoadError(fspath, None, f"cannot open: {exc.strerror}") from exc
+    return readable_descriptor(fd, fspath)
+
+
+def readable_descriptor(fd: int, path: str) -> int:
+    """``fd``, opened with ``O_NONBLOCK``, made blocking again if it is a regular file or
+    a block device. Otherwise ``fd`` is closed and a ``LoadError`` names ``path`` and
+    what it is (a FIFO, a directory...)."""
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
+            kind = _KIND_NAMES.get(stat.S_IFMT(mode), "not a file")
+            raise LoadError(path, None, f"not a regular file: it is {kind}")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except OSError as exc:
+        os.close(fd)
+        raise LoadError(path, None, f"cannot open: {exc.strerror}") from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def open_file(
@@ -116,16 +169,17 @@ class DataFile(Closeable):
         # An adopted descriptor was opened once under a policy (the server's roots):
         # from here on the file is reached through it, never through its name.
         self._adopted = fd is not None
-        try:
-            if fd is not None:
+        if fd is not None:
+            try:
                 self._fd: int = os.dup(fd)
-            else:
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
+            except OSError as exc:
+                raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
+        else:
+            self._fd = open_readable(self.path)
         self._state = ResourceState.OPEN
         try:
-            self.size_bytes = os.fstat(self._fd).st_size
+            self._opened = os.fstat(self._fd)
+            self.size_bytes = self._opened.st_size
             if direct:
                 self._direct_fd = self._open_direct()
                 self._direct_enabled = self._direct_fd is not None
@@ -138,17 +192,22 @@ class DataFile(Closeable):
         # points at now: O_DIRECT needs a new open file description of its own.
         source = f"/proc/self/fd/{self._fd}" if self._adopted else self.path
         try:
-            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
-            self.direct_refusal = f"the filesystem refuses O_DIRECT at open ({exc.strerror})"
+            fd = open_readable(source, os.O_DIRECT)
+        except LoadError as exc:
+            cause = exc.__cause__
+            if not isinstance(cause, OSError) or cause.errno != errno.EINVAL:
+                raise
+            self.direct_refusal = f"the filesystem refuses O_DIRECT at open ({cause.strerror})"
             return None
         # Some filesystems accept the flag and fail the first read instead: probe one
         # aligned block now, so direct_ok is settled before the caller's first read.
         import mmap  # local: only the probe needs an aligned scratch page
 
-        scratch = mmap.mmap(-1, self.alignment)
+        try:
+            scratch = mmap.mmap(-1, self.alignment)
+        except OSError as exc:
+            os.close(fd)
+            raise LoadError(self.path, None, f"out of host memory: {exc}") from exc
         try:
             os.preadv(fd, [scratch], 0)
         except OSError as exc:
@@ -336,6 +395,40 @@ class DataFile(Closeable):
             if stop_unaligned and done % stop_unaligned and done < total:
                 break
         return done
+
+    def check_unchanged(self) -> None:
+        """Raise ``LoadError`` if the file changed since it was opened.
+
+        Changed means: its size or modification time differ (truncated, extended or
+        rewritten in place), it has no name left (deleted), or its path now names
+        another file (replaced, e.g. by a rename over it). Blocking (two ``stat`` calls).
+        """
+        self._enter()
+        try:
+            now = os.fstat(self._fd)
+        except OSError as exc:
+            raise LoadError(self.path, None, f"cannot stat the open file: {exc}") from exc
+        finally:
+            self._leave()
+        was = self._opened
+        if now.st_size != was.st_size:
+            raise LoadError(
+                self.path,
+                min(now.st_size, was.st_size),
+                f"the file changed during the load: it was {was.st_size} bytes, now {now.st_size}",
+            )
+        if now.st_mtime_ns != was.st_mtime_ns:
+            raise LoadError(self.path, 0, "the file was modified during the load")
+        if now.st_nlink == 0:
+            raise LoadError(self.path, None, "the file was deleted during the load")
+        try:
+            named = os.stat(self.path)
+        except OSError as exc:
+            raise LoadError(
+                self.path, None, f"the file was removed or renamed during the load ({exc.strerror})"
+            ) from exc
+        if (named.st_dev, named.st_ino) != (was.st_dev, was.st_ino):
+            raise LoadError(self.path, None, "the file was replaced during the load")
 
     # -- hints -------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ from aiogguf.io.buffers import (
     ResourceState,
     buffer_address,
 )
-from aiogguf.io.files import DataFile, align_down, align_up
+from aiogguf.io.files import DataFile, align_down, align_up, open_readable
 from aiogguf.units import format_bytes
 
 if TYPE_CHECKING:
@@ -170,10 +170,7 @@ class FileMapping(Closeable):
             except OSError as exc:
                 raise LoadError(self.path, None, f"cannot duplicate descriptor: {exc}") from exc
         else:
-            try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
+            fd = open_readable(self.path)
         try:
             size = os.fstat(fd).st_size
             if file_end > size:

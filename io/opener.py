@@ -19,9 +19,7 @@ regular file or a block device; anything else is a ``LoadError`` before any byte
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
-import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from typing import Protocol
 
 from aiogguf.errors import LoadError, PathNotAllowedError
 from aiogguf.io import _libc
+from aiogguf.io.files import open_readable, readable_descriptor
 
 __all__ = ["AnyPathOpener", "FileOpener", "OpenFiles", "RootedOpener"]
 
@@ -47,22 +46,6 @@ class FileOpener(Protocol):
         ...
 
 
-def _checked(fd: int, path: str) -> int:
-    """``fd`` if it is a regular file or a block device, made blocking again; else closed."""
-    try:
-        mode = os.fstat(fd).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
-            raise LoadError(path, None, "not a regular file")
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except OSError as exc:
-        os.close(fd)
-        raise LoadError(path, None, f"cannot read the file: {exc.strerror}") from exc
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _no_nul(path: str) -> None:
     # The kernel would read the name only up to the NUL; Python refuses it with a
     # ValueError, which is no GGUFError.
@@ -75,11 +58,7 @@ class AnyPathOpener:
 
     def open(self, path: str) -> int:
         _no_nul(path)
-        try:
-            fd = os.open(path, _FLAGS)
-        except OSError as exc:
-            raise LoadError(path, None, f"cannot read the file: {exc.strerror}") from exc
-        return _checked(fd, path)
+        return open_readable(path)
 
 
 def _inside(path: str, root: str) -> str | None:
@@ -174,7 +153,7 @@ class RootedOpener:
                 self._openat2 = False
             else:
                 self._openat2 = True
-                return _checked(fd, path)
+                return readable_descriptor(fd, path)
         return self._open_and_verify(root, relative, path)
 
     def _open_and_verify(self, root: _Root, relative: str, path: str) -> int:
@@ -194,7 +173,7 @@ class RootedOpener:
         if _inside(real, root.real) is None:
             os.close(fd)
             raise PathNotAllowedError(path)
-        return _checked(fd, path)
+        return readable_descriptor(fd, path)
 
 
 class OpenFiles:

@@ -32,6 +32,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import ErrorDetails
 
@@ -78,11 +79,20 @@ def _to_bytes(value: object) -> object:
     return parse_size(value)
 
 
+# Caps on what one load may ask for. Each thread or queue slot costs memory and
+# scheduling; past these a machine gains nothing and a bad value (``readers = 1000``)
+# slows the load down instead of failing fast.
+MAX_THREADS = 256  # readers (per disk) and validate_workers
+MAX_QUEUE_DEPTH = 4096
+MAX_STAGING_BUFFERS = 256
+MAX_CHUNK_BYTES = 4 * 1024**3  # one read job, one staging slot
+
+
 def _readers(value: object) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"expected a positive integer or 'auto', got {_show(value)}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise ValueError(f"expected an integer in 1..{MAX_THREADS} or 'auto', got {_show(value)}")
     return value
 
 
@@ -168,22 +178,22 @@ class PathLimit(_Section):
     """Reader concurrency for files under ``prefix`` (one entry per disk of an array)."""
 
     prefix: str = Field(min_length=1)
-    readers: Int = Field(ge=1)
+    readers: Int = Field(ge=1, le=MAX_THREADS)
 
 
 class PipelineConfig(_Section):
-    queue_depth: Int = Field(default=8, ge=1)
+    queue_depth: Int = Field(default=8, ge=1, le=MAX_QUEUE_DEPTH)
     # "auto": one per core (up to 16) for page-cache reads, up to 4 for O_DIRECT.
     readers: Readers = "auto"
-    chunk_size: PositiveSize = 64 * 1024**2
+    chunk_size: PositiveSize = Field(default=64 * 1024**2, le=MAX_CHUNK_BYTES)
     coalesce_gap: Size = 1024**2
     # Staging slots per transfer thread and device; a slot's size is independent of the
     # size of the read calls that fill it.
-    staging_buffers: Int = Field(default=2, ge=1)
-    staging_buffer_size: PositiveSize = 16 * 1024**2
+    staging_buffers: Int = Field(default=2, ge=1, le=MAX_STAGING_BUFFERS)
+    staging_buffer_size: PositiveSize = Field(default=16 * 1024**2, le=MAX_CHUNK_BYTES)
     # Cap of each device's process-wide pool of pinned slots, shared by every load.
     staging_pool_size: PositiveSize = 1024**3
-    validate_workers: Int = Field(default=2, ge=1)
+    validate_workers: Int = Field(default=2, ge=1, le=MAX_THREADS)
     alignment: PositiveSize = 4096
     path: tuple[PathLimit, ...] = ()
 
@@ -195,6 +205,19 @@ class PipelineConfig(_Section):
         if alignment & (alignment - 1) or alignment < 512:
             raise ValueError(f"expected a power of two of at least 512, got {alignment}")
         return alignment
+
+    @model_validator(mode="after")
+    def _chunks_hold_a_block(self) -> PipelineConfig:
+        # Jobs and staging slots are cut in multiples of the alignment: a smaller size
+        # would round down to nothing.
+        for key in ("chunk_size", "staging_buffer_size"):
+            value = getattr(self, key)
+            if value is not None and value < self.alignment:
+                raise ValueError(
+                    f"{key}: expected at least the alignment ({format_size(self.alignment)}),"
+                    f" got {format_size(value)}"
+                )
+        return self
 
     @field_validator("path")
     @classmethod

@@ -41,6 +41,7 @@ from aiogguf.devices import enumerate_devices
 from aiogguf.errors import (
     BigEndianError,
     GGUFError,
+    LoadError,
     LoadWarning,
     TensorFailure,
     TensorValidationError,
@@ -69,7 +70,7 @@ from aiogguf.stages.index import open_index
 from aiogguf.stages.plan import make_plan
 from aiogguf.stages.read import Reader
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
-from aiogguf.stages.validate import PieceCheck, ValidationCollector
+from aiogguf.stages.validate import FileBytes, PieceCheck, ValidationCollector
 
 __all__ = ["run_load"]
 
@@ -118,6 +119,11 @@ def one_error() -> Iterator[None]:
         real = [e for e in leaves if not isinstance(e, cancelled)]
         if not real:
             raise
+        # A stage that failed closed its streams: a neighbour that then sent to it got
+        # BrokenResourceError. That is an echo of the failure, not news.
+        echoes = [e for e in real if isinstance(e, anyio.BrokenResourceError)]
+        if len(echoes) < len(real):
+            real = [e for e in real if e not in echoes]
         first = next((e for e in real if isinstance(e, GGUFError)), real[0])
         for other in real:
             if other is not first:
@@ -165,6 +171,7 @@ class _Load:
         self.uploads: tuple[DeviceUploadStats, ...] = ()
         self.validated = 0
         self.disks: list[str] = []  # per file: the disk it is read from
+        self.files: list[DataFile] = []
         self.swap = needs_swap(index.byte_order)
         self._lock_refused = False
         self._prefault_threads: LoadThreads | None = None  # direct mode: backs pages ahead
@@ -190,7 +197,7 @@ class _Load:
     async def run(self, stack: AsyncExitStack) -> Model:
         """Load every tensor; resources go on ``stack`` (closed by the caller on failure)."""
         self._check_byte_order()
-        files = await self._open_files(stack)
+        files = self.files = await self._open_files(stack)
         stack.push_async_callback(anyio.to_thread.run_sync, self._close_images_on_failure)
         limiters = self._disk_limiters(files)
         threads = await stack.enter_async_context(
@@ -261,6 +268,13 @@ class _Load:
         read_s = self.hub.elapsed() - t_read
         if uploader is not None:
             self.uploads = uploader.stats
+        # A file truncated, rewritten, replaced or deleted while it was read makes a
+        # model whose bytes no longer match its file (and, mapped, one that a later
+        # read of a cut-off page would kill): the load fails instead.
+        for f, was_direct in zip(files, reader.direct, strict=True):
+            await anyio.to_thread.run_sync(f.check_unchanged)
+            if was_direct and not f.direct_ok:
+                self._warn(f"{f.path}: {f.direct_refusal}; the rest was read with mode 'none'")
         failures = self._failures(validator)
         if check:
             self.validated = validator.submitted + len(self.piece_checks)
@@ -345,7 +359,10 @@ class _Load:
 
     async def _allocate_all(self, files: Sequence[DataFile], uploader: Uploader | None) -> None:
         """Allocate buffers in load order; readers of buffer k start once k is ready."""
-        mapped = self.mode in ("mmap", "mlock")
+        # Big-endian files are copied even in the mapped modes: swapping in place writes
+        # every page of a private mapping, so a mapping would save no memory, and it would
+        # leave the swap's own writes exposed to SIGBUS if the file were truncated.
+        mapped = self.mode in ("mmap", "mlock") and not self.swap
         numa = numa_nodes() > 1
         start = self.hub.elapsed()
         for k in self._allocation_order():
@@ -542,8 +559,15 @@ class _Load:
                         self.piece_failures.append(failure)
                 elif validator is not None:
                     entry = self.index[name]
-                    data, xp = self._tensor_data(entry, self._image_of(name))
-                    await validator.submit(name, entry.type, data, xp=xp)
+                    image = self._image_of(name)
+                    if isinstance(image, MappedImage):
+                        # Checked through reads of the file, never through the mapping
+                        # (FileBytes says why).
+                        source = FileBytes(self.files[entry.file_index], entry.offset, entry.nbytes)
+                        await validator.submit(name, entry.type, source)
+                    else:
+                        data, xp = self._tensor_data(entry, image)
+                        await validator.submit(name, entry.type, data, xp=xp)
                 self.tensors_done += 1
                 self._progress(Stage.READ)
 
@@ -760,4 +784,10 @@ async def run_load(
         f"{len(plan.buffers)} buffers",
         force=True,
     )
-    return await load.run(stack)
+    try:
+        return await load.run(stack)
+    except MemoryError as exc:
+        # Host memory refused (a buffer, a staging slot) is a failed load like a refused
+        # mapping, which already is a LoadError: one error, and one exit status, for
+        # running out of memory in every mode.
+        raise LoadError(index.files[0].path, None, f"out of host memory: {exc}") from exc

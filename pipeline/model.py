@@ -55,7 +55,16 @@ class _Tensors(Mapping[str, Any]):
 
 
 class Model:
-    """A loaded GGUF model. Close it (or leave its ``async with``) to free its memory."""
+    """A loaded GGUF model. Close it (or leave its ``async with``) to free its memory.
+
+    Loaded with ``mode="mmap"`` or ``"mlock"``, the host tensors *are* the file: shared
+    mappings of its page cache. If the file is truncated (or rewritten) while such a
+    model is open, the next read of a page that is gone raises SIGBUS, which ends the
+    process; Python cannot catch it. A load notices a change while it runs (it fails
+    with ``LoadError``), but nothing can guard the model afterwards. When the files may
+    change under you (a server, a shared model directory), load with ``mode="none"`` or
+    ``"direct"``: the tensors are then copies in memory of the process's own.
+    """
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ import numpy as np
 from aiogguf.config import Config, LoadMode, NamePattern, PlacementConfig, compile_pattern
 from aiogguf.errors import PlacementError
 from aiogguf.io.devices.base import BufferRole, BufferType, Device, all_buffer_types
+from aiogguf.io.mapping import memlock_limit
 from aiogguf.records import (
     BufferPlan,
     DeviceSummary,
@@ -417,7 +418,7 @@ def make_plan(index: WeightIndex, devices: Sequence[Device], config: Config) -> 
         if name not in memory:
             summary_devices.append(by_name[name])
             memory[name] = by_name[name].memory()
-    _memory_warnings(buffers, cpu, memory, use_mmap, warnings)
+    _memory_warnings(buffers, cpu, memory, mode, warnings)
 
     return Plan(
         devices=tuple(
@@ -553,15 +554,23 @@ def _memory_warnings(
     buffers: Sequence[BufferPlan],
     cpu: Device,
     memory: dict[str, tuple[int, int]],
-    use_mmap: bool,
+    mode: str,
     warnings: _Warnings,
 ) -> None:
+    """A shortfall of memory, in every mode. Copied host buffers (and device buffers)
+    need free memory; mapped ones live in the page cache, which can be evicted, but a
+    load makes every page resident: they must fit in the host's RAM with the copies,
+    and in mode ``mlock`` also in ``RLIMIT_MEMLOCK`` and in free memory (locked pages
+    cannot be evicted)."""
     need: dict[str, int] = {}
+    mapped_bytes = 0
     for b in buffers:
         if b.host:
-            # Mapped CPU buffers live in the page cache, which the kernel can evict.
-            mapped = b.lazy or (use_mmap and b.buffer_type == cpu.buffer_type.name)
-            if not mapped:
+            if b.lazy:
+                continue  # read on demand: nothing has to be resident
+            if mode in MAPPED_MODES and b.buffer_type == cpu.buffer_type.name:
+                mapped_bytes += b.nbytes
+            else:
                 need[cpu.name] = need.get(cpu.name, 0) + b.nbytes
         else:
             need[b.device] = need.get(b.device, 0) + b.nbytes
@@ -571,3 +580,26 @@ def _memory_warnings(
             warnings.add(
                 f"device {name} needs {format_bytes(nbytes)} but has {format_bytes(free)} free"
             )
+    if not mapped_bytes or memory[cpu.name] == (0, 0):
+        return
+    free, total = memory[cpu.name]
+    resident = mapped_bytes + need.get(cpu.name, 0)
+    if resident > total:
+        warnings.add(
+            f"mode {mode}: {format_bytes(resident)} must be resident in memory "
+            f"({format_bytes(mapped_bytes)} mapped) but the host has {format_bytes(total)} "
+            "of RAM: pages will be read again and again"
+        )
+    if mode != "mlock":
+        return
+    limit = memlock_limit()
+    if limit is not None and mapped_bytes > limit:
+        warnings.add(
+            f"mode mlock: {format_bytes(mapped_bytes)} would be locked but RLIMIT_MEMLOCK "
+            f"is {format_bytes(limit)}: the rest stays unlocked (raise it with `ulimit -l`)"
+        )
+    if resident <= total and resident > free:
+        warnings.add(
+            f"mode mlock: {format_bytes(resident)} must be locked or copied but the host "
+            f"has {format_bytes(free)} free"
+        )

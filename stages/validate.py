@@ -39,10 +39,12 @@ import numpy
 from anyio.abc import TaskGroup
 
 from aiogguf.errors import TensorFailure, TensorValidationError
+from aiogguf.io.files import DataFile
 from aiogguf.io.ggml_types import GGMLType, ScaleField, ScaleKind, TypeKind
 from aiogguf.io.workers import LoadThreads
 
 __all__ = [
+    "FileBytes",
     "PieceCheck",
     "TensorChecker",
     "ValidationCollector",
@@ -794,6 +796,50 @@ class PieceCheck:
 CALL_BYTES = 64 * 1024 * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class FileBytes:
+    """A tensor's bytes to check, read from its file rather than from memory mapping it.
+
+    Why: in modes ``mmap``/``mlock`` the tensors *are* shared mappings of the file. If
+    the file is truncated while a check scans such a mapping, the CPU's load from a page
+    that the truncation cut off raises SIGBUS, and the process dies (CPython cannot resume
+    after it). No test beforehand closes that gap: ``MADV_POPULATE_READ`` or an ``fstat``
+    says only that the pages were there a moment ago. ``preadv`` reads the same page
+    cache, so it sees the same bytes; a truncation turns into a short read there, that is
+    a ``LoadError`` naming the file and offset. The pieces land in a per-thread scratch
+    buffer of ``HOST_SLICE_BYTES`` that stays in the CPU cache, which measured as the
+    cheapest piece size (smaller ones pay per call, larger ones spill the cache). Read
+    leases (``F_SETLEASE``) were rejected: only the file's owner may take one, a writer
+    that already has the file open prevents it, and breaking it sends SIGIO, whose
+    default action also ends the process.
+    """
+
+    file: DataFile
+    offset: int
+    nbytes: int
+
+
+# Per-thread scratch for ``FileBytes`` pieces (a thread checks one piece at a time).
+_piece_local = threading.local()
+
+
+def _piece_scratch() -> numpy.ndarray[Any, Any]:
+    scratch: numpy.ndarray[Any, Any] | None = getattr(_piece_local, "buffer", None)
+    if scratch is None:
+        scratch = _piece_local.buffer = numpy.empty(HOST_SLICE_BYTES, dtype=numpy.uint8)
+    return scratch
+
+
+def _update_from_file(checker: TensorChecker, source: FileBytes, start: int, nbytes: int) -> None:
+    """Feed ``checker`` the tensor's bytes ``[start, start + nbytes)``, read piece by piece
+    from the file. Raises ``LoadError`` if the file ends early or a read fails."""
+    scratch = _piece_scratch()
+    for lo in range(start, start + nbytes, HOST_SLICE_BYTES):
+        piece = scratch[: min(HOST_SLICE_BYTES, start + nbytes - lo)]
+        source.file.read_into(piece.data, source.offset + lo)
+        checker.update(piece)
+
+
 class _State(Enum):
     NEW = "new"
     OPEN = "open"
@@ -882,12 +928,13 @@ class ValidationCollector:
                 await self._threads.__aexit__(None, None, None)
 
     async def submit(
-        self, name: str, type: GGMLType, data: Bytes, *, xp: ModuleType | None = None
+        self, name: str, type: GGMLType, data: Bytes | FileBytes, *, xp: ModuleType | None = None
     ) -> None:
         """Start checking tensor ``name``; wait only while too many checks are in flight.
 
-        ``data`` (a 1-D uint8 array) must stay valid and unchanged until the collector's
-        block is left.
+        ``data`` (a 1-D uint8 array, or ``FileBytes`` to read it from its file) must stay
+        valid and unchanged until the collector's block is left. A ``LoadError`` from
+        reading ``FileBytes`` ends the collector's block with that error.
 
         Raises:
             RuntimeError: outside the collector's ``async with`` block.
@@ -900,10 +947,10 @@ class ValidationCollector:
         self._task_group.start_soon(self._check, seq, name, type, data, xp or self._xp)
 
     async def _check(
-        self, seq: int, name: str, type: GGMLType, data: Bytes, xp: ModuleType
+        self, seq: int, name: str, type: GGMLType, data: Bytes | FileBytes, xp: ModuleType
     ) -> None:
         try:
-            nbytes = int(data.shape[0])
+            nbytes = data.nbytes if isinstance(data, FileBytes) else int(data.shape[0])
             failure = precheck(name, type, nbytes)
             if failure is None:
                 checker = TensorChecker(name, type, xp=xp)
@@ -911,7 +958,11 @@ class ValidationCollector:
                 step = max(self._call_bytes // unit, 1) * unit
                 for start in range(0, nbytes, step):
                     began = time.perf_counter()
-                    await self._threads.run_sync(checker.update, data[start : start + step])
+                    if isinstance(data, FileBytes):
+                        n = min(step, nbytes - start)
+                        await self._threads.run_sync(_update_from_file, checker, data, start, n)
+                    else:
+                        await self._threads.run_sync(checker.update, data[start : start + step])
                     self.busy_s += time.perf_counter() - began
                     self.bytes_checked += min(step, nbytes - start)
                 failure = checker.finish()

@@ -38,13 +38,13 @@ BAD_FILES = [
     pytest.param(
         '[pipeline]\nreaders = "four"\n',
         "pipeline.readers",
-        "expected a positive integer or 'auto', got 'four'",
+        "expected an integer in 1..256 or 'auto', got 'four'",
         id="wrong-type",
     ),
     pytest.param(
         '[pipeline]\nreaders = "4"\n',
         "pipeline.readers",
-        "expected a positive integer or 'auto'",
+        "expected an integer in 1..256 or 'auto'",
         id="no-coercion",
     ),
     pytest.param(
@@ -232,7 +232,7 @@ def test_precedence_defaults_file_overrides(tmp_path: Path) -> None:
 def test_override_errors_blame_the_override(tmp_path: Path) -> None:
     path = _write(tmp_path, "[pipeline]\nreaders = 3\n")
     with pytest.raises(
-        ConfigError, match=r"^overrides: pipeline\.readers: expected a positive integer or 'auto'"
+        ConfigError, match=r"^overrides: pipeline\.readers: expected an integer in 1..256 or 'auto'"
     ):
         load_config(path, readers=0)
     with pytest.raises(ConfigError, match=r"^overrides: redaers: unknown setting \(did you"):

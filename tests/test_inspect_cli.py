@@ -74,7 +74,7 @@ def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "nope.gguf" in err
-    assert "cannot read" in err
+    assert "cannot open" in err
 
 
 def test_unexpected_error_exits_1(

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import io
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -327,9 +328,10 @@ async def test_the_operator_widens_keys_and_modes_but_values_stay_capped(served:
         aiohttp.ClientSession() as http,
     ):
         model = served / "in.gguf"
-        status, body = await post(http, url, model, readers=1000)
+        status, body = await post(http, url, model, readers=200)
         assert status == 403
-        assert "readers 1000 is above this server's 2" in body["error"]
+        # The server's own readers are "auto": this machine's count, below 200.
+        assert re.search(r"readers 200 is above this server's \d+", body["error"]), body
         # Accepted; whether the lock then succeeds is RLIMIT_MEMLOCK's business.
         status, body = await post(http, url, model, readers=1, mode="mlock")
         assert status == 201, body

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
+from types import FrameType
 
 from aiogguf.cli.extras import MissingExtraError
 from aiogguf.errors import GGUFError
@@ -25,7 +30,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("aiogguf.cli.serve", "run the HTTP load server"),
 }
 
-EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_INVALID, EXIT_WARNED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+# How long an interrupted command may take to unwind before the process is ended.
+INTERRUPT_GRACE_S = 0.8
+_interrupt_reported = threading.Event()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,9 +55,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_promptly_on_interrupt(command: str) -> None:
+    """Make Ctrl-C end this process within a second, whatever it is doing.
+
+    SIGINT still raises ``KeyboardInterrupt`` in the main thread, so the command unwinds
+    and says "interrupted". But a worker thread blocked in a system call (an ``open`` or
+    a read on a hung filesystem) cannot be cancelled: the load's cleanup waits for it,
+    and so does the interpreter at exit (anyio's worker threads are not daemons). A
+    daemon watchdog, armed by the first SIGINT, ends the process with status 130 if it
+    is still there after ``INTERRUPT_GRACE_S``; the kernel releases what it held.
+    Installed only by the console script: the process is then ours to end.
+    """
+    armed = threading.Event()
+
+    def watchdog() -> None:
+        time.sleep(INTERRUPT_GRACE_S)
+        if not _interrupt_reported.is_set():
+            print(f"aiogguf {command}: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if not armed.is_set():
+            armed.set()
+            threading.Thread(target=watchdog, name="aiogguf-interrupt", daemon=True).start()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script; returns the exit status."""
+    """Entry point of the console script; returns the exit status.
+
+    ``argv`` None (the console script, ``python -m aiogguf``): the command line, and
+    Ctrl-C ends the process within a second. A list: those arguments (for tests and
+    embedding), and signals are left alone.
+    """
     args = build_parser().parse_args(argv)
+    if argv is None and threading.current_thread() is threading.main_thread():
+        _exit_promptly_on_interrupt(args.command)
     try:
         status: int = args._module.run(args)
     except GGUFError as exc:
@@ -60,8 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aiogguf {args.command}: {exc}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
-        print(f"aiogguf {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"aiogguf {args.command}: interrupted", file=sys.stderr, flush=True)
+        _interrupt_reported.set()
+        return EXIT_INTERRUPTED
     except Exception as exc:
         if args.debug:
             raise

@@ -22,9 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 from aiogguf.cli.extras import needs_demo_extra
+from aiogguf.cli.options import positive_int, positive_size
 from aiogguf.config import load_config
 from aiogguf.errors import ConfigError
-from aiogguf.units import format_bytes, parse_size
+from aiogguf.units import format_bytes
 
 if TYPE_CHECKING:
     from aiogguf.testing.bench import SweepResult
@@ -108,16 +109,19 @@ def run(args: argparse.Namespace) -> int:
     if args.config is not None:
         load_config(args.config)  # a bad file fails here, not in every worker
     modes = _modes(args.modes)
-    chunks = [parse_size(v) for v in (args.chunk_sizes or chunks_text).split(",") if v.strip()]
+    chunk_list = (args.chunk_sizes or chunks_text).split(",")
+    chunks = [positive_size(v, "--chunk-sizes") for v in chunk_list if v.strip()]
     readers = _ints(args.readers or readers_text, "--readers")
     depths = _ints(args.queue_depths or depths_text, "--queue-depths")
-    runs = args.runs if args.runs is not None else runs
+    runs = positive_int(args.runs, "--runs") if args.runs is not None else runs
+    if args.settle < 0:
+        raise ConfigError("--settle", "command line", f"must be >= 0, got {args.settle}")
     if args.path:
         path = Path(args.path)
     else:
         with needs_demo_extra("the benchmark's synthetic model"):
             from aiogguf.testing.synth import default_demo_path, ensure_synthetic_model
-        size = parse_size(args.size or size_text)
+        size = positive_size(args.size or size_text, "--size")
         path = default_demo_path(args.dir, size_bytes=size)
         t0 = time.perf_counter()
         with console.status(f"writing a {format_bytes(size)} synthetic model to {path}"):

@@ -13,9 +13,8 @@ from rich.console import Console
 
 from aiogguf.cli.extras import needs_demo_extra
 from aiogguf.cli.loading import load_with_progress, render_report
-from aiogguf.cli.options import add_placement_options, config_from_args
-from aiogguf.errors import ConfigError
-from aiogguf.units import format_bytes, parse_size
+from aiogguf.cli.options import add_placement_options, config_from_args, positive_size
+from aiogguf.units import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +30,8 @@ def run(args: argparse.Namespace) -> int:
     with needs_demo_extra("the demo's synthetic model"):
         from aiogguf.testing.synth import default_demo_path, ensure_synthetic_model
     console = Console()
-    try:
-        size = parse_size(args.size)
-    except ValueError as exc:
-        # A bad argument is the user's error (exit 2 with one line), not a crash.
-        raise ConfigError("--size", None, str(exc)) from exc
+    # A bad argument is the user's error (exit 2 with one line), not a crash.
+    size = positive_size(args.size, "--size")
     path = default_demo_path(args.dir, size_bytes=size, seed=args.seed)
     t0 = time.perf_counter()
     with console.status(f"writing a {format_bytes(size)} synthetic model to {path}"):

@@ -8,8 +8,36 @@ from typing import Any
 
 from aiogguf.config import Config, load_config
 from aiogguf.errors import ConfigError
+from aiogguf.units import parse_size
 
-__all__ = ["add_config_options", "add_placement_options", "config_from_args"]
+__all__ = [
+    "add_config_options",
+    "add_placement_options",
+    "config_from_args",
+    "positive_int",
+    "positive_size",
+]
+
+
+def positive_size(text: str, flag: str) -> int:
+    """Bytes in ``text`` (``64MiB``, ``1GiB``, ``4096``), which must be more than 0.
+
+    Raises ``ConfigError`` naming ``flag`` (the CLI prints one line and exits 2).
+    """
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(flag, "command line", str(exc)) from exc
+    if size <= 0:
+        raise ConfigError(flag, "command line", f"must be more than 0 bytes, got {text!r}")
+    return size
+
+
+def positive_int(value: int, flag: str) -> int:
+    """``value`` if it is at least 1; else ``ConfigError`` naming ``flag``."""
+    if value < 1:
+        raise ConfigError(flag, "command line", f"must be at least 1, got {value}")
+    return value
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
+from aiogguf.cli import EXIT_WARNED
 from aiogguf.cli.options import add_placement_options, config_from_args
 from aiogguf.devices import enumerate_devices
 from aiogguf.records import Plan, WeightIndex
@@ -22,6 +23,9 @@ __all__ = ["add_arguments", "plan_to_json", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH", help="GGUF file (the first split of a split model)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 3 if the plan has any warning (e.g. memory)"
+    )
     add_placement_options(parser)
 
 
@@ -42,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan_to_json(plan), indent=2))
     else:
         _print_plan(plan, args.path)
+    if args.strict and plan.warnings:
+        return EXIT_WARNED
     return 0
 
 

@@ -1,0 +1,475 @@
+"""Fault injection: whatever fails under a load, the load ends in one ``LoadError`` that
+names the file, and leaves nothing behind (no descriptor, thread, mapping of the file,
+simulated device buffer or staging slot). The process survives it.
+
+- Files truncated at a random read call, in every mode, in subprocesses (a SIGBUS
+  would kill the process, so the trials cannot run inside pytest's): ``fault_worker.py``.
+- Files replaced, deleted or rewritten during a load.
+- ``preadv`` failing with EIO, ending early, or returning short; ``O_DIRECT`` refused in
+  the middle of a load; host memory (buffers, staging slots) refused with ENOMEM.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fault_helpers import CallSeam, copy_file, holdings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import aiogguf
+from aiogguf.engine import LoadWarning
+from aiogguf.io import _libc
+from aiogguf.io.devices.cpu import CpuDevice
+from aiogguf.io.devices.pool import staging_pool
+from aiogguf.io.devices.sim import SimDevice, SimUsage
+from aiogguf.testing.synth import SynthModel, write_synthetic_model
+
+MODES = ("none", "direct", "mmap", "mlock")
+WORKER = Path(__file__).with_name("fault_worker.py")
+TRIALS_PER_MODE = 20
+WORKERS_PER_MODE = 2  # processes per mode, each running its share of the trials
+NO_SIM_USAGE = SimUsage(0, 0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
+    path = tmp_path_factory.mktemp("faults") / "f.gguf"
+    return write_synthetic_model(path, size_bytes="2MiB", seed=5, n_layer=4)
+
+
+def _run_worker(mode: str, source: Path, workdir: Path, seeds: list[int]) -> tuple[int, str, str]:
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), mode, str(source), str(workdir), *map(str, seeds)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_truncated_at_random_points_in_every_mode(model: SynthModel, tmp_path: Path) -> None:
+    """Finding 4: a file truncated during an mmap load killed the process (SIGBUS, exit
+    135) from a check thread scanning the mapping. Now every mode, every cut, every
+    moment ends in a LoadError naming the file and an offset, with nothing left behind."""
+    jobs: list[tuple[str, list[int]]] = []
+    for mode in MODES:
+        seeds = list(range(TRIALS_PER_MODE))
+        for w in range(WORKERS_PER_MODE):
+            jobs.append((mode, seeds[w::WORKERS_PER_MODE]))
+    with ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, 2)) as pool:
+        runs = list(
+            pool.map(lambda job: (job[0], *_run_worker(job[0], model.path, tmp_path, job[1])), jobs)
+        )
+    trials: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    for mode, rc, out, err in runs:
+        assert rc == 0, f"mode {mode}: the worker died with status {rc}: {err[-2000:]}"
+        trials[mode].extend(json.loads(line) for line in out.splitlines())
+    for mode, results in trials.items():
+        assert len(results) == TRIALS_PER_MODE, mode
+        for r in results:
+            where = f"mode {mode}, seed {r['seed']} (cut {r['cut']} at call {r['at']})"
+            assert r["fired"], where
+            assert r["outcome"] == "LoadError", f"{where}: {r}"
+            assert r["path"] == r["expected_path"], where
+            assert isinstance(r["offset"], int), f"{where}: {r['message']}"
+            # Other readers may have failed on the same cut: they ride along as notes,
+            # and they are LoadErrors too.
+            assert all(n.startswith("also: LoadError: ") for n in r["notes"]), where
+            assert r["leaks"] == [], where
+
+
+def test_truncated_while_a_mapped_tensor_is_checked(model: SynthModel, tmp_path: Path) -> None:
+    """Finding 4, deterministically: the file is cut to nothing just as the first mapped
+    tensor is handed to the checks. Scanning the mapping would raise SIGBUS."""
+    path = tmp_path / "cut.gguf"
+    copy_file(model.path, path)
+    script = f"""
+import os
+import aiogguf
+from aiogguf.stages.validate import ValidationCollector
+
+original = ValidationCollector.submit
+
+async def submit(self, *args, **kwargs):
+    os.truncate({str(path)!r}, 0)
+    await original(self, *args, **kwargs)
+
+ValidationCollector.submit = submit
+try:
+    with aiogguf.load_sync({str(path)!r}, mode="mmap", check_tensors=True):
+        print("loaded")
+except aiogguf.LoadError as exc:
+    print("LoadError", exc.path, exc.offset)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, f"status {proc.returncode}: {proc.stderr[-2000:]}"
+    kind, named, offset = proc.stdout.split()
+    assert (kind, named) == ("LoadError", str(path))
+    assert int(offset) >= 0
+
+
+# --- in-process faults ----------------------------------------------------------------
+
+
+def _sim() -> SimDevice:
+    return SimDevice("g0", free=64 * 1024**2)
+
+
+def _load(path: Path, mode: str, sim: SimDevice | None, **overrides: Any) -> aiogguf.Model:
+    """Load and close; returns the closed model (its report survives)."""
+    devices = [CpuDevice(), sim] if sim is not None else None
+    if sim is not None:
+        overrides.update(n_gpu_layers=2, staging_buffer_size="128KiB")
+    with (
+        warnings.catch_warnings(),
+        aiogguf.load_sync(
+            path, mode=mode, chunk_size="64KiB", check_tensors=True, devices=devices, **overrides
+        ) as m,
+    ):
+        warnings.simplefilter("ignore")
+        return m
+
+
+def _assert_nothing_beyond_the_pool(sim: SimDevice) -> None:
+    """No device memory or stream is left, and the staging slots are back in the
+    device's pool (which keeps them for the next load): freeing it frees them all."""
+    assert sim.live.buffers == sim.live.streams == 0
+    assert staging_pool(sim).stats().leased_slots == 0
+    aiogguf.release_staging_sync()
+    assert sim.live == NO_SIM_USAGE
+
+
+def _expect_clean_load_error(
+    path: Path, mode: str, sim: SimDevice | None, inject: Callable[[], Any]
+) -> aiogguf.LoadError:
+    """Load under ``inject`` (a context manager factory); the load must fail with one
+    LoadError naming ``path`` and leave nothing behind."""
+    inodes = {path.stat().st_ino}
+    before = holdings(inodes)
+    with inject(), pytest.raises(aiogguf.LoadError) as caught:
+        _load(path, mode, sim)
+    assert caught.value.path == str(path)
+    assert holdings(inodes).leaks(before) == []
+    if sim is not None:
+        _assert_nothing_beyond_the_pool(sim)
+    return caught.value
+
+
+class _FnSeam:
+    """Replaces ``owner.name`` (a function) for a ``with`` block; ``fake(original, count,
+    *args)`` decides what each call does (``count`` is 1-based)."""
+
+    def __init__(self, owner: Any, name: str, fake: Callable[..., Any]) -> None:
+        self.owner, self.name, self.fake = owner, name, fake
+        self.count = 0
+
+    def __enter__(self) -> _FnSeam:
+        self.original = getattr(self.owner, self.name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return self.fake(self.original, self.count, *args, **kwargs)
+
+        setattr(self.owner, self.name, call)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.owner, self.name, self.original)
+
+
+def _count_calls(path: Path, mode: str, sim: SimDevice | None, owner: Any, name: str) -> int:
+    with _FnSeam(owner, name, lambda original, _n, *a, **k: original(*a, **k)) as seam:
+        _load(path, mode, sim)
+    return seam.count
+
+
+def _pick(data: st.DataObject, first: int, last: int, label: str) -> int:
+    """A call number in ``[first, last]``. Drawn as a fraction: how many calls a load
+    makes varies a little from run to run (threads), and hypothesis wants the same
+    strategy on every run of an example."""
+    fraction = data.draw(st.integers(0, 1000), label=label) / 1000
+    return first + round(fraction * max(last - first, 0))
+
+
+CASES = [(mode, gpu) for mode in MODES for gpu in (False, True)]
+FAULT_SETTINGS = settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    derandomize=True,
+)
+
+
+@pytest.mark.parametrize(("mode", "gpu"), CASES)
+@FAULT_SETTINGS
+@given(data=st.data())
+def test_eio_from_preadv_ends_in_one_load_error(
+    model: SynthModel, mode: str, gpu: bool, data: st.DataObject
+) -> None:
+    sim = _sim() if gpu else None
+    total = _count_calls(model.path, mode, sim, os, "preadv")
+    assert total > 0
+    at = _pick(data, 1, total, "failing call")
+
+    def fake(original: Callable[..., int], n: int, *args: Any) -> int:
+        if n == at:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return original(*args)
+
+    error = _expect_clean_load_error(model.path, mode, sim, lambda: _FnSeam(os, "preadv", fake))
+    assert "Input/output error" in str(error)
+
+
+@pytest.mark.parametrize(("mode", "gpu"), CASES)
+@FAULT_SETTINGS
+@given(data=st.data())
+def test_early_end_of_file_ends_in_one_load_error(
+    model: SynthModel, mode: str, gpu: bool, data: st.DataObject
+) -> None:
+    """A read of tensor data that returns 0 bytes (the file ended) at a random call.
+    (Direct mode's probe of the first block at open reads the header: it only asks
+    whether O_DIRECT works, and its length does not matter.)"""
+    sim = _sim() if gpu else None
+    data_reads = 0
+
+    def count(original: Callable[..., int], _n: int, fd: int, bufs: Any, off: int) -> int:
+        nonlocal data_reads
+        data_reads += off > 0
+        return original(fd, bufs, off)
+
+    with _FnSeam(os, "preadv", count):
+        _load(model.path, mode, sim)
+    at = _pick(data, 1, data_reads, "call that finds the end")
+    seen = 0
+
+    def fake(original: Callable[..., int], _n: int, fd: int, bufs: Any, off: int) -> int:
+        nonlocal seen
+        seen += off > 0
+        return 0 if off > 0 and seen == at else original(fd, bufs, off)
+
+    error = _expect_clean_load_error(model.path, mode, sim, lambda: _FnSeam(os, "preadv", fake))
+    assert error.offset is not None
+
+
+def _file_bytes(model: SynthModel) -> dict[str, bytes]:
+    data = model.path.read_bytes()
+    with aiogguf.load_sync(model.path, mode="none", n_gpu_layers=0) as m:
+        return {e.name: data[e.offset : e.end] for e in (m.index[t.name] for t in m.index.tensors)}
+
+
+@pytest.mark.parametrize("mode", ["none", "direct"])
+@FAULT_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1))
+def test_short_reads_are_continued(model: SynthModel, mode: str, seed: int) -> None:
+    """``preadv`` may return fewer bytes than asked anywhere: the load goes on and lands
+    the same bytes."""
+    import random
+
+    rng = random.Random(seed)
+
+    def fake(original: Callable[..., int], _n: int, fd: int, buffers: list[Any], off: int) -> int:
+        view = memoryview(buffers[0]).cast("B")
+        if len(view) > 1 and rng.random() < 0.5:
+            view = view[: rng.randrange(1, len(view))]
+        return original(fd, [view], off)
+
+    expected = _file_bytes(model)
+    with _FnSeam(os, "preadv", fake), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with aiogguf.load_sync(model.path, mode=mode, chunk_size="64KiB") as m:
+            for name, raw in expected.items():
+                assert bytes(m.raw(name)) == raw, name
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+@FAULT_SETTINGS
+@given(data=st.data())
+def test_o_direct_refused_mid_load_falls_back(
+    model: SynthModel, gpu: bool, data: st.DataObject
+) -> None:
+    """A direct read refused (EINVAL) in the middle of a load: the file goes on buffered,
+    with a warning, and every byte lands; nothing is left behind."""
+    sim = _sim() if gpu else None
+    direct_calls = 0
+
+    def count(original: Callable[..., int], _n: int, fd: int, *args: Any) -> int:
+        nonlocal direct_calls
+        direct_calls += _is_direct(fd)
+        return original(fd, *args)
+
+    with _FnSeam(os, "preadv", count):
+        _load(model.path, "direct", sim)
+    if not direct_calls:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    at = _pick(data, 2, direct_calls, "refused direct read")
+    seen = 0
+
+    def refuse(original: Callable[..., int], _n: int, fd: int, *args: Any) -> int:
+        nonlocal seen
+        if _is_direct(fd):
+            seen += 1
+            if seen >= at:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return original(fd, *args)
+
+    expected = _file_bytes(model)
+    inodes = {model.path.stat().st_ino}
+    before = holdings(inodes)
+    devices = [CpuDevice(), sim] if sim is not None else None
+    overrides: dict[str, Any] = {"n_gpu_layers": 2, "staging_buffer_size": "128KiB"} if gpu else {}
+    with _FnSeam(os, "preadv", refuse), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with aiogguf.load_sync(
+            model.path, mode="direct", chunk_size="64KiB", devices=devices, **overrides
+        ) as m:
+            for name, raw in expected.items():
+                if _on_host(m, name):
+                    assert bytes(m.raw(name)) == raw, name
+    said = [str(w.message) for w in caught if issubclass(w.category, LoadWarning)]
+    assert any("O_DIRECT read was refused" in text for text in said), said
+    assert holdings(inodes).leaks(before) == []
+    if sim is not None:
+        _assert_nothing_beyond_the_pool(sim)
+
+
+def _is_direct(fd: int) -> bool:
+    import fcntl
+
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def _on_host(m: aiogguf.Model, name: str) -> bool:
+    return next(t for t in m.plan.tensors if t.name == name).device == "CPU"
+
+
+@pytest.mark.parametrize(("mode", "gpu"), [c for c in CASES if c[1] or c[0] in ("none", "direct")])
+@FAULT_SETTINGS
+@given(data=st.data())
+def test_host_memory_refused_ends_in_one_load_error(
+    model: SynthModel, mode: str, gpu: bool, data: st.DataObject
+) -> None:
+    """ENOMEM from an anonymous mapping (a host buffer, a staging slot) at a random
+    allocation: a LoadError (exit status 2, as for a refused file mapping), not a
+    MemoryError."""
+    sim = _sim() if gpu else None
+
+    seen = 0
+
+    def count(original: Callable[..., mmap.mmap], _n: int, fd: int, *args: Any, **kw: Any):
+        nonlocal seen
+        seen += fd == -1
+        return original(fd, *args, **kw)
+
+    with _FnSeam(mmap, "mmap", count):
+        _load(model.path, mode, sim)
+    aiogguf.release_staging_sync()  # the faulty load pins its staging slots anew
+    assert seen > 0
+    at = _pick(data, 1, seen, "refused allocation")
+    anon = 0
+
+    def refuse(original: Callable[..., mmap.mmap], _n: int, fd: int, *args: Any, **kw: Any):
+        nonlocal anon
+        if fd == -1:
+            anon += 1
+            if anon == at:
+                raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        return original(fd, *args, **kw)
+
+    error = _expect_clean_load_error(model.path, mode, sim, lambda: _FnSeam(mmap, "mmap", refuse))
+    assert "memory" in str(error)
+
+
+@pytest.mark.parametrize("mode", ["mmap", "mlock"])
+@FAULT_SETTINGS
+@given(data=st.data())
+def test_populate_failing_ends_in_one_load_error(
+    model: SynthModel, mode: str, data: st.DataObject
+) -> None:
+    """EIO from making mapped pages resident (``MADV_POPULATE_READ``) at a random call."""
+    populates = 0
+
+    def count(original: Callable[..., None], _n: int, addr: int, size: int, advice: int) -> None:
+        nonlocal populates
+        populates += advice == _libc.MADV_POPULATE_READ
+        original(addr, size, advice)
+
+    with _FnSeam(_libc, "madvise", count):
+        _load(model.path, mode, None)
+    at = _pick(data, 1, populates, "failing populate")
+    seen = 0
+
+    def fail(original: Callable[..., None], _n: int, addr: int, size: int, advice: int) -> None:
+        nonlocal seen
+        if advice == _libc.MADV_POPULATE_READ:
+            seen += 1
+            if seen == at:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        original(addr, size, advice)
+
+    error = _expect_clean_load_error(
+        model.path, mode, None, lambda: _FnSeam(_libc, "madvise", fail)
+    )
+    assert "Input/output error" in str(error)
+
+
+# --- files replaced, deleted, rewritten ------------------------------------------------
+
+
+def _change_during_load(
+    tmp_path: Path, model: SynthModel, mode: str, change: Callable[[Path], None]
+) -> aiogguf.LoadError:
+    path = tmp_path / f"changing-{mode}.gguf"
+    copy_file(model.path, path)
+    inodes = {path.stat().st_ino}
+    before = holdings(inodes)
+    seam = CallSeam(lambda: change(path), 2)
+    with seam.installed(), pytest.raises(aiogguf.LoadError) as caught:
+        _load(path, mode, None)
+    assert seam.fired
+    assert caught.value.path == str(path)
+    assert holdings(inodes).leaks(before) == []
+    return caught.value
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_file_replaced_during_load(tmp_path: Path, model: SynthModel, mode: str) -> None:
+    def replace(path: Path) -> None:
+        other = path.with_suffix(".new")
+        copy_file(model.path, other)
+        os.replace(other, path)
+
+    error = _change_during_load(tmp_path, model, mode, replace)
+    assert "replaced" in str(error)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_file_deleted_during_load(tmp_path: Path, model: SynthModel, mode: str) -> None:
+    error = _change_during_load(tmp_path, model, mode, lambda p: p.unlink())
+    assert "deleted" in str(error)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_file_rewritten_during_load(tmp_path: Path, model: SynthModel, mode: str) -> None:
+    def rewrite(path: Path) -> None:
+        with open(path, "r+b") as f:
+            f.seek(-16, os.SEEK_END)
+            f.write(b"\0" * 16)
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+    error = _change_during_load(tmp_path, model, mode, rewrite)
+    assert "modified" in str(error)
