@@ -7,7 +7,6 @@ import contextlib
 import errno
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -137,32 +136,39 @@ def test_checks_run_apart_so_the_disk_gets_its_next_read(
 ) -> None:
     """O_DIRECT data arrives by DMA, not through the cache, so nothing is gained by
     checking it on the reader's thread: checks run on the check threads while the
-    readers go on with the next reads."""
+    readers go on with the next reads. With one reader, the first check holds until a
+    read has started: were checks on the reader's thread, none could start (and the
+    check would give up waiting after 10 s)."""
     from aiogguf.engine import _Load
     from aiogguf.io.files import DataFile
 
     m = write_synthetic_model(disk_dir / "apart.gguf", size_bytes="4MiB", seed=5)
-    spans: dict[str, list[tuple[float, float, str]]] = {"read": [], "check": []}
+    threads: dict[str, set[str]] = {"read": set(), "check": set()}
+    checking = threading.Event()
+    read_during_check = threading.Event()
     read_direct_into = DataFile.read_direct_into
     check_piece = _Load._check_piece
 
-    def timed(kind: str, fn: Any, pause: float) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            time.sleep(pause)
-            result = fn(*args, **kwargs)
-            spans[kind].append((start, time.perf_counter(), threading.current_thread().name))
-            return result
+    def read(*args: Any, **kwargs: Any) -> Any:
+        threads["read"].add(threading.current_thread().name)
+        if checking.is_set():
+            read_during_check.set()
+        return read_direct_into(*args, **kwargs)
 
-        return wrapper
+    def check(*args: Any, **kwargs: Any) -> Any:
+        threads["check"].add(threading.current_thread().name)
+        if not checking.is_set():
+            checking.set()
+            read_during_check.wait(10)
+        return check_piece(*args, **kwargs)
 
-    monkeypatch.setattr(DataFile, "read_direct_into", timed("read", read_direct_into, 0.002))
-    monkeypatch.setattr(_Load, "_check_piece", timed("check", check_piece, 0.02))
-    with aiogguf.load_sync(m.path, mode="direct", chunk_size="256KiB", n_gpu_layers=0) as model:
+    monkeypatch.setattr(DataFile, "read_direct_into", read)
+    monkeypatch.setattr(_Load, "_check_piece", check)
+    with aiogguf.load_sync(
+        m.path, mode="direct", chunk_size="256KiB", readers=1, n_gpu_layers=0
+    ) as model:
         assert model.report.files[0].direct
         assert model.report.validated == m.n_tensors
-    assert len(spans["read"]) >= 8
-    assert {name.rsplit("-", 1)[0] for *_, name in spans["check"]} == {"aiogguf-check"}
-    assert {name.rsplit("-", 1)[0] for *_, name in spans["read"]} == {"aiogguf-reader"}
-    overlapping = [r for r in spans["read"] if any(c[0] < r[0] < c[1] for c in spans["check"])]
-    assert overlapping, "no read started while a check was running"
+    assert read_during_check.is_set(), "no read started while a check was running"
+    assert {name.rsplit("-", 1)[0] for name in threads["check"]} == {"aiogguf-check"}
+    assert {name.rsplit("-", 1)[0] for name in threads["read"]} == {"aiogguf-reader"}

@@ -230,12 +230,8 @@ async def test_concurrent_loads_cancel_and_latency(tmp_path: Path) -> None:
         _, health = await get_json(http, f"{url}/healthz")
         assert health["limiter"]["loads"] == health["limiter"]["readers"] == 0
 
+        # The server kept answering while it loaded (its latency: the timing test).
         assert len(sampler.latencies_s) >= 100, f"only {len(sampler.latencies_s)} samples"
-        p99s_ms = [p99(sampler.latencies_s) * 1e3]
-        while p99s_ms[-1] >= P99_LIMIT_MS and len(p99s_ms) < LATENCY_ROUNDS:
-            p99s_ms.append(await latency_round(http, url, (a, b)))
-        print(f"/healthz p99 during loads: {', '.join(f'{p:.2f} ms' for p in p99s_ms)}")
-        assert p99s_ms[-1] < P99_LIMIT_MS, p99s_ms
 
     # Server and client closed: back to the descriptors we started with.
     with anyio.fail_after(5):
@@ -463,3 +459,18 @@ async def test_serve_warms_the_process_up_before_it_listens(tmp_path: Path) -> N
     assert not scope.cancelled_caught
     # Two transfer threads, two 16 MiB slots each: pinned before the first request.
     assert pinned_when_listening == [2 * 2 * 16 * 1024**2]
+
+
+@pytest.mark.timing
+@pytest.mark.asyncio
+async def test_healthz_latency_during_loads(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_synthetic_model(a, size_bytes="64MiB", seed=1)
+    write_synthetic_model(b, size_bytes="64MiB", seed=2)
+    app = create_app(roots=[tmp_path], policy=SIM_POLICY)
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        p99s_ms = [await latency_round(http, url, (a, b))]
+        while p99s_ms[-1] >= P99_LIMIT_MS and len(p99s_ms) < LATENCY_ROUNDS:
+            p99s_ms.append(await latency_round(http, url, (a, b)))
+    print(f"/healthz p99 during loads: {', '.join(f'{p:.2f} ms' for p in p99s_ms)}")
+    assert p99s_ms[-1] < P99_LIMIT_MS, p99s_ms

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import anyio
 import numpy as np
@@ -33,6 +32,7 @@ from aiogguf.io.devices.sim import (
     RingViolation,
     SimDevice,
     SimDeviceBuffer,
+    SimEvent,
     SimStagingSlot,
     SimUsage,
 )
@@ -117,44 +117,42 @@ def test_two_devices_get_exact_bytes(
 
 
 @pytest.mark.asyncio
-async def test_waits_sit_before_slot_reuse_and_never_block_the_loop() -> None:
+async def test_waits_sit_before_slot_reuse_and_never_block_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # 40 KiB per copy at 100 KB/s: every copy takes ~400 ms and, with one slot, every
-    # job after the first must wait for the previous copy. The loop keeps ticking.
+    # job after the first must wait for the previous copy: on a transfer thread.
     sim = SimDevice("g0", bandwidth=100_000)
     config = ring_config(1, 40 * KiB)
     payload = np.frombuffer(random.Random(3).randbytes(120 * KiB), np.uint8)
     jobs = [ReadJob(i, 0, 0, i * 40 * KiB, 40 * KiB, i * 40 * KiB, 0, 0) for i in range(3)]
     target = Target("g0", payload, jobs)
-    lags: list[float] = []
     landed: list[int] = []
-    done = anyio.Event()
+    waiters: list[threading.Thread] = []
+    synchronize = SimEvent.synchronize
 
-    async def ticker() -> None:
-        while not done.is_set():
-            start = time.perf_counter()
-            await anyio.sleep(0.002)
-            lags.append(time.perf_counter() - start - 0.002)
+    def recorded(event: SimEvent) -> None:
+        waiters.append(threading.current_thread())
+        synchronize(event)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        async with open_uploader({"g0": sim}, config, threads=1) as up:
-            buf = await up.allocate("g0", payload.nbytes)
-            await up.transfer(
-                [(job, buf) for job in jobs],
-                fill_from([target]),
-                landed=lambda job: landed.append(job.seq),
-            )
-            # Every copy completed before transfer() returned.
-            assert bytes(buf.to_host(0, buf.nbytes)) == payload.tobytes()
-            stats = stats_by_device(up)["g0"]
-            assert stats.slots == 1
-            assert stats.slot_waits == 2
-            assert stats.wait_s > 0.5
-        done.set()
+    monkeypatch.setattr(SimEvent, "synchronize", recorded)
+    async with open_uploader({"g0": sim}, config, threads=1) as up:
+        buf = await up.allocate("g0", payload.nbytes)
+        await up.transfer(
+            [(job, buf) for job in jobs],
+            fill_from([target]),
+            landed=lambda job: landed.append(job.seq),
+        )
+        # Every copy completed before transfer() returned.
+        assert bytes(buf.to_host(0, buf.nbytes)) == payload.tobytes()
+        stats = stats_by_device(up)["g0"]
+        assert stats.slots == 1
+        assert stats.slot_waits == 2
     buf.close()
     assert landed == [0, 1, 2]  # told on the loop, job by job
-    # A wait on the loop would hold it for ~400 ms; allow for a busy test machine.
-    assert max(lags) < 0.2, f"event loop held for {max(lags):.3f} s"
+    assert len(waiters) == 2
+    assert threading.current_thread() not in waiters
+    assert {t.name.rsplit("-", 1)[0] for t in waiters} == {"test-transfer"}
 
 
 @pytest.mark.asyncio
