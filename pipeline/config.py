@@ -39,7 +39,7 @@ from pydantic_core import ErrorDetails
 from aiogguf.errors import ConfigError
 from aiogguf.io.devices.sim import SIM_COPY_BYTES_PER_S, SIM_COPY_LATENCY_US, SIM_PIN_S_PER_GIB
 from aiogguf.io.ggml_types import ggml_type_by_name
-from aiogguf.units import parse_size
+from aiogguf.units import format_size, parse_size
 
 __all__ = [
     "Config",
@@ -53,7 +53,6 @@ __all__ = [
     "ServerConfig",
     "SimDeviceConfig",
     "compile_pattern",
-    "format_size",
     "load_config",
 ]
 
@@ -500,14 +499,6 @@ def _sim_device(value: Any) -> Any:
 
 
 # --- writing TOML -----------------------------------------------------------------------
-
-
-def format_size(n: int) -> str:
-    """``n`` bytes as ``"64MiB"`` when a binary unit divides it exactly, else ``"1000"``."""
-    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 def _fields(section: _Section) -> list[tuple[str, Any]]:

@@ -13,11 +13,54 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Generic, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-__all__ = ["Progress", "ProgressCallback", "ProgressHub", "Stage"]
+__all__ = ["FanOut", "Progress", "ProgressCallback", "ProgressHub", "Stage"]
+
+T = TypeVar("T")
+
+
+class FanOut(Generic[T]):
+    """Items to any number of subscribers, each with a small bounded buffer. A slow or
+    departed subscriber misses intermediate items and never slows the publisher; the
+    last place of every buffer is kept for the final item, which always arrives."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[MemoryObjectSendStream[T]] = []
+        self.closed = False
+
+    def subscribe(self, buffer: int, current: T | None = None) -> MemoryObjectReceiveStream[T]:
+        """A stream of the items published from now on, starting with ``current`` (if
+        given); it ends after the final item (at once, if that was already published)."""
+        send, receive = anyio.create_memory_object_stream[T](buffer)
+        if current is not None:
+            send.send_nowait(current)
+        if self.closed:
+            send.close()
+        else:
+            self._subscribers.append(send)
+        return receive
+
+    def publish(self, item: T, *, final: bool = False) -> None:
+        for send in self._subscribers:
+            stats = send.statistics()
+            if final or stats.current_buffer_used < stats.max_buffer_size - 1:
+                with contextlib.suppress(
+                    anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError
+                ):
+                    send.send_nowait(item)
+        if final:
+            self.close()
+
+    def close(self) -> None:
+        """End every subscriber's stream; later subscribers get only ``current``."""
+        self.closed = True
+        for send in self._subscribers:
+            send.close()
+        self._subscribers.clear()
 
 
 class Stage(StrEnum):
@@ -63,10 +106,9 @@ class ProgressHub:
     def __init__(self, callback: ProgressCallback | None = None, interval_s: float = 0.05) -> None:
         self._callback = callback
         self._interval_s = interval_s
-        self._subscribers: list[MemoryObjectSendStream[Progress]] = []
+        self._fan = FanOut[Progress]()
         self._started = time.perf_counter()
         self._last_emit = -math.inf
-        self._closed = False
         self.last: Progress | None = None
 
     def elapsed(self) -> float:
@@ -74,14 +116,7 @@ class ProgressHub:
 
     def subscribe(self, buffer: int = 64) -> MemoryObjectReceiveStream[Progress]:
         """A stream of this load's events; it ends after the final event."""
-        send, receive = anyio.create_memory_object_stream[Progress](buffer)
-        if self._closed:
-            if self.last is not None:
-                send.send_nowait(self.last)
-            send.close()
-        else:
-            self._subscribers.append(send)
-        return receive
+        return self._fan.subscribe(buffer, self.last if self._fan.closed else None)
 
     async def events(self) -> AsyncIterator[Progress]:
         async with self.subscribe() as stream:
@@ -115,17 +150,7 @@ class ProgressHub:
         self.last = event
         if self._callback is not None:
             self._callback(event)
-        for send in self._subscribers:
-            stats = send.statistics()
-            # The last place of every buffer is kept for the final event.
-            if event.final or stats.current_buffer_used < stats.max_buffer_size - 1:
-                # A slow or departed subscriber never costs the load any time.
-                with contextlib.suppress(
-                    anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError
-                ):
-                    send.send_nowait(event)
-        if event.final:
-            self.close()
+        self._fan.publish(event, final=event.final)
 
     def end(self, stage: Stage, message: str) -> None:
         """The final event of a load that did not finish: the last counts, and why."""
@@ -144,9 +169,4 @@ class ProgressHub:
             )
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for send in self._subscribers:
-            send.close()
-        self._subscribers.clear()
+        self._fan.close()

@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import os
-import re
 import secrets
 import signal
 import time
@@ -52,13 +51,13 @@ from typing import Any
 import anyio
 from aiohttp import web
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from aiogguf.api import LoadHandle, load, warm_up
 from aiogguf.config import Config, load_config
 from aiogguf.devices import enumerate_devices
 from aiogguf.errors import ConfigError, GGUFError, LoadError, PathNotAllowedError
-from aiogguf.events import Progress
+from aiogguf.events import FanOut, Progress
 from aiogguf.io.devices.base import Device
 from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
 from aiogguf.model import Model
@@ -73,6 +72,7 @@ from aiogguf.server_policy import (
     request_config,
     server_base_config,
 )
+from aiogguf.stages.parse import split_count_from_name
 
 __all__ = [
     "LimiterStats",
@@ -86,9 +86,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("aiogguf.server")
-
-# The split naming pattern of gguf-split: a load of one shard reads all of them.
-_SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 class LoadState(StrEnum):
@@ -215,7 +212,7 @@ class _Entry:
         self.unload = anyio.Event()
         self.finished = anyio.Event()
         self.holds_memory = True  # loading or ready: counted against the server's limits
-        self._subscribers: list[MemoryObjectSendStream[dict[str, Any]]] = []
+        self._fan = FanOut[dict[str, Any]]()
         # Set (and replaced) whenever subscribers may have something new.
         self.changed = anyio.Event()
 
@@ -256,35 +253,18 @@ class _Entry:
             self.publish()
 
     def publish(self) -> None:
-        snapshot = self.snapshot()
-        final = self.settled
-        for send in self._subscribers:
-            stats = send.statistics()
-            # The last place of every buffer is kept for the final snapshot; a slow
-            # client misses intermediate ones, never the end, and never slows the load.
-            if final or stats.current_buffer_used < stats.max_buffer_size - 1:
-                with contextlib.suppress(
-                    anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError
-                ):
-                    send.send_nowait(snapshot)
-        if final:
-            self.close_subscribers()
+        # A slow client misses intermediate snapshots, never the end.
+        self._fan.publish(self.snapshot(), final=self.settled)
         self._notify()
 
     def subscribe(self, buffer: int = 32) -> MemoryObjectReceiveStream[dict[str, Any]]:
         """Snapshots from now on, starting with the current one; ends once settled."""
-        send, receive = anyio.create_memory_object_stream[dict[str, Any]](buffer)
-        send.send_nowait(self.snapshot())
         if self.settled:
-            send.close()
-        else:
-            self._subscribers.append(send)
-        return receive
+            self._fan.close()
+        return self._fan.subscribe(buffer, self.snapshot())
 
     def close_subscribers(self) -> None:
-        for send in self._subscribers:
-            send.close()
-        self._subscribers.clear()
+        self._fan.close()
         self._notify()
 
     def _notify(self) -> None:
@@ -514,11 +494,6 @@ class LoaderRegistry:
 # --- request parsing -----------------------------------------------------------------
 
 
-def _split_count(path: str) -> int:
-    match = _SPLIT_NAME.search(os.path.basename(path))
-    return int(match.group(2)) if match else 1
-
-
 async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Request:
     try:
         body = json.loads(await request.read())
@@ -556,7 +531,7 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
             devices = await anyio.to_thread.run_sync(enumerate_devices, config)
         except ConfigError as exc:
             raise RequestRefused(_one_line(exc)) from exc
-        splits = _split_count(path)
+        splits = split_count_from_name(path)
         readers = config.pipeline.readers_for(path) * splits
         gpus = sum(1 for d in devices if d.kind != "cpu")
         staging = 0

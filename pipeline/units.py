@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "parse_size"]
+__all__ = ["format_bytes", "format_size", "parse_size"]
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -42,6 +42,15 @@ def parse_size(value: int | str) -> int:
     if match is None or unit not in _UNITS:
         raise ValueError(f"expected a size like '64MiB' or '1GiB', got {value!r}")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes as ``parse_size`` reads them back: ``"64MiB"`` when a binary unit
+    divides it exactly, else ``"1000"``."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
 
 
 def format_bytes(n: int | float) -> str:

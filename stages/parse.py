@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 from pathlib import Path
 from types import MappingProxyType
@@ -24,6 +25,7 @@ import anyio.to_thread
 import numpy as np
 
 from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError
+from aiogguf.io.files import align_up
 from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
 from aiogguf.io.opener import OpenFiles
 from aiogguf.records import (
@@ -100,10 +102,6 @@ class NeedMoreBytes(Exception):
     def __init__(self, end: int) -> None:
         super().__init__(end)
         self.end = end
-
-
-def _pad(x: int, alignment: int) -> int:
-    return (x + alignment - 1) // alignment * alignment
 
 
 class _HeaderParser:
@@ -456,7 +454,7 @@ class _HeaderParser:
         end_of_infos = self.pos
         # The writers always pad, also with no tensors; the C reader then skips the pad,
         # which may point past EOF (a vocab-only file), so that case is not an error.
-        data_offset = _pad(end_of_infos, self.alignment)
+        data_offset = align_up(end_of_infos, self.alignment)
         if self.tensors and data_offset > self.file_size:
             raise self.error(
                 end_of_infos,
@@ -474,7 +472,7 @@ class _HeaderParser:
                     f"{info.offset}, expected {expected} (tensors must follow each other in "
                     f"file order, each padded to {self.alignment} bytes)",
                 )
-            expected += _pad(info.nbytes, self.alignment)
+            expected += align_up(info.nbytes, self.alignment)
             if data_offset + expected >= U64_LIMIT:
                 raise self.error(
                     info.info_offset, f"tensor '{info.name}'", "data section size overflows 64 bits"
@@ -567,6 +565,16 @@ def _pread_upto(fd: int, offset: int, nbytes: int) -> bytes:
         parts.append(part)
         done += len(part)
     return b"".join(parts)
+
+
+# The name of a split of a set (gguf-split's naming): ``<prefix>-00002-of-00005.gguf``.
+_SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_count_from_name(path: str | os.PathLike[str]) -> int:
+    """How many splits the name of ``path`` says its set has (1 for a single file)."""
+    match = _SPLIT_NAME.search(Path(path).name)
+    return int(match.group(2)) if match else 1
 
 
 def split_paths(path: str | os.PathLike[str], split_no: int, split_count: int) -> list[str]:

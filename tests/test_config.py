@@ -18,11 +18,10 @@ from aiogguf.config import (
     PathLimit,
     PipelineConfig,
     SimDeviceConfig,
-    format_size,
     load_config,
 )
 from aiogguf.errors import ConfigError
-from aiogguf.units import parse_size
+from aiogguf.units import format_size, parse_size
 
 
 def _write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aiogguf.io.ggml_types import GGML_TYPES, GGMLType, ScaleField, ScaleKind, ggml_type_by_name
-from aiogguf.units import parse_size
+from aiogguf.units import format_size, parse_size
 
 __all__ = [
     "PRESET_NAMES",
@@ -794,13 +794,6 @@ def write_synthetic_model(
 # The demo model: written once, reused while complete.
 
 
-def _size_label(size_bytes: int) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if size_bytes % scale == 0:
-            return f"{size_bytes // scale}{unit}"
-    return f"{size_bytes}B"
-
-
 def default_demo_path(
     dir: str | os.PathLike[str] | None = None,
     *,
@@ -817,7 +810,7 @@ def default_demo_path(
         cache = os.environ.get("XDG_CACHE_HOME")
         base = (Path(cache) if cache else Path.home() / ".cache") / "aiogguf"
     suffix = "" if types == "mixed" else f"-{types}"
-    return base / f"demo-{_size_label(parse_size(size_bytes))}-s{seed}{suffix}.gguf"
+    return base / f"demo-{format_size(parse_size(size_bytes))}-s{seed}{suffix}.gguf"
 
 
 def _sidecar(path: Path) -> Path:
