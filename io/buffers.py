@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from aiogguf.errors import ClosedResourceError
 from aiogguf.io import _libc
 
 if TYPE_CHECKING:
@@ -41,7 +42,6 @@ __all__ = [
     "PAGE_BYTES",
     "ByteRegion",
     "Closeable",
-    "ClosedResourceError",
     "ExternalBuffer",
     "HostBuffer",
     "ResourceState",
@@ -61,17 +61,6 @@ class ResourceState(enum.Enum):
 
     OPEN = "open"
     CLOSED = "closed"
-
-
-class ClosedResourceError(ValueError):
-    """A buffer, file or mapping was used after ``close()`` — a bug in the caller.
-
-    A ``ValueError`` like Python's own "I/O operation on closed file".
-    """
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        super().__init__(f"{what} is closed")
 
 
 class Closeable:

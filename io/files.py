@@ -21,8 +21,8 @@ import stat
 import threading
 from typing import TYPE_CHECKING
 
-from aiogguf.errors import LoadError
-from aiogguf.io.buffers import Closeable, ClosedResourceError, ResourceState, buffer_address
+from aiogguf.errors import ClosedResourceError, LoadError
+from aiogguf.io.buffers import Closeable, ResourceState, buffer_address
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

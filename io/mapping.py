@@ -39,12 +39,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from aiogguf.errors import LoadError
+from aiogguf.errors import ClosedResourceError, LoadError
 from aiogguf.io import _libc
 from aiogguf.io.buffers import (
     PAGE_BYTES,
     Closeable,
-    ClosedResourceError,
     ResourceState,
     buffer_address,
 )

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from aiogguf.api import warm_up_sync as warm_up_sync
     from aiogguf.config import Config as Config
     from aiogguf.errors import BigEndianError as BigEndianError
+    from aiogguf.errors import ClosedResourceError as ClosedResourceError
     from aiogguf.errors import ConfigError as ConfigError
     from aiogguf.errors import GGUFError as GGUFError
     from aiogguf.errors import GGUFFormatError as GGUFFormatError
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 # Public name → the module that defines it.
 _EXPORTS: dict[str, str] = {
     "BigEndianError": "aiogguf.errors",
+    "ClosedResourceError": "aiogguf.errors",
     "Config": "aiogguf.config",
     "ConfigError": "aiogguf.errors",
     "GGUFError": "aiogguf.errors",

@@ -12,6 +12,9 @@ Every error a user can see from aiogguf is one of these::
     │   └── PathNotAllowedError    a file outside the roots a loader may read (a server's)
     └── TensorValidationError      every bad tensor of a load, at once (``.failures``)
 
+    ClosedResourceError            a model, buffer, file or mapping used after close():
+                                   a bug in the caller, so a ValueError, not a GGUFError
+
 Low-level errors (``OSError``, ``struct.error``, CuPy's) are translated where they
 happen, with ``raise ... from exc``; one escaping unchanged is a bug. What does not stop a
 load is a ``LoadWarning`` (a ``UserWarning``).
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "BigEndianError",
+    "ClosedResourceError",
     "ConfigError",
     "GGUFError",
     "GGUFFormatError",
@@ -149,3 +153,12 @@ class TensorValidationError(GGUFError):
 class LoadWarning(UserWarning):
     """Something about a load the user should know, that does not stop it: a fallback
     (O_DIRECT refused, mode ``none`` instead), a limit too low (``RLIMIT_MEMLOCK``)."""
+
+
+class ClosedResourceError(ValueError):
+    """A model, buffer, file or mapping was used after ``close()``: a bug in the caller,
+    not a bad file. A ``ValueError`` like Python's own "I/O operation on closed file"."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"{what} is closed")

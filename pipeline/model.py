@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from aiogguf.errors import GGUFError, TensorFailure
+from aiogguf.errors import ClosedResourceError, TensorFailure
 from aiogguf.images import DeviceImage, Image
 from aiogguf.jobs import TensorSlot
 from aiogguf.records import MetadataValue, Plan, TensorEntry, WeightIndex
@@ -96,7 +96,7 @@ class Model:
 
     def _image(self, name: str) -> tuple[Image, TensorSlot]:
         if self._state is ModelState.CLOSED:
-            raise GGUFError(f"model {self.index.files[0].path} is closed")
+            raise ClosedResourceError(f"model {self.index.files[0].path}")
         if name not in self.index:
             raise KeyError(name)
         slot = self._slots[name]

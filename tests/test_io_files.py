@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiogguf.errors import LoadError
-from aiogguf.io.buffers import ClosedResourceError, HostBuffer, ResourceState
+from aiogguf.errors import ClosedResourceError, LoadError
+from aiogguf.io.buffers import HostBuffer, ResourceState
 from aiogguf.io.files import (
     DIRECT_ALIGNMENT,
     DataFile,

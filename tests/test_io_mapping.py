@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import aiogguf.io.mapping as mapping_module
-from aiogguf.errors import LoadError
+from aiogguf.errors import ClosedResourceError, LoadError
 from aiogguf.io import _libc
-from aiogguf.io.buffers import PAGE_BYTES, ClosedResourceError, ResourceState
+from aiogguf.io.buffers import PAGE_BYTES, ResourceState
 from aiogguf.io.files import align_down, align_up, open_file
 from aiogguf.io.mapping import (
     FileMapping,

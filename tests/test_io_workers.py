@@ -79,3 +79,24 @@ async def test_a_thread_takes_its_next_call_without_the_loop() -> None:
         # Block the loop thread on purpose: only the worker can make progress now.
         assert both.wait(timeout=10), f"ran {ran} while the loop was busy"
     assert ran == ["a", "b"]
+
+
+@pytest.mark.asyncio
+async def test_a_thread_schedules_work_on_the_loop() -> None:
+    """``call_soon`` (anyio's backend ``run_sync_soon``, the one call that needs anyio
+    4.16 and below 5): from a load's thread, ``fn`` runs on the loop's thread."""
+    loop_thread = threading.current_thread()
+    ran_on: list[threading.Thread] = []
+    done = anyio.Event()
+
+    def on_loop(value: int) -> None:
+        ran_on.append(threading.current_thread())
+        assert value == 7
+        done.set()
+
+    async with LoadThreads(1) as threads:
+
+        await threads.run_sync(threads.call_soon, on_loop, 7)
+        with anyio.fail_after(5):
+            await done.wait()
+    assert ran_on == [loop_thread]

@@ -58,8 +58,12 @@ async def test_progress_callback(model_file: SynthModel) -> None:
         _assert_progress(events, model_file.tensor_bytes)
         assert events[-1].tensors_total == model_file.n_tensors
     assert m.state is ModelState.CLOSED
-    with pytest.raises(GGUFError, match="closed"):
+    # Use after close is the caller's bug, not a bad model: its own error, no GGUFError
+    # (which the CLI reports as an invalid model, exit 2).
+    with pytest.raises(aiogguf.ClosedResourceError, match="closed") as caught:
         m.tensors[model_file.tensors[0].name]
+    assert not isinstance(caught.value, GGUFError)
+    assert isinstance(caught.value, ValueError)
 
 
 @pytest.mark.asyncio
