@@ -30,25 +30,12 @@ _sim_lock = threading.Lock()
 
 
 def sim_device(config: SimDeviceConfig, index: int) -> SimDevice:
-    """A new device for one ``[[device]]`` entry, ``index`` naming it ``g<index>``."""
-    return SimDevice(
-        config.name if config.name is not None else f"g{index}",
-        kind=config.kind,
-        free=config.free,
-        total=config.total,
-        device_id=config.id,
-        unsupported=config.unsupported,
-        host_pointer=config.host_pointer,
-        async_copies=config.async_copies,
-        events=config.events,
-        pinned_host=config.pinned_host,
-        split_buffer=config.split_buffer,
-        mmap=config.mmap,
-        bandwidth=config.bandwidth,
-        copy_latency_us=config.copy_latency_us,
-        pin_s_per_gib=config.pin_s_per_gib,
-        max_delay_ms=config.max_delay_ms,
-    )
+    """A new device for one ``[[device]]`` entry, ``index`` naming it ``g<index>``. The
+    entry's fields are the device's settings, by the same names (``id`` is its
+    ``device_id``)."""
+    settings = config.model_dump(exclude={"name", "id"})
+    name = config.name if config.name is not None else f"g{index}"
+    return SimDevice(name, device_id=config.id, **settings)
 
 
 def sim_devices(configs: Sequence[SimDeviceConfig]) -> tuple[SimDevice, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+import warnings
 from typing import Any
 
 import pytest
@@ -186,3 +187,21 @@ def test_cupy_device_without_driver_reports_no_devices(monkeypatch: pytest.Monke
     fake.cuda.runtime.getDeviceCount = no_driver
     monkeypatch.setattr(cupy_backend, "import_cupy", lambda: fake)
     assert cupy_backend.cupy_devices() == ()
+
+
+def test_a_broken_cupy_is_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CuPy installed but failing to start (a broken CUDA install) must not quietly
+    become a CPU load: one RuntimeWarning says so, then the load goes on without GPUs."""
+    real_import = __import__
+
+    def importer(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "cupy":
+            raise RuntimeError("CUDA driver version is insufficient")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.__import__", importer)
+    with pytest.warns(RuntimeWarning, match="CuPy is installed but cannot be imported"):
+        assert cupy_backend.import_cupy() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cupy_backend.import_cupy() is None  # said once

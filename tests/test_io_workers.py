@@ -95,7 +95,6 @@ async def test_a_thread_schedules_work_on_the_loop() -> None:
         done.set()
 
     async with LoadThreads(1) as threads:
-
         await threads.run_sync(threads.call_soon, on_loop, 7)
         with anyio.fail_after(5):
             await done.wait()

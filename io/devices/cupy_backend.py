@@ -169,10 +169,12 @@ def cupy_devices() -> tuple[CupyDevice, ...]:
 
 
 def forget_cupy_devices() -> None:
-    """Drop the cached discovery (tests that fake CuPy)."""
+    """Drop the cached discovery, and the memory of a broken CuPy having been said
+    (tests that fake CuPy)."""
     global _discovered
     with _discovery_lock:
         _discovered = None
+        _warned.clear()
 
 
 def _discover() -> tuple[CupyDevice, ...]:
