@@ -53,17 +53,15 @@ def to_native(
 ) -> None:
     """Byte-swap one tensor's bytes in place, from the other byte order to this host's.
 
-    Args:
-        type: the tensor's ggml type.
-        data: its bytes, a writable 1-D uint8 array of whole elements.
-        path: the file it came from, for the error message.
-        name: the tensor's name, for the error message.
-        offset: the tensor's absolute file offset, for the error message.
+    ``type``: the tensor's ggml type.
+    ``data``: its bytes, a writable 1-D uint8 array of whole elements.
+    ``path``: the file it came from, for the error message.
+    ``name``: the tensor's name, for the error message.
+    ``offset``: the tensor's absolute file offset, for the error message.
 
-    Raises:
-        BigEndianError: if ``type`` is a block (quantized) or invalid type, whose byte
-            order cannot be converted.
-        ValueError: if ``data`` is not a 1-D uint8 array of whole elements.
+    Raises ``BigEndianError`` if ``type`` is a block (quantized) or invalid type, whose byte
+        order cannot be converted.
+    Raises ``ValueError`` if ``data`` is not a 1-D uint8 array of whole elements.
     """
     if not can_convert(type):
         raise BigEndianError(

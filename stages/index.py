@@ -146,11 +146,11 @@ def _check_split_set(files: Sequence[ParsedFile]) -> int | None:
 def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
     """Check the tensors of a model's files and order them as llama.cpp does.
 
-    :param files: one ``ParsedFile`` per file, in split order (as ``parse_model`` returns).
-    :return: the index: absolute offsets, layers, classes, totals, lookup by name.
-    :raises GGUFFormatError: a tensor's data lies outside its file (truncated file) or its
+    ``files``: one ``ParsedFile`` per file, in split order (as ``parse_model`` returns).
+    Returns the index: absolute offsets, layers, classes, totals, lookup by name.
+    Raises ``GGUFFormatError``: a tensor's data lies outside its file (truncated file) or its
         end does not fit in 64 bits.
-    :raises SplitError: a tensor is in two splits, or the splits do not form one set
+    Raises ``SplitError``: a tensor is in two splits, or the splits do not form one set
         (count, position, ``split.tensors.count``).
     """
     if not files:
@@ -231,13 +231,13 @@ async def open_index(
 ) -> WeightIndex:
     """Parse a model (every split, concurrently) and index it.
 
-    :param path: a single-file model or the first split of a split set.
-    :param files: the load's open files; each file is opened through it once and stays
+    ``path``: a single-file model or the first split of a split set.
+    ``files``: the load's open files; each file is opened through it once and stays
         open there for the engine (default: opened by path and closed after parsing).
-    :raises GGUFFormatError: a file is malformed or truncated.
-    :raises SplitError: the split set is incomplete, out of order or mixed.
-    :raises PathNotAllowedError: the opener of ``files`` refuses a file.
-    :raises LoadError: a file cannot be read.
+    Raises ``GGUFFormatError``: a file is malformed or truncated.
+    Raises ``SplitError``: the split set is incomplete, out of order or mixed.
+    Raises ``PathNotAllowedError``: the opener of ``files`` refuses a file.
+    Raises ``LoadError``: a file cannot be read.
     """
     parsed = await parse_model(path, files=files)
     # Ordering and checking thousands of tensors takes milliseconds: not on the loop.

@@ -496,12 +496,12 @@ def parse_header(
 ) -> ParsedFile:
     """Parse a GGUF header held in memory (synchronous; safe to call from a thread).
 
-    :param buf: the file's first bytes (all of them, or at least the whole header).
-    :param path: the file's name, for messages.
-    :param file_size: the size of the whole file; limits are checked against it.
-    :return: the parsed header.
-    :raises GGUFFormatError: the header is malformed; the message names the offset and field.
-    :raises NeedMoreBytes: ``buf`` ends inside the header and the file is longer.
+    ``buf``: the file's first bytes (all of them, or at least the whole header).
+    ``path``: the file's name, for messages.
+    ``file_size``: the size of the whole file; limits are checked against it.
+    Returns the parsed header.
+    Raises ``GGUFFormatError``: the header is malformed; the message names the offset and field.
+    Raises ``NeedMoreBytes``: ``buf`` ends inside the header and the file is longer.
     """
     return _HeaderParser(os.fspath(path), file_size).parse(buf)
 
@@ -514,15 +514,15 @@ async def parse_file(
 ) -> ParsedFile:
     """Parse one GGUF file's header, reading only as many bytes as the header needs.
 
-    :param path: the file.
-    :param limiter: bounds the worker threads that walk the bytes (default: anyio's).
-    :param files: the load's open files: ``path`` is opened through it (under its
+    ``path``: the file.
+    ``limiter``: bounds the worker threads that walk the bytes (default: anyio's).
+    ``files``: the load's open files: ``path`` is opened through it (under its
         opener's policy) and stays open there for the later stages. Default: a table of
         its own, any path, closed on return.
-    :return: the parsed header; the data section is not read.
-    :raises GGUFFormatError: the file is not a valid GGUF file.
-    :raises PathNotAllowedError: the opener of ``files`` refuses ``path``.
-    :raises LoadError: the file cannot be opened or read (``__cause__`` is the OSError).
+    Returns the parsed header; the data section is not read.
+    Raises ``GGUFFormatError``: the file is not a valid GGUF file.
+    Raises ``PathNotAllowedError``: the opener of ``files`` refuses ``path``.
+    Raises ``LoadError``: the file cannot be opened or read (``__cause__`` is the OSError).
     """
     if files is None:
         with OpenFiles() as own:
@@ -582,7 +582,7 @@ def split_paths(path: str | os.PathLike[str], split_no: int, split_count: int) -
 
     The name must end in ``-<split_no+1:05d>-of-<split_count:05d>.gguf`` (format §2.2).
 
-    :raises SplitError: the name does not follow that pattern.
+    Raises ``SplitError``: the name does not follow that pattern.
     """
     fspath = os.fspath(path)
     suffix = f"-{split_no + 1:05d}-of-{split_count:05d}.gguf"
@@ -612,15 +612,15 @@ async def parse_model(
 ) -> tuple[ParsedFile, ...]:
     """Parse a model: one file, or every split of a split set (concurrently).
 
-    :param path: a single-file model, or the **first** split of a set.
-    :param files: the load's open files (see ``parse_file``); every split is opened
+    ``path``: a single-file model, or the **first** split of a set.
+    ``files``: the load's open files (see ``parse_file``); every split is opened
         through it. Default: a table of its own, closed on return.
-    :return: one ``ParsedFile`` per file, in split order.
-    :raises GGUFFormatError: a file is malformed.
-    :raises SplitError: ``path`` is not the first split (the message names the first), a
+    Returns one ``ParsedFile`` per file, in split order.
+    Raises ``GGUFFormatError``: a file is malformed.
+    Raises ``SplitError``: ``path`` is not the first split (the message names the first), a
         split file is missing (named), or a split's ``split.no`` is not its position.
-    :raises PathNotAllowedError: the opener of ``files`` refuses a file.
-    :raises LoadError: a file cannot be read.
+    Raises ``PathNotAllowedError``: the opener of ``files`` refuses a file.
+    Raises ``LoadError``: a file cannot be read.
     """
     if files is None:
         with OpenFiles() as own:

@@ -20,8 +20,8 @@ class MissingExtraError(Exception):
 def needs_demo_extra(what: str) -> Iterator[None]:
     """Turn a missing ``gguf`` inside the block into ``MissingExtraError``.
 
-    :param what: what needs it, for the message ("the synthetic model").
-    :raises MissingExtraError: ``gguf`` could not be imported inside the block.
+    ``what``: what needs it, for the message ("the synthetic model").
+    Raises ``MissingExtraError``: ``gguf`` could not be imported inside the block.
     """
     try:
         yield

@@ -356,9 +356,9 @@ def settle(
     caller waits ``seconds``. Measurements that each follow a spacer and the same pause
     vary much less than measurements taken one after another.
 
-    :param seconds: the pause after the spacer; 0 or less skips both (the tests use 0).
-    :param touch_bytes: how much memory the spacer backs and frees; 0: no spacer.
-    :param near: the measured file; the spacer runs in its folder, as the measurements do.
+    ``seconds``: the pause after the spacer; 0 or less skips both (the tests use 0).
+    ``touch_bytes``: how much memory the spacer backs and frees; 0: no spacer.
+    ``near``: the measured file; the spacer runs in its folder, as the measurements do.
     """
     if seconds <= 0:
         return
