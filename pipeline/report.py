@@ -1,16 +1,28 @@
-"""What a load did and how fast: per stage, per buffer, per file."""
+"""What a load did and how fast: per stage, per buffer, per file, per device upload.
+
+``build_report`` turns the statistics the stages kept into a ``LoadReport``: records
+in, report out. It knows no stage; the engine hands it plain numbers and records.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiogguf.jobs import StageTimes
+from aiogguf.records import Plan
 
 __all__ = [
     "BufferReport",
     "DiskReport",
+    "FileReads",
     "FileReport",
     "LoadReport",
     "StageReport",
+    "UploadCounts",
     "UploadReport",
+    "build_report",
 ]
 
 
@@ -28,6 +40,8 @@ class StageReport:
     busy_s: float
     items: int
     nbytes: int
+    start_s: float = 0.0  # seconds since the load began
+    end_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,3 +146,111 @@ class LoadReport:
             if s.name == name:
                 return s
         raise KeyError(name)
+
+
+class FileReads(Protocol):
+    """One file's read counters, as the read stage keeps them."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def reads(self) -> int: ...
+    @property
+    def first_start(self) -> float | None: ...
+    @property
+    def last_end(self) -> float: ...
+
+
+class UploadCounts(Protocol):
+    """One device's upload counters, as the upload stage keeps them."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def pinned_bytes_allocated(self) -> int: ...
+    @property
+    def bytes_copied(self) -> int: ...
+    @property
+    def copies(self) -> int: ...
+    @property
+    def slot_waits(self) -> int: ...
+    @property
+    def wait_s(self) -> float: ...
+    @property
+    def fill_s(self) -> float: ...
+
+
+def _stage(name: str, times: StageTimes) -> StageReport:
+    return StageReport(
+        name, times.wall_s, times.busy_s, times.items, times.nbytes, times.start_s, times.end_s
+    )
+
+
+def build_report(
+    plan: Plan,
+    *,
+    path: str,
+    total_s: float,
+    stages: Sequence[tuple[str, StageTimes]],
+    files: Sequence[tuple[str, FileReads, bool, str]],
+    uploads: Sequence[UploadCounts] = (),
+    validated: int = 0,
+    warnings: Sequence[str] = (),
+) -> LoadReport:
+    """The report of a finished load.
+
+    :param plan: the load's plan (mode, buffers, the tensors loaded).
+    :param path: the model's first file.
+    :param total_s: the load's duration.
+    :param stages: each stage's name and times, in pipeline order.
+    :param files: per file: its path, read counters, whether reads bypassed the page
+        cache, and the disk it was read from.
+    :param uploads: one entry per device uploaded to.
+    :param validated: tensors checked.
+    :param warnings: what the load warned about.
+    """
+    loaded = [t for t in plan.tensors if not t.lazy]
+    return LoadReport(
+        path=path,
+        mode=plan.mode,
+        total_s=total_s,
+        nbytes=sum(t.nbytes for t in loaded),
+        n_tensors=len(loaded),
+        stages=tuple(_stage(name, times) for name, times in stages),
+        buffers=tuple(
+            BufferReport(b.device, b.buffer_type, b.lazy, b.nbytes, len(b.tensors))
+            for b in plan.buffers
+        ),
+        files=tuple(
+            FileReport(
+                path=file_path,
+                nbytes=stats.nbytes,
+                reads=stats.reads,
+                start_s=stats.first_start or 0.0,
+                end_s=stats.last_end,
+                direct=direct,
+                disk=disk,
+            )
+            for file_path, stats, direct, disk in files
+        ),
+        validated=validated,
+        warnings=tuple(warnings),
+        uploads=tuple(
+            UploadReport(
+                device=u.device,
+                slots=u.slots,
+                slot_bytes=u.slot_bytes,
+                pinned_bytes_allocated=u.pinned_bytes_allocated,
+                bytes_copied=u.bytes_copied,
+                copies=u.copies,
+                slot_waits=u.slot_waits,
+                wait_s=u.wait_s,
+                fill_s=u.fill_s,
+            )
+            for u in uploads
+        ),
+    )

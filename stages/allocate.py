@@ -5,25 +5,37 @@ buffers are page-aligned anonymous memory (``none``, ``direct``) or mappings of 
 the group's ranges (``mmap``, ``mlock``); device buffers come from the device backend.
 Work is emitted in load order: device-bound buffers first, ranges holding the biggest
 tensors first; host buffers after, in file order (sequential reads are the fastest).
+The stage also owns what is done to its mappings: advice (``advise``) and, in mode
+``mlock``, locking (``MappingLocks``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import bisect
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from functools import partial
 
-from aiogguf.images import HostImage, MappedImage
+import anyio
+
+from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
+from aiogguf.io.devices.base import DeviceBuffer
 from aiogguf.io.files import DataFile, align_down, align_up
-from aiogguf.io.mapping import FileMapping
-from aiogguf.jobs import BufferLayout, RangeSlot, ReadJob, TensorSlot
+from aiogguf.io.mapping import FileMapping, MapAdvice, numa_nodes
+from aiogguf.jobs import BufferLayout, RangeSlot, ReadJob, StageMeter, StageTimes, TensorSlot
 from aiogguf.records import Plan, WeightIndex
 
 __all__ = [
+    "Allocation",
+    "MappingLocks",
+    "TensorSpans",
+    "advise",
     "allocate_host",
     "allocate_mapped",
     "layout_buffers",
     "load_order",
     "read_jobs",
+    "split_jobs",
     "tensor_slots",
 ]
 
@@ -59,6 +71,38 @@ def tensor_slots(index: WeightIndex, layouts: Sequence[BufferLayout]) -> dict[st
                     file_offset=entry.offset,
                 )
     return slots
+
+
+class TensorSpans:
+    """Each loaded buffer's tensors by file offset, for finding the tensors a read
+    touched. Built once, read-only afterwards: any thread may use it."""
+
+    def __init__(self, index: WeightIndex, layouts: Sequence[BufferLayout]) -> None:
+        self._spans: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+        for layout in layouts:
+            if layout.plan.lazy:
+                continue
+            for rs in layout.slots:
+                spans = self._spans.setdefault((layout.index, rs.range.file_index), [])
+                spans.extend((index[n].offset, index[n].end, n) for n in rs.range.tensors)
+        for spans in self._spans.values():
+            spans.sort()
+
+    def names(self) -> Iterator[str]:
+        return (name for spans in self._spans.values() for _, _, name in spans)
+
+    def overlapping(
+        self, buffer_index: int, file_index: int, start: int, end: int
+    ) -> Iterator[tuple[int, int, str]]:
+        """``(lo, hi, name)``: the part ``[lo, hi)`` of each tensor inside ``[start, end)``."""
+        spans = self._spans.get((buffer_index, file_index), [])
+        i = max(bisect.bisect_right(spans, start, key=lambda e: e[0]) - 1, 0)
+        while i < len(spans) and spans[i][0] < end:
+            t_start, t_end, name = spans[i]
+            lo, hi = max(t_start, start), min(t_end, end)
+            if lo < hi:
+                yield lo, hi, name
+            i += 1
 
 
 def _biggest_tensor(index: WeightIndex, rs: RangeSlot) -> int:
@@ -111,6 +155,29 @@ def read_jobs(
             offset += n
 
 
+def split_jobs(
+    index: WeightIndex,
+    layouts: Sequence[BufferLayout],
+    chunk_bytes: int,
+    *,
+    slot_bytes: int | None,
+    aligned: bool,
+) -> tuple[list[list[ReadJob]], list[ReadJob]]:
+    """Host jobs per file, and device jobs (at most ``slot_bytes``: each fills one
+    staging slot), each in load order. Lazy ranges are only mapped, never read."""
+    ordered = [item for item in load_order(index, layouts) if not item[0].plan.lazy]
+    staged = [item for item in ordered if not item[0].plan.host]
+    hosted = [item for item in ordered if item[0].plan.host]
+    device_jobs: list[ReadJob] = []
+    if staged:
+        assert slot_bytes is not None, "device buffers need a staging slot size"
+        device_jobs = list(read_jobs(staged, min(chunk_bytes, slot_bytes), aligned=aligned))
+    per_file: list[list[ReadJob]] = [[] for _ in index.files]
+    for job in read_jobs(hosted, chunk_bytes, aligned=aligned):
+        per_file[job.file_index].append(job)
+    return per_file, device_jobs
+
+
 def allocate_host(layout: BufferLayout, alignment: int = PAGE_BYTES) -> HostImage:
     """Blocking: memory for a whole buffer image, aligned to a page and to ``alignment``
     (``O_DIRECT`` reads land in it)."""
@@ -135,3 +202,133 @@ def allocate_mapped(
             mapping.close()
         raise
     return MappedImage(layout, mappings)
+
+
+class Allocation:
+    """The images of one load, allocated in load order, device-bound first; whoever
+    needs buffer ``k`` awaits ``ready(k)``, so readers of a buffer start as soon as it
+    exists while later ones are still being allocated. ``images`` (indexed by buffer)
+    owns them until ``take()``; ``close()`` frees what is left (a failed load)."""
+
+    def __init__(
+        self,
+        layouts: Sequence[BufferLayout],
+        *,
+        mapped: bool,
+        writable: bool,
+        alignment: int,
+        prefetch: bool,
+        clock: Callable[[], float],
+    ) -> None:
+        """``mapped``: host buffers are mappings of the file (else anonymous memory,
+        aligned to ``alignment``); ``writable`` mappings may be written (bytes swapped
+        in place); ``prefetch`` asks the kernel to read mapped ranges ahead."""
+        self.layouts = layouts
+        self.images: list[Image | None] = [None] * len(layouts)
+        self._ready = [anyio.Event() for _ in layouts]
+        self._mapped = mapped
+        self._writable = writable
+        self._alignment = alignment
+        self._prefetch = prefetch
+        self._meter = StageMeter(clock)
+
+    async def run(
+        self,
+        files: Sequence[DataFile],
+        allocate_device: Callable[[str, int], Awaitable[DeviceBuffer]] | None,
+    ) -> None:
+        """Allocate every buffer; ``allocate_device(device, nbytes)`` makes device ones."""
+        numa = numa_nodes() > 1
+        staged = [lay for lay in self.layouts if not lay.plan.host]
+        for layout in staged + [lay for lay in self.layouts if lay.plan.host]:
+            k = layout.index
+            image: Image
+            with self._meter.span(items=1, nbytes=layout.nbytes):
+                if not layout.plan.host:
+                    assert allocate_device is not None, "device buffers need an uploader"
+                    buffer = await allocate_device(layout.plan.device, max(layout.nbytes, 1))
+                    image = DeviceImage(layout, buffer)
+                elif self._mapped:
+                    image = await anyio.to_thread.run_sync(
+                        partial(allocate_mapped, layout, files, writable=self._writable)
+                    )
+                    # Owned at once: cancelled at the next await, it must still be unmapped.
+                    self.images[k] = image
+                    advice = partial(advise, image, numa=numa, prefetch=self._prefetch)
+                    await anyio.to_thread.run_sync(advice)
+                else:
+                    image = await anyio.to_thread.run_sync(allocate_host, layout, self._alignment)
+            self.images[k] = image
+            self._ready[k].set()
+
+    async def ready(self, k: int) -> Image:
+        """Buffer ``k``'s image, once it exists."""
+        await self._ready[k].wait()
+        image = self.images[k]
+        assert image is not None
+        return image
+
+    def take(self) -> list[Image | None]:
+        """Hand every image to the caller (the model): nothing is left to close."""
+        images = list(self.images)
+        self.images[:] = [None] * len(self.images)
+        return images
+
+    def close(self) -> None:
+        """Blocking: free every image still owned."""
+        for i, image in enumerate(self.images):
+            if image is not None:
+                image.close()
+                self.images[i] = None
+
+    def times(self) -> StageTimes:
+        return self._meter.times()
+
+
+def advise(image: MappedImage, *, numa: bool, prefetch: bool) -> None:
+    """Blocking: advise the kernel on a new mapping. Lazy ranges are read on demand
+    (random); on a NUMA machine nothing is prefetched, so pages land on the node that
+    first touches them."""
+    random = image.layout.plan.lazy or numa
+    if not random and not prefetch:
+        return
+    advice = MapAdvice.RANDOM if random else MapAdvice.WILLNEED
+    for rs, mapping in zip(image.layout.slots, image.mappings, strict=True):
+        mapping.advise(advice, rs.range.start, rs.range.end)
+
+
+class MappingLocks:
+    """Mode ``mlock``: the locked range grows tensor by tensor as tensors land. A
+    refused lock (``RLIMIT_MEMLOCK``) is one warning per load, through ``warn``: the
+    rest would say the same; the load goes on unlocked."""
+
+    def __init__(
+        self,
+        index: WeightIndex,
+        slots: Mapping[str, TensorSlot],
+        images: Sequence[Image | None],
+        *,
+        needed_bytes: int,
+        warn: Callable[[str], None],
+    ) -> None:
+        self._index = index
+        self._slots = slots
+        self._images = images  # filled in by the allocation as it goes
+        self._needed_bytes = needed_bytes
+        self._warn = warn
+        self._refused = False
+
+    async def lock(self, name: str) -> None:
+        """Lock tensor ``name``'s pages (lazy and unmapped tensors are left alone)."""
+        image = self._images[self._slots[name].buffer_index]
+        if not isinstance(image, MappedImage) or image.layout.plan.lazy:
+            return
+        entry = self._index[name]
+        mapping = image.mapping_at(entry.file_index, entry.offset)
+        result = await anyio.to_thread.run_sync(mapping.lock, entry.offset, entry.end)
+        if not result.ok and not self._refused:
+            self._refused = True
+            self._warn(
+                f"{result.problem}; the whole load needs {self._needed_bytes} bytes "
+                "locked; it goes on with the rest unlocked"
+            )

@@ -6,26 +6,183 @@ Per mode (design §1.5):
 - ``none``: ``preadv`` straight into the destination buffer image;
 - ``direct``: ``O_DIRECT`` reads of aligned chunks into the (page-aligned) image;
 - ``mmap``/``mlock``: the mapping is the buffer; pages are touched so that "loaded"
-  means resident (``mlock`` also locks them, tensor by tensor, in the engine);
+  means resident (``mlock`` also locks them, tensor by tensor: ``allocate.MappingLocks``);
 - device-bound jobs: the same reads, into a staging slot: ``fill_slot`` is what the
   upload stage's transfer threads run (this stage knows nothing of devices).
 
-Every call here blocks and runs on one of the load's threads.
+The stage owns the load's descriptors (``open_data_files``), the reader limit of each
+disk (``disk_limiters``) and the byte order of what lands (``ByteSwap``). Every call of
+``Reader`` blocks and runs on one of the load's threads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
+import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from aiogguf.config import Config
+from aiogguf.errors import BigEndianError
 from aiogguf.images import HostImage, Image, MappedImage
-from aiogguf.io.files import MAX_CALL_BYTES, DataFile
+from aiogguf.io.byteswap import can_convert, to_native
+from aiogguf.io.files import MAX_CALL_BYTES, DataFile, FileAdvice, open_file
+from aiogguf.io.opener import OpenFiles
 from aiogguf.io.workers import LoadThreads
-from aiogguf.jobs import ReadJob
+from aiogguf.jobs import BufferLayout, ReadJob, StageTimes
+from aiogguf.records import Plan, WeightIndex
 
-__all__ = ["FileStats", "Reader"]
+__all__ = [
+    "ByteSwap",
+    "FileStats",
+    "Reader",
+    "disk_limiters",
+    "hand_out",
+    "open_data_files",
+]
+
+
+async def open_data_files(
+    index: WeightIndex,
+    opened: OpenFiles | None,
+    *,
+    mode: str,
+    alignment: int,
+    warn: Callable[[str], None],
+) -> list[DataFile]:
+    """The load's files, for reading; the caller closes them. ``opened`` holds the
+    descriptors the parse stage read (None: open by path), so the file that was parsed
+    is the file that is read, whatever its name points at now. A file that refuses
+    ``O_DIRECT`` in mode ``direct`` is read with mode ``none`` (``warn`` says so)."""
+    direct = mode == "direct"
+    files: list[DataFile] = []
+    try:
+        for parsed in index.files:
+            fd = opened.open(parsed.path) if opened is not None else None
+            f = await anyio.to_thread.run_sync(
+                partial(open_file, parsed.path, direct=direct, alignment=alignment, fd=fd)
+            )
+            files.append(f)
+            if direct and not f.direct_ok:
+                warn(f"{parsed.path}: {f.direct_refusal}; reading with mode 'none' instead")
+        if mode in ("mmap", "mlock"):
+            for f in files:
+                await anyio.to_thread.run_sync(f.fadvise, FileAdvice.SEQUENTIAL)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return files
+
+
+def disk_of(file: DataFile, config: Config) -> str:
+    """The disk a file is read from: its ``[[pipeline.path]]`` prefix, else the
+    filesystem device it lives on."""
+    limit = config.pipeline.path_limit(file.path)
+    if limit is not None:
+        return limit.prefix
+    dev = os.stat(file.fileno()).st_dev
+    return f"dev {os.major(dev)}:{os.minor(dev)}"
+
+
+def disk_limiters(
+    files: Sequence[DataFile], config: Config
+) -> tuple[list[anyio.CapacityLimiter], list[str]]:
+    """Per file: the reader limiter of its disk (one per disk, shared by the files on
+    it) and the disk's name."""
+    by_disk: dict[str, anyio.CapacityLimiter] = {}
+    limiters: list[anyio.CapacityLimiter] = []
+    disks: list[str] = []
+    for f in files:
+        disk = disk_of(f, config)
+        if disk not in by_disk:
+            by_disk[disk] = anyio.CapacityLimiter(
+                config.pipeline.readers_for(f.path, direct=f.direct_ok)
+            )
+        limiters.append(by_disk[disk])
+        disks.append(disk)
+    return limiters, disks
+
+
+async def hand_out(
+    jobs: Sequence[ReadJob],
+    send: MemoryObjectSendStream[ReadJob],
+    image_of: Callable[[int], Awaitable[Image]],
+    prefault: LoadThreads | None = None,
+) -> None:
+    """Hand out one file's jobs in load order, each once its buffer exists
+    (``image_of(buffer_index)`` waits for it). With ``prefault`` (mode ``direct``, where
+    the CPU waits for the disk anyway) a helper backs the destination pages of the jobs
+    not handed out yet, so that their reads take no page faults. It never holds a job
+    back: a reader that catches up faults its own pages (two readers then back memory
+    side by side, faster than the one helper)."""
+    handed = 0  # jobs handed out so far
+
+    async def prefault_ahead(threads: LoadThreads) -> None:
+        i = 0
+        while (i := max(i, handed)) < len(jobs):
+            job = jobs[i]
+            image = await image_of(job.buffer_index)
+            if isinstance(image, HostImage):
+                await threads.run_sync(image.prefault, job)
+            i += 1
+
+    async with send, anyio.create_task_group() as tg:
+        if prefault is not None:
+            tg.start_soon(prefault_ahead, prefault)
+        for job in jobs:
+            await image_of(job.buffer_index)
+            await send.send(job)
+            handed += 1
+        tg.cancel_scope.cancel()  # nothing is left to back ahead of the readers
+
+
+class ByteSwap:
+    """Big-endian files (format §1.4): converts, in place, the elements of every tensor
+    a landed job carries, before anyone else sees them."""
+
+    def __init__(self, index: WeightIndex, layouts: Sequence[BufferLayout]) -> None:
+        self._index = index
+        self._layouts = layouts
+
+    @staticmethod
+    def check(index: WeightIndex, plan: Plan) -> None:
+        """Raise ``BigEndianError`` for the first tensor whose type has no one obvious
+        byte order, before anything is read."""
+        for t in plan.tensors:
+            entry = index[t.name]
+            if not can_convert(entry.type):
+                raise BigEndianError(
+                    index.files[entry.file_index].path,
+                    entry.offset,
+                    f"big-endian GGUF: byte order of type {entry.type.name} cannot be "
+                    f"converted (tensor '{entry.name}')",
+                )
+
+    def __call__(self, job: ReadJob, view: memoryview) -> None:
+        """Byte-swap the tensors' bytes of ``job`` in ``view`` (its ``nbytes`` from
+        ``job.file_offset``)."""
+        data = np.frombuffer(view, dtype=np.uint8)
+        for rs in self._layouts[job.buffer_index].slots:
+            r = rs.range
+            if r.file_index != job.file_index or r.end <= job.useful_start:
+                continue
+            if r.start >= job.useful_end:
+                break
+            for name in r.tensors:
+                entry = self._index[name]
+                lo, hi = max(entry.offset, job.useful_start), min(entry.end, job.useful_end)
+                if lo < hi:
+                    to_native(
+                        entry.type,
+                        data[lo - job.file_offset : hi - job.file_offset],
+                        path=self._index.files[entry.file_index].path,
+                        name=name,
+                    )
 
 
 @dataclass(slots=True)
@@ -79,6 +236,15 @@ class Reader:
         """Per file: whether reads really bypass the page cache."""
         return self._direct
 
+    async def serve(
+        self, jobs: MemoryObjectReceiveStream[ReadJob], landed: MemoryObjectSendStream[ReadJob]
+    ) -> None:
+        """One reader task: read each job from ``jobs``, then pass it on to ``landed``."""
+        async with jobs, landed:
+            async for job in jobs:
+                await self.read(job)
+                await landed.send(job)
+
     async def read(self, job: ReadJob) -> None:
         """Land ``job`` in its host buffer; returns when its bytes are there."""
         if self._shared is None:
@@ -97,6 +263,19 @@ class Reader:
         if self.checks_apart(job.file_index) and isinstance(image, HostImage):
             await self._check_threads.run_sync(self.check_landed, job, image.dest(job))
         self.count(job, start, self._clock())
+
+    def times(self, fill_s: float = 0.0) -> StageTimes:
+        """The stage's times over every file; ``fill_s``: time the transfer threads
+        spent reading into staging slots (their jobs count here with no busy time)."""
+        started = [s.first_start for s in self.stats if s.first_start is not None]
+        start = min(started, default=0.0)
+        return StageTimes(
+            start_s=start,
+            end_s=max((s.last_end for s in self.stats), default=start),
+            busy_s=sum(s.busy_s for s in self.stats) + fill_s,
+            items=sum(s.reads for s in self.stats),
+            nbytes=sum(s.nbytes for s in self.stats),
+        )
 
     def count(self, job: ReadJob, start: float, end: float) -> None:
         """Add a landed job to its file's counters (on the loop's thread)."""

@@ -102,21 +102,131 @@ class _Tally:
     fill_s: float = 0.0
 
 
-@dataclass(slots=True)
 class _Lane:
-    """One transfer thread's way to one device: its stream and its leased slots."""
+    """One transfer thread's way to one device: its stream, its leased slots (used
+    round robin) and its counts. Only its own thread touches it."""
 
-    device: str
-    pool: StagingPool
-    stream: CopyStream
-    lease: SlotLease
-    asynchronous: bool
-    next: int = 0  # the slot to use next, round robin
-    copies: int = 0
-    bytes_copied: int = 0
-    slot_waits: int = 0
-    wait_s: float = 0.0
-    fill_s: float = 0.0
+    def __init__(
+        self,
+        device: str,
+        pool: StagingPool,
+        stream: CopyStream,
+        lease: SlotLease,
+        *,
+        asynchronous: bool,
+        skip_wait: bool = False,
+    ) -> None:
+        self.device = device
+        self.pool = pool
+        self.stream = stream
+        self.lease = lease
+        self.asynchronous = asynchronous
+        self._skip_wait = skip_wait  # test only: see ``Uploader``
+        self._next = 0  # the slot to use next
+        self.copies = 0
+        self.bytes_copied = 0
+        self.slot_waits = 0
+        self.wait_s = 0.0
+        self.fill_s = 0.0
+
+    @classmethod
+    def open(
+        cls,
+        target: UploadTarget,
+        device: str,
+        *,
+        slots: int,
+        slot_bytes: int,
+        alignment: int,
+        pool_cap: int,
+        stop: threading.Event,
+        skip_wait: bool,
+    ) -> _Lane | None:
+        """Lease the slots and open the stream; None when stopped while waiting for a
+        slot."""
+        caps = target.caps
+        asynchronous = caps.async_copies and caps.events and target.host_buffer_type is not None
+        pool = staging_pool(target)
+        lease = pool.lease(slots, slot_bytes, alignment, cap_bytes=pool_cap, stopped=stop.is_set)
+        if not lease.slots:
+            return None
+        try:
+            stream = target.open_copy_stream(asynchronous=asynchronous)
+        except BaseException:
+            pool.give_back(lease)
+            raise
+        return cls(device, pool, stream, lease, asynchronous=asynchronous, skip_wait=skip_wait)
+
+    def _next_slot(self) -> PooledSlot:
+        """The slot for the next job, round robin, once its last copy has completed."""
+        slots = self.lease.slots
+        pooled = slots[self._next]
+        self._next = (self._next + 1) % len(slots)
+        if not self.asynchronous or self._skip_wait or pooled.event.query():
+            return pooled
+        self.slot_waits += 1
+        start = time.perf_counter()
+        pooled.event.synchronize()
+        self.wait_s += time.perf_counter() - start
+        return pooled
+
+    def stage(self, job: ReadJob, dest: DeviceBuffer, fill: Fill, check: Check | None) -> None:
+        """Wait for a slot, fill it, check it, issue its copy."""
+        pooled = self._next_slot()
+        slot = pooled.slot
+        slot.begin_write()
+        start = time.perf_counter()
+        part = slot.view()[: job.nbytes]
+        try:
+            fill(job, part)
+        except BaseException as exc:
+            # The fill's frames hold views of the slot (``slot[:n]`` in a reader); the
+            # error keeps them alive, and a slot with live views cannot be freed. The
+            # stack trace stays; only the frames' locals go.
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        finally:
+            # A view derived from ``part`` (numpy.frombuffer) lives on its own; the slot
+            # then refuses to be freed, which the pool reports when it frees it.
+            with contextlib.suppress(BufferError):
+                part.release()
+        self.fill_s += time.perf_counter() - start
+        if check is not None:
+            # Before the copy is queued, while the bytes are in the CPU's cache: the
+            # copy of the thread's other slot runs meanwhile. (Checked after, the scan
+            # would compete with this copy's own driver work, and gain nothing.)
+            view = slot.view()[: job.nbytes]
+            try:
+                check(job, view)
+            finally:
+                with contextlib.suppress(BufferError):
+                    view.release()
+        if self.asynchronous:
+            self.stream.copy_async(dest, job.buffer_offset, slot, job.nbytes)
+            pooled.event.record(self.stream)
+        else:
+            src = slot.view()[: job.nbytes]
+            try:
+                self.stream.copy_sync(dest, job.buffer_offset, src)
+            finally:
+                src.release()
+        self.copies += 1
+        self.bytes_copied += job.nbytes
+
+    def close(self) -> BaseException | None:
+        """Wait for every copy, close the stream, give the slots back; the first
+        failure, returned so that the caller closes its other lanes too."""
+        first: BaseException | None = None
+        try:
+            self.stream.synchronize()
+        except BaseException as exc:
+            first = exc
+        try:
+            self.stream.close()
+        except BaseException as exc:
+            first = first or exc
+        self.pool.give_back(self.lease)
+        return first
 
 
 class Uploader:
@@ -292,11 +402,20 @@ class Uploader:
                     break
                 lane = lanes.get(dest.device)
                 if lane is None:
-                    lane = self._open_lane(dest.device, stop)
+                    lane = _Lane.open(
+                        self._target(dest.device),
+                        dest.device,
+                        slots=self._per_thread,
+                        slot_bytes=self.slot_bytes,
+                        alignment=self._alignment,
+                        pool_cap=self._pool_cap,
+                        stop=stop,
+                        skip_wait=self._skip_wait,
+                    )
                     if lane is None:
                         break  # stopped while waiting for a slot
                     lanes[dest.device] = lane
-                self._stage(lane, job, dest, fill, check)
+                lane.stage(job, dest, fill, check)
                 if landed is not None:
                     self._threads.call_soon(landed, job)
         except BaseException:
@@ -305,100 +424,14 @@ class Uploader:
         finally:
             self._close_lanes(lanes.values())
 
-    def _open_lane(self, device: str, stop: threading.Event) -> _Lane | None:
-        target = self._target(device)
-        caps = target.caps
-        asynchronous = caps.async_copies and caps.events and target.host_buffer_type is not None
-        pool = staging_pool(target)
-        lease = pool.lease(
-            self._per_thread,
-            self.slot_bytes,
-            self._alignment,
-            cap_bytes=self._pool_cap,
-            stopped=stop.is_set,
-        )
-        if not lease.slots:
-            return None
-        try:
-            stream = target.open_copy_stream(asynchronous=asynchronous)
-        except BaseException:
-            pool.give_back(lease)
-            raise
-        return _Lane(device, pool, stream, lease, asynchronous)
-
-    def _next_slot(self, lane: _Lane) -> PooledSlot:
-        """The slot for the next job, round robin, once its last copy has completed."""
-        slots = lane.lease.slots
-        pooled = slots[lane.next]
-        lane.next = (lane.next + 1) % len(slots)
-        if not lane.asynchronous or self._skip_wait or pooled.event.query():
-            return pooled
-        lane.slot_waits += 1
-        start = time.perf_counter()
-        pooled.event.synchronize()
-        lane.wait_s += time.perf_counter() - start
-        return pooled
-
-    def _stage(
-        self, lane: _Lane, job: ReadJob, dest: DeviceBuffer, fill: Fill, check: Check | None
-    ) -> None:
-        """Wait for a slot, fill it, check it, issue its copy."""
-        pooled = self._next_slot(lane)
-        slot = pooled.slot
-        slot.begin_write()
-        start = time.perf_counter()
-        part = slot.view()[: job.nbytes]
-        try:
-            fill(job, part)
-        except BaseException as exc:
-            # The fill's frames hold views of the slot (``slot[:n]`` in a reader); the
-            # error keeps them alive, and a slot with live views cannot be freed. The
-            # stack trace stays; only the frames' locals go.
-            traceback.clear_frames(exc.__traceback__)
-            raise
-        finally:
-            # A view derived from ``part`` (numpy.frombuffer) lives on its own; the slot
-            # then refuses to be freed, which the pool reports when it frees it.
-            with contextlib.suppress(BufferError):
-                part.release()
-        lane.fill_s += time.perf_counter() - start
-        if check is not None:
-            # Before the copy is queued, while the bytes are in the CPU's cache: the
-            # copy of the thread's other slot runs meanwhile. (Checked after, the scan
-            # would compete with this copy's own driver work, and gain nothing.)
-            view = slot.view()[: job.nbytes]
-            try:
-                check(job, view)
-            finally:
-                with contextlib.suppress(BufferError):
-                    view.release()
-        if lane.asynchronous:
-            lane.stream.copy_async(dest, job.buffer_offset, slot, job.nbytes)
-            pooled.event.record(lane.stream)
-        else:
-            src = slot.view()[: job.nbytes]
-            try:
-                lane.stream.copy_sync(dest, job.buffer_offset, src)
-            finally:
-                src.release()
-        lane.copies += 1
-        lane.bytes_copied += job.nbytes
-
     def _close_lanes(self, lanes: Iterable[_Lane]) -> None:
         """Wait for every copy of the lanes, close their streams, give their slots back,
         add their counts to the load's. Raises the first copy failure."""
         first: BaseException | None = None
         for lane in lanes:
-            try:
-                lane.stream.synchronize()
-            except BaseException as exc:
-                first = first or exc
-            try:
-                lane.stream.close()
-            except BaseException as exc:
-                first = first or exc
             slots = len(lane.lease.slots)
-            lane.pool.give_back(lane.lease)
+            failure = lane.close()
+            first = first or failure
             with self._lock:
                 tally = self._tallies.setdefault(lane.device, _Tally(lane.asynchronous))
                 tally.slots += slots

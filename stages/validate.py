@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType, TracebackType
@@ -39,14 +39,19 @@ import numpy
 from anyio.abc import TaskGroup
 
 from aiogguf.errors import TensorFailure, TensorValidationError
+from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.files import DataFile
 from aiogguf.io.ggml_types import GGMLType, ScaleField, ScaleKind, TypeKind
 from aiogguf.io.workers import LoadThreads
+from aiogguf.jobs import BufferLayout, ReadJob, StageMeter, StageTimes, TensorSlot
+from aiogguf.records import WeightIndex
+from aiogguf.stages.allocate import TensorSpans
 
 __all__ = [
     "FileBytes",
     "PieceCheck",
     "TensorChecker",
+    "Validation",
     "ValidationCollector",
     "check_tensor",
     "precheck",
@@ -869,6 +874,7 @@ class ValidationCollector:
         xp: ModuleType = numpy,
         call_bytes: int = CALL_BYTES,
         threads: LoadThreads | None = None,
+        meter: StageMeter | None = None,
     ) -> None:
         """Set up a collector; checks start once its ``async with`` block is entered.
 
@@ -880,6 +886,7 @@ class ValidationCollector:
             call_bytes: bytes one worker-thread call checks (bounds cancellation latency).
             threads: entered threads to check on, shared with others (``workers`` then
                 only sets the default of ``max_in_flight``); default: threads of its own.
+            meter: also counts each worker-thread call there (the load's validate stage).
 
         Raises:
             ValueError: if ``workers`` or ``max_in_flight`` is below 1.
@@ -894,6 +901,7 @@ class ValidationCollector:
         self._slots = anyio.Semaphore(max_in_flight)
         self._xp = xp
         self._call_bytes = call_bytes
+        self._meter = meter
         self._task_group: TaskGroup | None = None
         self._state = _State.NEW
         self._submitted = 0
@@ -957,14 +965,17 @@ class ValidationCollector:
                 unit = max(type.block_bytes, 1)
                 step = max(self._call_bytes // unit, 1) * unit
                 for start in range(0, nbytes, step):
+                    n = min(step, nbytes - start)
                     began = time.perf_counter()
+                    metered = self._meter.clock() if self._meter is not None else 0.0
                     if isinstance(data, FileBytes):
-                        n = min(step, nbytes - start)
                         await self._threads.run_sync(_update_from_file, checker, data, start, n)
                     else:
                         await self._threads.run_sync(checker.update, data[start : start + step])
                     self.busy_s += time.perf_counter() - began
-                    self.bytes_checked += min(step, nbytes - start)
+                    self.bytes_checked += n
+                    if self._meter is not None:
+                        self._meter.add(metered, self._meter.clock(), nbytes=n)
                 failure = checker.finish()
             if failure is not None:
                 self._results[seq] = failure
@@ -990,3 +1001,166 @@ class ValidationCollector:
         failures = self.failures
         if failures:
             raise TensorValidationError(failures, os.fspath(path) if path is not None else None)
+
+
+# ---------------------------------------------------------------------------------------
+# The one door the engine uses.
+
+
+def _tensor_data(slot: TensorSlot, image: Image | None) -> tuple[Bytes, ModuleType]:
+    """A landed tensor's bytes where they live, and their array module."""
+    if isinstance(image, DeviceImage):
+        return image.buffer.array(slot.buffer_offset, slot.nbytes), image.buffer.xp
+    assert isinstance(image, HostImage | MappedImage)
+    return numpy.frombuffer(image.tensor_bytes(slot), dtype=numpy.uint8), numpy
+
+
+class Validation:
+    """One load's tensor checks (design §1.7), whichever way each tensor is checked.
+
+    Tensors read by ``preadv``/``O_DIRECT`` into host memory (modes ``none``,
+    ``direct``) and every device tensor (its pieces pass through a staging slot in every
+    mode) are checked piece by piece as they land: the read and transfer threads call
+    ``check_piece``, and ``tensor_ready`` then checks the few units that straddled two
+    pieces. Every other tensor (mapped, or with bytes swapped after the read) is checked
+    whole by ``tensor_ready``, on the check threads, while the load goes on; a mapped
+    one through reads of its file (``FileBytes`` says why). ``failures`` lists every bad
+    tensor in index order; ``times`` is the stage's work, both ways together.
+
+    Usage: ``async with Validation(...) as v:`` around the tasks that call it; leaving
+    the block waits for every check started.
+    """
+
+    def __init__(
+        self,
+        index: WeightIndex,
+        layouts: Sequence[BufferLayout],
+        slots: Mapping[str, TensorSlot],
+        spans: TensorSpans,
+        images: Sequence[Image | None],
+        files: Sequence[DataFile],
+        *,
+        mode: str,
+        enabled: bool,
+        swapped: bool,
+        workers: int,
+        threads: LoadThreads,
+        clock: Callable[[], float],
+    ) -> None:
+        """Plan the checks of one load.
+
+        Args:
+            index, layouts, slots, spans: the load's tensors and where they sit.
+            images: the load's images, indexed by buffer (filled in as allocated).
+            files: the load's open files (mapped tensors are checked through them).
+            mode: the resolved load mode.
+            enabled: ``load.check_tensors``; when False nothing is checked.
+            swapped: whether bytes are swapped after the read (no piece checks then).
+            workers: checks of whole tensors in flight at once, times two.
+            threads: the load's check threads.
+            clock: seconds since the load began.
+        """
+        self.enabled = enabled
+        self._index = index
+        self._slots = slots
+        self._spans = spans
+        self._images = images
+        self._files = files
+        self._meter = StageMeter(clock)
+        self._collector = ValidationCollector(workers, threads=threads, meter=self._meter)
+        host_read = mode in ("none", "direct")
+        self._pieces = {
+            name: PieceCheck(name, index[name].type, index[name].nbytes)
+            for layout in layouts
+            if enabled and not swapped and not layout.plan.lazy
+            if host_read or not layout.plan.host
+            for name in layout.plan.tensors
+        }
+        self._piece_failures: list[TensorFailure] = []
+
+    @property
+    def by_pieces(self) -> bool:
+        """Whether some tensor is checked piece by piece (readers must call
+        ``check_piece``)."""
+        return bool(self._pieces)
+
+    async def __aenter__(self) -> Validation:
+        await self._collector.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._collector.__aexit__(exc_type, exc, tb)
+
+    def check_piece(self, job: ReadJob, file_offset: int, piece: memoryview) -> None:
+        """Blocking, on a read or transfer thread: check the tensors' bytes in
+        ``piece``, the bytes of ``job``'s file from ``file_offset`` that just landed."""
+        with self._meter.span(nbytes=len(piece)):
+            data = numpy.frombuffer(piece, dtype=numpy.uint8)
+            end = file_offset + len(data)
+            for lo, hi, name in self._spans.overlapping(
+                job.buffer_index, job.file_index, file_offset, end
+            ):
+                self._pieces[name].check_piece(
+                    data[lo - file_offset : hi - file_offset], lo - self._index[name].offset
+                )
+
+    async def tensor_ready(self, name: str) -> None:
+        """Every byte of tensor ``name`` has landed: finish its check, or start one.
+        Waits only while too many whole-tensor checks are in flight."""
+        piece_check = self._pieces.get(name)
+        if piece_check is not None:
+            # Its pieces were checked as they landed: only the units that straddled
+            # two pieces are left.
+            failure = await anyio.to_thread.run_sync(self._finish, piece_check)
+            if failure is not None:
+                self._piece_failures.append(failure)
+        elif self.enabled:
+            entry = self._index[name]
+            slot = self._slots[name]
+            image = self._images[slot.buffer_index]
+            if isinstance(image, MappedImage):
+                source = FileBytes(self._files[entry.file_index], entry.offset, entry.nbytes)
+                await self._collector.submit(name, entry.type, source)
+            else:
+                data, xp = _tensor_data(slot, image)
+                await self._collector.submit(name, entry.type, data, xp=xp)
+
+    def _finish(self, check: PieceCheck) -> TensorFailure | None:
+        """Blocking: the units of a tensor no piece covered, read from where it lives
+        (a device tensor: a few small copies back to the host)."""
+        with self._meter.span():
+            slot = self._slots[check.name]
+            image = self._images[slot.buffer_index]
+            if isinstance(image, DeviceImage):
+                buffer = image.buffer
+
+                def fetch(lo: int, hi: int) -> numpy.ndarray[Any, numpy.dtype[numpy.uint8]]:
+                    return numpy.frombuffer(
+                        buffer.to_host(slot.buffer_offset + lo, hi - lo), numpy.uint8
+                    )
+
+                return check.finish_from(fetch)
+            data, _ = _tensor_data(slot, image)
+            return check.finish(data)
+
+    @property
+    def checked(self) -> int:
+        """Tensors checked (0 when checks are off)."""
+        return self._collector.submitted + len(self._pieces) if self.enabled else 0
+
+    @property
+    def failures(self) -> tuple[TensorFailure, ...]:
+        """Every bad tensor, whichever way it was checked, in index order."""
+        order = {t.name: i for i, t in enumerate(self._index.tensors)}
+        found = [*self._collector.failures, *self._piece_failures]
+        return tuple(sorted(found, key=lambda f: order[f.name]))
+
+    def times(self) -> StageTimes:
+        """The stage's work so far: wall and busy time, tensors and bytes checked."""
+        times = self._meter.times()
+        return StageTimes(times.start_s, times.end_s, times.busy_s, self.checked, times.nbytes)

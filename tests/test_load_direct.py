@@ -139,15 +139,15 @@ def test_checks_run_apart_so_the_disk_gets_its_next_read(
     readers go on with the next reads. With one reader, the first check holds until a
     read has started: were checks on the reader's thread, none could start (and the
     check would give up waiting after 10 s)."""
-    from aiogguf.engine import _Load
     from aiogguf.io.files import DataFile
+    from aiogguf.stages.validate import Validation
 
     m = write_synthetic_model(disk_dir / "apart.gguf", size_bytes="4MiB", seed=5)
     threads: dict[str, set[str]] = {"read": set(), "check": set()}
     checking = threading.Event()
     read_during_check = threading.Event()
     read_direct_into = DataFile.read_direct_into
-    check_piece = _Load._check_piece
+    check_piece = Validation.check_piece
 
     def read(*args: Any, **kwargs: Any) -> Any:
         threads["read"].add(threading.current_thread().name)
@@ -163,7 +163,7 @@ def test_checks_run_apart_so_the_disk_gets_its_next_read(
         return check_piece(*args, **kwargs)
 
     monkeypatch.setattr(DataFile, "read_direct_into", read)
-    monkeypatch.setattr(_Load, "_check_piece", check)
+    monkeypatch.setattr(Validation, "check_piece", check)
     with aiogguf.load_sync(
         m.path, mode="direct", chunk_size="256KiB", readers=1, n_gpu_layers=0
     ) as model:
