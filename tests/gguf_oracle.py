@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import resource
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -67,4 +70,62 @@ def run_inspect(capsys: pytest.CaptureFixture[str], path: Path) -> dict[str, Any
     captured = capsys.readouterr()
     assert captured.err == ""
     result: dict[str, Any] = json.loads(captured.out)
+    return result
+
+
+def reader_tensors(reader: gguf.GGUFReader) -> dict[str, dict[str, Any]]:
+    """name → type, shape (ggml order), absolute offset and size, as gguf-py reads them."""
+    return {
+        t.name: {
+            "type": t.tensor_type.name,
+            "shape": [int(d) for d in t.field.parts[3]],
+            "offset": int(t.data_offset),
+            "nbytes": int(t.n_bytes),
+        }
+        for t in reader.tensors
+    }
+
+
+# What a sandboxed gguf-py may take: on a hostile header it allocates without bound (an
+# array count of 2**40) or loops for a long time, which must fail the read, not the run.
+ORACLE_EXTRA_BYTES = 512 * 1024**2
+ORACLE_SECONDS = 20
+
+
+def sandboxed_reader_view(path: Path) -> dict[str, Any] | str:
+    """What ``gguf.GGUFReader`` makes of ``path``: ``{"metadata", "tensors"}`` (JSON
+    shapes), or the text of its failure. Runs in a forked child with an address-space
+    cap and an alarm, so a hostile file cannot exhaust this process."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        status = 0
+        try:
+            os.close(read_end)
+            with open("/proc/self/status") as f:
+                vm_kib = next(int(ln.split()[1]) for ln in f if ln.startswith("VmSize:"))
+            cap = vm_kib * 1024 + ORACLE_EXTRA_BYTES
+            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+            signal.alarm(ORACLE_SECONDS)
+            try:
+                reader = gguf.GGUFReader(path)
+                view: dict[str, Any] | str = {
+                    "metadata": reader_metadata(reader),
+                    "tensors": reader_tensors(reader),
+                }
+            except BaseException as exc:
+                view = f"{type(exc).__name__}: {exc}"[:500]
+            with os.fdopen(write_end, "w") as out:
+                json.dump(view, out)
+        except BaseException:
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end) as inp:
+        text = inp.read()
+    _, wait_status = os.waitpid(pid, 0)
+    if not text:
+        return f"gguf-py's reader died (wait status {wait_status})"
+    result: dict[str, Any] | str = json.loads(text)
     return result

@@ -1,19 +1,26 @@
 """Hostile input is normal input: every malformed header ends in a ``GGUFError`` whose
 message names the problem — never another exception, never a hang, never an allocation
-much beyond the file's own size. Files are built byte by byte with ``struct.pack``."""
+much beyond the file's own size. Files are built byte by byte with ``struct.pack``.
+The fuzz tests are differential: gguf-py's reader must agree with what we parse, and
+must refuse what we refuse (``_survives``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import struct
+import tempfile
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from gguf_oracle import json_metadata, sandboxed_reader_view
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aiogguf.cli.inspect import inspect_json
 from aiogguf.errors import GGUFError, GGUFFormatError, SplitError
 from aiogguf.records import ParsedFile, WeightIndex
 from aiogguf.stages.index import build_index
@@ -429,14 +436,45 @@ FUZZ = settings(
 )
 
 
+# Where we refuse on purpose what gguf-py's reader takes: llama.cpp's C reader (gguf.cpp),
+# which we follow, checks that strings are UTF-8, that tensor names fit its 64-byte
+# buffer, and that each tensor's data starts where the one before it ends (aligned).
+STRICTER_THAN_GGUF_PY = re.compile(
+    r"not valid UTF-8|name.*the limit is 63|offset: \d+, expected \d+"
+)
+
+
 def _survives(data: bytes) -> None:
+    """``data`` parses, or fails with one ``GGUFError`` naming the file; and gguf-py's
+    reader (sandboxed: it is not safe on such input) agrees: it reads the same keys,
+    values and tensors from a file we parse, and fails on a file we refuse (unless we
+    refuse it for a rule of llama.cpp's that gguf-py does not check)."""
+    with tempfile.TemporaryDirectory() as tmp:  # hypothesis: no function-scoped tmp_path
+        path = Path(tmp) / "hostile.gguf"
+        path.write_bytes(data)
+        theirs = sandboxed_reader_view(path)
     try:
-        load(data)
+        index = load(data)
     except GGUFError as exc:
         failure = str(exc)
-    else:
+        assert failure.startswith("hostile.gguf: ")
+        if isinstance(theirs, dict):
+            assert STRICTER_THAN_GGUF_PY.search(failure), (
+                f"we refuse a file gguf-py reads: {failure}"
+            )
         return
-    assert failure.startswith("hostile.gguf: ")
+    assert isinstance(theirs, dict), f"we parse a file gguf-py refuses: {theirs}"
+    ours = inspect_json(index)
+    nested = any(
+        e["type"] == "array" and e.get("item_type") == "array" for e in ours["metadata"].values()
+    )
+    # Through JSON, as the oracle's answer came: tuples become lists on both sides.
+    metadata = json.loads(json.dumps(json_metadata(ours["metadata"], flat=nested)))
+    assert metadata == theirs["metadata"]
+    tensors = {
+        t["name"]: {k: t[k] for k in ("type", "shape", "offset", "nbytes")} for t in ours["tensors"]
+    }
+    assert tensors == theirs["tensors"]
 
 
 @FUZZ
