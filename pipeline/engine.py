@@ -332,10 +332,7 @@ class _Load:
 
     async def _allocate_all(self, files: Sequence[DataFile], uploader: Uploader | None) -> None:
         """Allocate buffers in load order; readers of buffer k start once k is ready."""
-        # Big-endian files are copied even in the mapped modes: swapping in place writes
-        # every page of a private mapping, so a mapping would save no memory, and it would
-        # leave the swap's own writes exposed to SIGBUS if the file were truncated.
-        mapped = self.mode in ("mmap", "mlock") and not self.swap
+        mapped_mode = self.mode in ("mmap", "mlock")
         numa = numa_nodes() > 1
         start = self.hub.elapsed()
         for k in self._allocation_order():
@@ -345,7 +342,11 @@ class _Load:
                 assert uploader is not None
                 buffer = await uploader.allocate(layout.plan.device, max(layout.nbytes, 1))
                 image = DeviceImage(layout, buffer)
-            elif mapped:
+            elif mapped_mode and (layout.plan.lazy or not self.swap):
+                # Big-endian files are copied even in the mapped modes (lazy ranges stay
+                # mapped: nothing reads them during the load): swapping in place writes
+                # every page of a private mapping, so a mapping would save no memory, and
+                # the swap's own writes would be exposed to SIGBUS if the file were cut.
                 mapped_image = await anyio.to_thread.run_sync(
                     partial(allocate_mapped, layout, files, writable=self.swap)
                 )
