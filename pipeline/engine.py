@@ -182,11 +182,7 @@ class _Load:
         self.swap = needs_swap(index.byte_order)
         self.allocation = Allocation(
             self.layouts,
-            # Big-endian files are copied even in the mapped modes: swapping in place
-            # writes every page of a private mapping, so a mapping would save no memory,
-            # and it would leave the swap's own writes exposed to SIGBUS if the file were
-            # truncated.
-            mapped=self.mode in ("mmap", "mlock") and not self.swap,
+            mapped=self.mode in ("mmap", "mlock"),
             writable=self.swap,
             alignment=self.alignment,
             prefetch=config.load.prefetch,

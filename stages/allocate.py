@@ -221,8 +221,9 @@ class Allocation:
         clock: Callable[[], float],
     ) -> None:
         """``mapped``: host buffers are mappings of the file (else anonymous memory,
-        aligned to ``alignment``); ``writable`` mappings may be written (bytes swapped
-        in place); ``prefetch`` asks the kernel to read mapped ranges ahead."""
+        aligned to ``alignment``); ``writable``: the bytes are swapped in place (such
+        buffers are copies, but for lazy ranges); ``prefetch`` asks the kernel to read
+        mapped ranges ahead."""
         self.layouts = layouts
         self.images: list[Image | None] = [None] * len(layouts)
         self._ready = [anyio.Event() for _ in layouts]
@@ -248,7 +249,12 @@ class Allocation:
                     assert allocate_device is not None, "device buffers need an uploader"
                     buffer = await allocate_device(layout.plan.device, max(layout.nbytes, 1))
                     image = DeviceImage(layout, buffer)
-                elif self._mapped:
+                elif self._mapped and (layout.plan.lazy or not self._writable):
+                    # Big-endian files are copied even in the mapped modes (lazy ranges
+                    # stay mapped: nothing reads them during the load): swapping in place
+                    # writes every page of a private mapping, so a mapping would save no
+                    # memory, and the swap's own writes would be exposed to SIGBUS if the
+                    # file were cut.
                     image = await anyio.to_thread.run_sync(
                         partial(allocate_mapped, layout, files, writable=self._writable)
                     )
