@@ -52,11 +52,9 @@ class LoadHandle:
         config: Config,
         progress: ProgressCallback | None = None,
         devices: Sequence[Device] | None = None,
-        limiter: anyio.CapacityLimiter | None = None,
         opener: FileOpener | None = None,
     ) -> None:
         self.path = os.fspath(path)
-        self._limiter = limiter
         self._opener = opener
         self.config = config
         self.hub = ProgressHub(progress)
@@ -80,7 +78,6 @@ class LoadHandle:
                 self.hub,
                 stack,
                 devices=self._devices,
-                limiter=self._limiter,
                 opener=self._opener,
             )
         except BaseException as exc:
@@ -120,7 +117,6 @@ def load(
     *,
     progress: ProgressCallback | None = None,
     devices: Sequence[Device] | None = None,
-    limiter: anyio.CapacityLimiter | None = None,
     opener: FileOpener | None = None,
     **overrides: Any,
 ) -> LoadHandle:
@@ -129,8 +125,7 @@ def load(
     ``config`` is a ``Config``, a TOML path or None (defaults); ``overrides`` are config
     keys by their plain names (``mode``, ``check_tensors``, ``n_gpu_layers``,
     ``chunk_size="16MiB"``, ``sim_gpus=["24GiB"]``, …). ``devices`` replaces device
-    discovery (tests, embedding). ``limiter``, shared between loads, bounds their reads
-    in flight together (a server loading several models at once). ``opener`` opens each
+    discovery (tests, embedding). ``opener`` opens each
     file of the load, once, and every read goes through that descriptor: pass
     ``aiogguf.io.opener.RootedOpener(roots)`` to read only beneath ``roots`` (default:
     any path the process can read).
@@ -140,7 +135,7 @@ def load(
     the ``opener`` refuses), ``TensorValidationError`` listing
     every bad tensor when ``check_tensors`` is on.
     """
-    return LoadHandle(path, load_config(config, **overrides), progress, devices, limiter, opener)
+    return LoadHandle(path, load_config(config, **overrides), progress, devices, opener)
 
 
 @contextmanager

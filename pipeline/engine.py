@@ -163,11 +163,9 @@ class _Load:
         config: Config,
         hub: ProgressHub,
         *,
-        shared_limiter: anyio.CapacityLimiter | None = None,
         opened: OpenFiles | None = None,
         metadata_stages: Sequence[tuple[str, StageTimes]] = (),
     ) -> None:
-        self.shared_limiter = shared_limiter
         self.opened = opened  # the descriptors the parse stage read; None: open by path
         self.index = index
         self.plan = plan
@@ -259,7 +257,6 @@ class _Load:
             direct=[f.direct_ok for f in files],
             clock=self.hub.elapsed,
             swap=ByteSwap(self.index, self.layouts) if self.swap else None,
-            shared=self.shared_limiter,
             check=validation.check_piece if validation.by_pieces else None,
             threads=threads,
             check_threads=check_threads,
@@ -442,13 +439,11 @@ async def run_load(
     stack: AsyncExitStack,
     *,
     devices: Sequence[Device] | None = None,
-    limiter: anyio.CapacityLimiter | None = None,
     opener: FileOpener | None = None,
 ) -> Model:
     """Parse, index, plan and load ``path``. Resources are pushed on ``stack`` until the
-    returned model owns them; on failure the caller closes the stack. ``limiter``, shared
-    between loads, bounds their reads in flight together. ``opener`` opens every file of
-    the load, once (default: any path)."""
+    returned model owns them; on failure the caller closes the stack. ``opener`` opens
+    every file of the load, once (default: any path)."""
     t0 = hub.elapsed()
     hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
     # Each file is opened once, by the parse stage; the engine reads through the same
@@ -464,7 +459,6 @@ async def run_load(
         found,
         config,
         hub,
-        shared_limiter=limiter,
         opened=opened,
         metadata_stages=[
             ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),

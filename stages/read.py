@@ -198,8 +198,7 @@ class FileStats:
 
 class Reader:
     """Executes read jobs for one load. ``swap`` (big-endian files) converts the bytes of
-    a landed job in place before anyone else sees them; ``shared`` bounds the reads in
-    flight across every load that shares it; ``check(job, file_offset, piece)`` validates
+    a landed job in place before anyone else sees them; ``check(job, file_offset, piece)`` validates
     each piece of a host buffer as soon as it has landed: buffered reads on the reader's
     own thread, while the piece is still in the CPU's cache; ``O_DIRECT`` reads (which
     land by DMA, not through the cache) on ``check_threads`` after the read has given
@@ -214,7 +213,6 @@ class Reader:
         direct: Sequence[bool],
         clock: Callable[[], float],
         swap: Callable[[ReadJob, memoryview], None] | None = None,
-        shared: anyio.CapacityLimiter | None = None,
         check: Callable[[ReadJob, int, memoryview], None] | None = None,
         threads: LoadThreads,
         check_threads: LoadThreads,
@@ -225,7 +223,6 @@ class Reader:
         self._direct = direct
         self._clock = clock
         self._swap = swap
-        self._shared = shared
         self._check = check
         self._threads = threads
         self._check_threads = check_threads
@@ -247,14 +244,6 @@ class Reader:
 
     async def read(self, job: ReadJob) -> None:
         """Land ``job`` in its host buffer; returns when its bytes are there."""
-        if self._shared is None:
-            await self._read(job)
-        else:
-            # Loads running side by side (a server) share one budget of reads in flight.
-            async with self._shared:
-                await self._read(job)
-
-    async def _read(self, job: ReadJob) -> None:
         image = self._images[job.buffer_index]
         assert isinstance(image, HostImage | MappedImage)
         start = self._clock()

@@ -24,7 +24,6 @@ dtypes because CuPy has no byte-swapped dtypes); big-endian files are converted 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from bisect import bisect_left, bisect_right
@@ -38,7 +37,7 @@ import anyio
 import numpy
 from anyio.abc import TaskGroup
 
-from aiogguf.errors import TensorFailure, TensorValidationError
+from aiogguf.errors import TensorFailure
 from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.files import DataFile
 from aiogguf.io.ggml_types import GGMLType, ScaleField, ScaleKind, TypeKind
@@ -518,12 +517,11 @@ class TensorChecker:
     ) -> None:
         """Prepare to check tensor ``name`` of ``type``.
 
-        Args:
-            name: the tensor's name, for the report.
-            type: its ggml type row.
-            xp: the array module of the chunks (numpy, or cupy for device arrays).
-            slice_bytes: scan granularity; bounds scratch memory. Defaults to
-                ``HOST_SLICE_BYTES`` for numpy, ``DEVICE_SLICE_BYTES`` otherwise.
+        ``name``: the tensor's name, for the report.
+        ``type``: its ggml type row.
+        ``xp``: the array module of the chunks (numpy, or cupy for device arrays).
+        ``slice_bytes``: scan granularity; bounds scratch memory. Defaults to
+            ``HOST_SLICE_BYTES`` for numpy, ``DEVICE_SLICE_BYTES`` otherwise.
         """
         self.name = name
         self.type = type
@@ -546,9 +544,8 @@ class TensorChecker:
     def update(self, chunk: Bytes) -> None:
         """Check the next ``chunk`` (a 1-D uint8 array of ``xp``) of the tensor's bytes.
 
-        Raises:
-            RuntimeError: after ``finish()``.
-            ValueError: if the chunk is not a 1-D uint8 array.
+        Raises ``RuntimeError`` after ``finish()``.
+        Raises ``ValueError`` if the chunk is not a 1-D uint8 array.
         """
         if self._finished:
             raise RuntimeError(f"tensor '{self.name}': update() after finish()")
@@ -598,19 +595,16 @@ def check_tensor(
 ) -> TensorFailure | None:
     """Check one whole tensor's bytes by ggml's rules (format §5.2).
 
-    Args:
-        name: the tensor's name, for the report.
-        type: its ggml type row.
-        data: its bytes, without padding: a 1-D uint8 array of ``xp``.
-        xp: the array module of ``data`` (numpy, or cupy for a device array).
+    ``name``: the tensor's name, for the report.
+    ``type``: its ggml type row.
+    ``data``: its bytes, without padding: a 1-D uint8 array of ``xp``.
+    ``xp``: the array module of ``data`` (numpy, or cupy for a device array).
 
-    Returns:
-        None if the tensor is good, else a ``TensorFailure`` with the problem, the index
-        of the first bad block (quantized types) or element (plain types), and how many
-        are bad.
+    Returns None if the tensor is good, else a ``TensorFailure`` with the problem, the
+    index of the first bad block (quantized types) or element (plain types), and how many
+    are bad.
 
-    Raises:
-        ValueError: if ``data`` is not a 1-D uint8 array.
+    Raises ``ValueError`` if ``data`` is not a 1-D uint8 array.
     """
     failure = precheck(name, type, int(data.shape[0]))
     if failure is not None:
@@ -680,8 +674,7 @@ class PieceCheck:
     def __init__(self, name: str, type: GGMLType, nbytes: int) -> None:
         """Prepare to check tensor ``name`` of ``type``, ``nbytes`` long (without padding).
 
-        Raises:
-            ValueError: if ``nbytes`` is negative.
+        Raises ``ValueError`` if ``nbytes`` is negative.
         """
         if nbytes < 0:
             raise ValueError(f"tensor '{name}': negative size {nbytes}")
@@ -706,9 +699,8 @@ class PieceCheck:
         thread. A unit covered by two pieces is scanned and counted once. The numpy work
         runs outside the lock, so threads check their pieces in parallel.
 
-        Raises:
-            ValueError: if ``data`` is not a 1-D uint8 array or lies outside the tensor.
-            RuntimeError: after ``finish()``.
+        Raises ``ValueError`` if ``data`` is not a 1-D uint8 array or lies outside the tensor.
+        Raises ``RuntimeError`` after ``finish()``.
         """
         if self._finished:  # a caller bug, so an unlocked look is enough here
             raise RuntimeError(f"tensor '{self.name}': check_piece() after finish()")
@@ -742,8 +734,7 @@ class PieceCheck:
         ``data`` is the whole tensor, every byte landed. Call it once every
         ``check_piece`` call has returned.
 
-        Raises:
-            ValueError: if ``data`` is not a 1-D uint8 array of ``nbytes`` bytes.
+        Raises ``ValueError`` if ``data`` is not a 1-D uint8 array of ``nbytes`` bytes.
         """
         n = self._validate(data, "finish")
         if n != self.nbytes:
@@ -852,14 +843,14 @@ class _State(Enum):
 
 
 class ValidationCollector:
-    """Checks tensors in threads of its own (``LoadThreads``) as they are submitted;
-    collects every failure.
+    """Checks whole tensors on the load's check threads as they are submitted; collects
+    every failure.
 
     Usage::
 
-        async with ValidationCollector(workers) as collector:
+        async with ValidationCollector(workers, threads=check_threads) as collector:
             await collector.submit(name, type, data)   # as each tensor lands
-        collector.raise_if_failed(path)
+        collector.failures                              # every bad tensor
 
     ``submit`` returns as soon as the check is started; it waits only while
     ``max_in_flight`` checks are already running, which pushes back on the reader and
@@ -873,31 +864,28 @@ class ValidationCollector:
         max_in_flight: int | None = None,
         xp: ModuleType = numpy,
         call_bytes: int = CALL_BYTES,
-        threads: LoadThreads | None = None,
+        threads: LoadThreads,
         meter: StageMeter | None = None,
     ) -> None:
         """Set up a collector; checks start once its ``async with`` block is entered.
 
-        Args:
-            workers: threads checking at once (``pipeline.validate_workers``).
-            max_in_flight: checks submitted and not yet done before ``submit`` waits;
-                default ``2 * workers``.
-            xp: default array module of submitted data.
-            call_bytes: bytes one worker-thread call checks (bounds cancellation latency).
-            threads: entered threads to check on, shared with others (``workers`` then
-                only sets the default of ``max_in_flight``); default: threads of its own.
-            meter: also counts each worker-thread call there (the load's validate stage).
+        ``workers``: threads checking at once (``pipeline.validate_workers``).
+        ``max_in_flight``: checks submitted and not yet done before ``submit`` waits;
+            default ``2 * workers``.
+        ``xp``: default array module of submitted data.
+        ``call_bytes``: bytes one worker-thread call checks (bounds cancellation latency).
+        ``threads``: the load's entered check threads (``workers`` only sets the
+            default of ``max_in_flight``).
+        ``meter``: also counts each worker-thread call there (the load's validate stage).
 
-        Raises:
-            ValueError: if ``workers`` or ``max_in_flight`` is below 1.
+        Raises ``ValueError`` if ``workers`` or ``max_in_flight`` is below 1.
         """
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         max_in_flight = 2 * workers if max_in_flight is None else max_in_flight
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
-        self._own_threads = threads is None
-        self._threads = LoadThreads(workers, name="aiogguf-check") if threads is None else threads
+        self._threads = threads
         self._slots = anyio.Semaphore(max_in_flight)
         self._xp = xp
         self._call_bytes = call_bytes
@@ -912,8 +900,6 @@ class ValidationCollector:
     async def __aenter__(self) -> ValidationCollector:
         if self._state is not _State.NEW:
             raise RuntimeError("a ValidationCollector can be entered only once")
-        if self._own_threads:
-            await self._threads.__aenter__()
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
@@ -932,8 +918,6 @@ class ValidationCollector:
         finally:
             self._state = _State.CLOSED
             self._task_group = None
-            if self._own_threads:
-                await self._threads.__aexit__(None, None, None)
 
     async def submit(
         self, name: str, type: GGMLType, data: Bytes | FileBytes, *, xp: ModuleType | None = None
@@ -944,8 +928,7 @@ class ValidationCollector:
         valid and unchanged until the collector's block is left. A ``LoadError`` from
         reading ``FileBytes`` ends the collector's block with that error.
 
-        Raises:
-            RuntimeError: outside the collector's ``async with`` block.
+        Raises ``RuntimeError`` outside the collector's ``async with`` block.
         """
         if self._state is not _State.OPEN or self._task_group is None:
             raise RuntimeError(f"submit('{name}') outside 'async with ValidationCollector'")
@@ -991,16 +974,6 @@ class ValidationCollector:
     def failures(self) -> tuple[TensorFailure, ...]:
         """Every failure found so far, in submission order."""
         return tuple(self._results[seq] for seq in sorted(self._results))
-
-    def raise_if_failed(self, path: str | os.PathLike[str] | None = None) -> None:
-        """Raise one ``TensorValidationError`` listing every bad tensor, if there is any.
-
-        Raises:
-            TensorValidationError: naming each bad tensor, its first bad index and count.
-        """
-        failures = self.failures
-        if failures:
-            raise TensorValidationError(failures, os.fspath(path) if path is not None else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1049,16 +1022,15 @@ class Validation:
     ) -> None:
         """Plan the checks of one load.
 
-        Args:
-            index, layouts, slots, spans: the load's tensors and where they sit.
-            images: the load's images, indexed by buffer (filled in as allocated).
-            files: the load's open files (mapped tensors are checked through them).
-            mode: the resolved load mode.
-            enabled: ``load.check_tensors``; when False nothing is checked.
-            swapped: whether bytes are swapped after the read (no piece checks then).
-            workers: checks of whole tensors in flight at once, times two.
-            threads: the load's check threads.
-            clock: seconds since the load began.
+        index, layouts, slots, spans: the load's tensors and where they sit.
+        ``images``: the load's images, indexed by buffer (filled in as allocated).
+        ``files``: the load's open files (mapped tensors are checked through them).
+        ``mode``: the resolved load mode.
+        ``enabled``: ``load.check_tensors``; when False nothing is checked.
+        ``swapped``: whether bytes are swapped after the read (no piece checks then).
+        ``workers``: checks of whole tensors in flight at once, times two.
+        ``threads``: the load's check threads.
+        ``clock``: seconds since the load began.
         """
         self.enabled = enabled
         self._index = index

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from aiogguf.errors import TensorFailure, TensorValidationError
 from aiogguf.io.ggml_types import GGML_TYPES, GGMLType, ScaleKind, TypeKind, ggml_type
 from aiogguf.io.ggml_types import ggml_type_by_name as by_name
+from aiogguf.io.workers import LoadThreads
 from aiogguf.stages.validate import TensorChecker, ValidationCollector, check_tensor, precheck
 
 VALID = [t for t in GGML_TYPES.values() if t.valid]
@@ -335,30 +336,30 @@ async def test_collector_reports_every_bad_tensor(rng: np.random.Generator) -> N
     tensors["good"] = (by_name("Q8_0"), make_valid(by_name("Q8_0"), 999, rng))
     tensors["bad.size"] = (by_name("Q6_K"), np.zeros(211, np.uint8))
     # Small calls: each check takes several thread hops, so they interleave.
-    async with ValidationCollector(workers=2, max_in_flight=2, call_bytes=4096) as collector:
+    async with (
+        LoadThreads(2) as threads,
+        ValidationCollector(2, max_in_flight=2, call_bytes=4096, threads=threads) as collector,
+    ):
         for name, (type_, data) in tensors.items():
             await collector.submit(name, type_, data)
     assert collector.submitted == 5
     assert [f.name for f in collector.failures] == ["a.q4k", "b.f16", "c.mxfp4", "bad.size"]
-    with pytest.raises(TensorValidationError) as info:
-        collector.raise_if_failed(Path("/models/m.gguf"))
-    message = str(info.value)
+    message = str(TensorValidationError(collector.failures, "/models/m.gguf"))
     assert message.startswith("/models/m.gguf: found 4 tensors with invalid data:")
     for name, (_, at) in bad.items():
         assert f"tensor '{name}'" in message
         assert f"first at index {at}, 1 bad" in message
     assert "invalid size 211 for type Q6_K" in message
     assert "good" not in message
-    assert info.value.failures == collector.failures
 
 
 @pytest.mark.asyncio
 async def test_collector_good_tensors_raise_nothing(rng: np.random.Generator) -> None:
-    async with ValidationCollector(workers=1) as collector:
+    async with LoadThreads(1) as threads, ValidationCollector(1, threads=threads) as collector:
         for type_ in SUPPORTED[:6]:
             await collector.submit(type_.name, type_, make_valid(type_, 100, rng))
     assert collector.failures == ()
-    collector.raise_if_failed("m.gguf")
+    assert collector.submitted == 6
 
 
 @pytest.mark.asyncio
@@ -375,7 +376,10 @@ async def test_collector_backpressure_bounds_in_flight(
     monkeypatch.setattr(TensorChecker, "update", held_update)
     f32 = by_name("F32")
     data = make_valid(f32, 1024, rng)
-    async with ValidationCollector(workers=1, max_in_flight=2) as collector:
+    async with (
+        LoadThreads(1) as threads,
+        ValidationCollector(1, max_in_flight=2, threads=threads) as collector,
+    ):
         await collector.submit("t0", f32, data)
         await collector.submit("t1", f32, data)
         with anyio.move_on_after(0.2) as scope:
@@ -395,7 +399,10 @@ async def test_cancel_inside_block_cancels_cleanly(rng: np.random.Generator) -> 
     data = make_valid(f16, 1 << 22, rng)  # 8 MiB, checked in 64 KiB thread calls
     before = threading.active_count()
     with anyio.CancelScope() as scope:
-        async with ValidationCollector(workers=2, call_bytes=1 << 16) as collector:
+        async with (
+            LoadThreads(2) as threads,
+            ValidationCollector(2, call_bytes=1 << 16, threads=threads) as collector,
+        ):
             for i in range(4):
                 await collector.submit(f"t{i}", f16, data)
             scope.cancel()
@@ -409,8 +416,9 @@ async def test_cancel_inside_block_cancels_cleanly(rng: np.random.Generator) -> 
 
 @pytest.mark.asyncio
 async def test_collector_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="workers"):
-        ValidationCollector(workers=0)
-    collector = ValidationCollector()
-    with pytest.raises(RuntimeError, match="outside"):
-        await collector.submit("t", by_name("F32"), np.zeros(4, np.uint8))
+    async with LoadThreads(1) as threads:
+        with pytest.raises(ValueError, match="workers"):
+            ValidationCollector(workers=0, threads=threads)
+        collector = ValidationCollector(threads=threads)
+        with pytest.raises(RuntimeError, match="outside"):
+            await collector.submit("t", by_name("F32"), np.zeros(4, np.uint8))
