@@ -203,15 +203,15 @@ def build_report(
 ) -> LoadReport:
     """The report of a finished load.
 
-    :param plan: the load's plan (mode, buffers, the tensors loaded).
-    :param path: the model's first file.
-    :param total_s: the load's duration.
-    :param stages: each stage's name and times, in pipeline order.
-    :param files: per file: its path, read counters, whether reads bypassed the page
+    ``plan``: the load's plan (mode, buffers, the tensors loaded).
+    ``path``: the model's first file.
+    ``total_s``: the load's duration.
+    ``stages``: each stage's name and times, in pipeline order.
+    ``files``: per file: its path, read counters, whether reads bypassed the page
         cache, and the disk it was read from.
-    :param uploads: one entry per device uploaded to.
-    :param validated: tensors checked.
-    :param warnings: what the load warned about.
+    ``uploads``: one entry per device uploaded to.
+    ``validated``: tensors checked.
+    ``warnings``: what the load warned about.
     """
     loaded = [t for t in plan.tensors if not t.lazy]
     return LoadReport(
