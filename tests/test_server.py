@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import anyio
 import pytest
 from aiohttp import web
 from anyio.streams.buffered import BufferedByteReceiveStream
+from server_helpers import running
 
 import aiogguf.server
 from aiogguf.server import LoadLimiter, ServerPolicy, create_app, registry_of
@@ -54,20 +55,6 @@ def mappings_of(paths: Iterable[Path]) -> int:
 
 def all_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
-
-
-@contextlib.asynccontextmanager
-async def running(app: web.Application) -> AsyncIterator[str]:
-    """Serve ``app`` on an ephemeral port of 127.0.0.1; yields its base URL."""
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
 
 
 async def start_load(http: aiohttp.ClientSession, url: str, path: Path, **config: Any) -> str:

@@ -6,7 +6,6 @@ refusing to start unsafely."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import io
 import os
@@ -15,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,8 @@ import anyio
 import gguf
 import numpy as np
 import pytest
-from aiohttp import web
 from anyio.streams.buffered import BufferedByteReceiveStream
+from server_helpers import running
 
 import aiogguf.server
 from aiogguf.server import LoadLimiter, ServerPolicy, create_app, registry_of
@@ -33,19 +31,6 @@ from aiogguf.server_policy import REQUEST_KEYS
 from aiogguf.testing.synth import write_synthetic_model
 
 SECRET = b"root:$6$hash-of-a-password:19000:0:99999:7:::\n"
-
-
-@contextlib.asynccontextmanager
-async def running(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
 
 
 async def post(
