@@ -306,14 +306,16 @@ def _aiogguf_load(path: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
 
     import anyio
 
-    import aiogguf
+    # The loader, imported before the clock starts, as llama.cpp's library is
+    # (``import aiogguf`` alone defers it to the first use of a name).
+    from aiogguf import load
 
     warnings.simplefilter("ignore")  # the report carries the load's warnings
 
     async def main() -> dict[str, Any]:
         clock = _Clock()
         clock.start()
-        async with aiogguf.load(path, **overrides) as model:
+        async with load(path, **overrides) as model:
             out = clock.stop()
             found = list(model.report.warnings)
         return {**out, "peak_rss_bytes": _peak_rss_bytes(), "warnings": found}
