@@ -211,7 +211,7 @@ class PipelineConfig(_Section):
         # would round down to nothing.
         for key in ("chunk_size", "staging_buffer_size"):
             value = getattr(self, key)
-            if value is not None and value < self.alignment:
+            if value < self.alignment:
                 raise ValueError(
                     f"{key}: expected at least the alignment ({format_size(self.alignment)}),"
                     f" got {format_size(value)}"
@@ -232,7 +232,7 @@ class PipelineConfig(_Section):
     def staging_bytes(self) -> int:
         """Bytes per staging slot: ``staging_buffer_size`` rounded down to the
         alignment (O_DIRECT reads land in slots)."""
-        return max(self.staging_buffer_size - self.staging_buffer_size % self.alignment, 1)
+        return self.staging_buffer_size - self.staging_buffer_size % self.alignment
 
     def reader_count(self, *, direct: bool = False) -> int:
         """``readers``, with ``"auto"`` resolved for this machine: a page-cache read is

@@ -65,7 +65,6 @@ class PoolStats:
     slots: int
     pinned_bytes: int
     leased_slots: int
-    pinned_bytes_total: int  # pinned over the pool's life (counts re-pins)
 
 
 class StagingPool:
@@ -79,7 +78,6 @@ class StagingPool:
         self._leased: set[int] = set()  # ids of leased PooledSlots
         self._pinned_bytes = 0  # pinned now, or being pinned
         self._count = 0
-        self._pinned_total = 0
         self._index = itertools.count()
 
     def lease(
@@ -124,7 +122,6 @@ class StagingPool:
             with self._cond:
                 self._leased.add(id(pooled))
                 self._count += 1
-                self._pinned_total += nbytes
             lease.slots.append(pooled)
             lease.pinned_bytes += nbytes
         return lease
@@ -145,7 +142,6 @@ class StagingPool:
                 self._count,
                 self._pinned_bytes,
                 len(self._leased),
-                self._pinned_total,
             )
 
     def close(self) -> None:
