@@ -1,7 +1,7 @@
 """Positional reads straight into caller memory: buffered ``preadv`` and ``O_DIRECT``.
 
 Every call is synchronous, blocking and bounded by the size the caller passes: the engine
-runs one chunk per ``anyio.to_thread.run_sync`` call, so cancellation stays prompt.
+runs one chunk per call on the load's threads, so cancellation stays prompt.
 
 ``DataFile`` is thread-safe. Reads from many threads may overlap; ``close()`` may race
 with them: the descriptors are closed by whichever of ``close()`` or the last in-flight

@@ -27,6 +27,7 @@ import builtins
 import contextlib
 import enum
 import errno
+import functools
 import mmap
 import os
 import resource
@@ -57,6 +58,7 @@ __all__ = [
     "FileMapping",
     "LockResult",
     "MapAdvice",
+    "may_lock_past_limit",
     "memlock_limit",
     "numa_nodes",
     "open_mapping",
@@ -106,8 +108,26 @@ def memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+def may_lock_past_limit() -> bool:
+    """Whether this process may lock more than ``RLIMIT_MEMLOCK`` (it has
+    ``CAP_IPC_LOCK``, as root usually does); False where that cannot be read."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+_CAP_IPC_LOCK = 14  # linux/capability.h
+
+
+@functools.cache
 def numa_nodes() -> int:
-    """Number of NUMA nodes (``/sys/devices/system/node/node*``); 1 where unknown."""
+    """Number of NUMA nodes (``/sys/devices/system/node/node*``); 1 where unknown.
+    Read once per process."""
     try:
         count = sum(1 for p in _NODE_DIR.glob("node*") if p.name[4:].isdigit())
     except OSError:

@@ -1,13 +1,18 @@
-"""Threads of a load's own for its blocking reads and checks, at a lower CPU priority.
+"""Threads of a load's own for its blocking work, at a lower CPU priority.
 
 On a machine with few cores, threads that copy or scan gigabytes keep every core busy;
 the event loop's thread then waits for a core whenever it wakes up, and the server that
 embeds the load answers late. These threads run at a higher ``nice`` value than the rest
 of the process, so the scheduler hands the loop's thread a core first; throughput is
-unchanged when the loop is idle. The threads belong to one load: started when it starts,
-joined when it ends (anyio's shared worker threads are not reniced: they run the
-embedding application's work too, and an unprivileged process may not lower a thread's
-nice value again).
+unchanged when the loop is idle. (anyio's shared worker threads are not reniced: they
+run the embedding application's work too, and an unprivileged process may not lower a
+thread's nice value again.)
+
+Every blocking call of a load runs here: parsing, planning, opening, allocating,
+reading, checking, uploading and closing. ``LoadThreads(n)`` lends a load ``n`` threads
+for as long as its ``async with`` lasts. The threads themselves come from a process-wide
+pool and go back to it afterwards, so a load in a process that has loaded before starts
+no thread; a thread idle for ``IDLE_S`` ends.
 
 A thread takes its next call from a queue as soon as it is free, and hands its result to
 the loop without waiting for the loop to take it: with more calls submitted than threads,
@@ -18,23 +23,30 @@ for a core (anyio's worker threads get every call through the loop).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
 
-__all__ = ["LoadThreads"]
+__all__ = ["IDLE_NAME", "IDLE_S", "LOAD_NICE", "LoadThreads", "idle_threads"]
 
 T = TypeVar("T")
 
 # How much less CPU weight the threads get: nice 5 is about a third of the loop's weight.
 LOAD_NICE = 5
+# A pooled thread with nothing to do for this long ends.
+IDLE_S = 60.0
+# What a pooled thread is called while no load holds it (not "aiogguf-…": a thread
+# named so is doing a load's work).
+IDLE_NAME = "idle aiogguf thread"
 
 
 @dataclass(slots=True)
@@ -45,21 +57,124 @@ class _Call(Generic[T]):
     error: BaseException | None = None
 
 
+class _Worker:
+    """One pooled OS thread. Between loads it waits on its inbox for the next lane to
+    serve (a ``LoadThreads``' queue), then for ``IDLE_S`` at most."""
+
+    def __init__(self, pool: _Pool, number: int) -> None:
+        self._pool = pool
+        # A lane to serve; what it returns is run once the worker is back in the pool.
+        self.inbox: queue.SimpleQueue[Callable[[], Callable[[], None] | None]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"{IDLE_NAME} {number}", daemon=True)
+        self.number = number
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):  # a hint only: containers may forbid it
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
+        while True:
+            try:
+                serve = self.inbox.get(timeout=IDLE_S)
+            except queue.Empty:
+                if self._pool.retire(self):
+                    return
+                continue  # taken just now: its lane is on the way
+            then = serve()
+            self.thread.name = f"{IDLE_NAME} {self.number}"
+            # Back in the pool before the lane's owner hears of it, so that a load
+            # that starts right after this one finds the thread.
+            kept = self._pool.give_back(self)
+            if then is not None:
+                then()
+            if not kept:
+                return
+
+
+class _Pool:
+    """The process's idle load threads, most recently used last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self._numbers = itertools.count()
+
+    def take(self, count: int) -> list[_Worker]:
+        with self._lock:
+            reused = self._idle[len(self._idle) - min(count, len(self._idle)) :]
+            del self._idle[len(self._idle) - len(reused) :]
+        workers = list(reused)
+        try:
+            while len(workers) < count:
+                worker = _Worker(self, next(self._numbers))
+                worker.thread.start()
+                workers.append(worker)
+        except BaseException:
+            for worker in workers:
+                worker.inbox.put(_nothing)
+            raise
+        return workers
+
+    def give_back(self, worker: _Worker) -> bool:
+        """From the worker's thread, its lane ended: whether it stays (else it ends)."""
+        with self._lock:
+            if len(self._idle) >= _max_idle():
+                return False
+            self._idle.append(worker)
+            return True
+
+    def retire(self, worker: _Worker) -> bool:
+        """From an idle worker's thread after ``IDLE_S``: whether it may end (False: a
+        load took it meanwhile)."""
+        with self._lock:
+            if worker in self._idle:
+                self._idle.remove(worker)
+                return True
+            return False
+
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def forget(self) -> None:
+        """In a forked child: the parent's threads do not exist there."""
+        self._lock = threading.Lock()
+        self._idle = []
+
+
+def _nothing() -> None:
+    return None
+
+
+def _max_idle() -> int:
+    # Enough for the busiest load a machine runs (readers, transfers and checks).
+    return 4 * (os.cpu_count() or 1) + 8
+
+
+_POOL = _Pool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.forget)
+
+
+def idle_threads() -> int:
+    """How many pooled threads wait for a load now."""
+    return _POOL.idle()
+
+
 class LoadThreads:
     """``async with LoadThreads(n) as threads: await threads.run_sync(fn, *args)``.
 
     ``run_sync`` returns once ``fn`` has finished — also when the caller is cancelled
     meanwhile, since ``fn`` writes into memory the caller owns — and then raises the
-    cancellation.
+    cancellation. On exit every thread has gone back to the pool.
     """
 
-    def __init__(self, count: int, *, nice: int = LOAD_NICE, name: str = "aiogguf-reader"):
+    def __init__(self, count: int, *, name: str = "aiogguf-reader") -> None:
         self._count = max(count, 1)
-        self._nice = nice
         self._name = name
         self._queue: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._workers: list[_Worker] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
+        self._serving = 0
+        self._all_back: anyio.Event | None = None
 
     @property
     def count(self) -> int:
@@ -68,10 +183,12 @@ class LoadThreads:
 
     async def __aenter__(self) -> LoadThreads:
         self._token = anyio.lowlevel.current_token()
-        for i in range(self._count):
-            thread = threading.Thread(target=self._work, name=f"{self._name}-{i}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._all_back = anyio.Event()
+        self._workers = _POOL.take(self._count)
+        self._serving = len(self._workers)
+        for i, worker in enumerate(self._workers):
+            worker.thread.name = f"{self._name}-{i}"
+            worker.inbox.put(self._serve)
         return self
 
     async def __aexit__(
@@ -80,15 +197,33 @@ class LoadThreads:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for _ in self._threads:
+        for _ in self._workers:
             self._queue.put(None)
+        assert self._all_back is not None
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._join)
+            await self._all_back.wait()
+        self._workers = []
 
-    def _join(self) -> None:
-        for thread in self._threads:
-            thread.join()
-        self._threads.clear()
+    def _serve(self) -> Callable[[], None]:
+        while (call := self._queue.get()) is not None:
+            try:
+                call.value = call.fn()
+            except BaseException as exc:  # handed to the awaiting task, which raises it
+                call.error = exc
+            # Scheduled, not waited for: the thread goes on to the next call at once.
+            self._on_loop(call.done.set)
+        return partial(self._on_loop, self._one_back)
+
+    def _one_back(self) -> None:
+        self._serving -= 1
+        if self._serving == 0:
+            assert self._all_back is not None
+            self._all_back.set()
+
+    def _on_loop(self, fn: Callable[[], object]) -> None:
+        token = self._token
+        assert token is not None
+        _run_sync_soon(token, fn, ())
 
     async def run_sync(
         self, fn: Callable[..., T], *args: Any, on_cancel: Callable[[], None] | None = None
@@ -121,19 +256,6 @@ class LoadThreads:
         token = self._token
         assert token is not None
         _run_sync_soon(token, fn, args)
-
-    def _work(self) -> None:
-        with contextlib.suppress(OSError):  # a hint only: containers may forbid it
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-        while (call := self._queue.get()) is not None:
-            try:
-                call.value = call.fn()
-            except BaseException as exc:  # handed to the awaiting task, which raises it
-                call.error = exc
-            # Scheduled, not waited for: the thread goes on to the next call at once.
-            token = self._token
-            assert token is not None
-            _run_sync_soon(token, call.done.set, ())
 
 
 def _run_sync_soon(

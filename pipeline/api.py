@@ -9,7 +9,6 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
-from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -24,6 +23,7 @@ from aiogguf.io.devices.base import Device, UploadTarget
 from aiogguf.io.devices.pool import close_staging_pools, staging_pool
 from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.io.opener import FileOpener
+from aiogguf.io.workers import LoadThreads
 from aiogguf.model import Model
 from aiogguf.stages.validate import PieceCheck
 
@@ -108,7 +108,8 @@ class LoadHandle:
         if self.model is not None:
             # Unmapping and freeing many GiB takes a while: not on the loop's thread.
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.model.close)
+                async with LoadThreads(1, name="aiogguf-close") as threads:
+                    await threads.run_sync(self.model.close)
 
 
 def load(
@@ -189,14 +190,25 @@ async def warm_up(
     """Prepare this process for loads with ``config`` (as ``load`` takes it), so that the
     first real load pays none of it: find the devices (CuPy's import and CUDA's start-up
     on a GPU machine), fill each device's staging pool with the slots such a load uses,
-    and run the checks once. Everything runs in a worker thread; call it before serving
-    (``aiogguf serve`` does), since part of CUDA's start-up holds the GIL.
+    run the checks once, and start the threads such a load uses. Everything runs on
+    those threads; call it before serving (``aiogguf serve`` does), since part of CUDA's
+    start-up holds the GIL.
 
     Raises ``ConfigError`` for a bad configuration and ``LoadError`` when a device
     cannot pin memory.
     """
     resolved = load_config(config, **overrides)
-    return await anyio.to_thread.run_sync(partial(_warm_up, resolved, devices))
+    # As many threads as such a load takes: entered and left, they wait in the pool.
+    async with LoadThreads(_load_threads(resolved), name="aiogguf-warm-up") as threads:
+        return await threads.run_sync(_warm_up, resolved, devices)
+
+
+def _load_threads(config: Config) -> int:
+    """How many threads a load of ``config`` holds at once, at most."""
+    pipeline = config.pipeline
+    readers = pipeline.reader_count(direct=config.load.mode == "direct")
+    # Readers, transfer threads, check threads, and the load's own thread.
+    return 2 * readers + pipeline.validate_workers + 1
 
 
 def warm_up_sync(
@@ -238,9 +250,10 @@ def _warm_up(config: Config, devices: Sequence[Device] | None) -> WarmUp:
 
 
 async def release_staging() -> None:
-    """Free every device's pool of pinned staging slots (in a worker thread). Call it
-    when no load runs; a later load pins slots again."""
-    await anyio.to_thread.run_sync(close_staging_pools)
+    """Free every device's pool of pinned staging slots (on a thread of its own). Call
+    it when no load runs; a later load pins slots again."""
+    async with LoadThreads(1, name="aiogguf-release") as threads:
+        await threads.run_sync(close_staging_pools)
 
 
 def release_staging_sync() -> None:

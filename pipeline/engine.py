@@ -14,7 +14,7 @@ what has landed. Index building, planning and device discovery (CuPy's import, C
 start-up) run in a worker thread too: the loop's thread only awaits.
 
 The engine only wires. Each stage's own work lives in its module: descriptors, disk
-limits and byte order in ``read``; images, mapping advice and locks in ``allocate``;
+limits, byte order and locks in ``read``; images and mapping advice in ``allocate``;
 both ways of checking a tensor behind ``validate.Validation``; and ``report.build_report``
 turns what the stages counted into the report.
 
@@ -50,7 +50,6 @@ from aiogguf.records import Plan, WeightIndex
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import (
     Allocation,
-    MappingLocks,
     TensorSpans,
     layout_buffers,
     split_jobs,
@@ -163,9 +162,11 @@ class _Load:
         config: Config,
         hub: ProgressHub,
         *,
+        threads: LoadThreads,
         opened: OpenFiles | None = None,
         metadata_stages: Sequence[tuple[str, StageTimes]] = (),
     ) -> None:
+        self.threads = threads  # the load's thread for its one-off blocking calls
         self.opened = opened  # the descriptors the parse stage read; None: open by path
         self.index = index
         self.plan = plan
@@ -190,17 +191,6 @@ class _Load:
         self.warnings: list[str] = list(plan.warnings)
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
         self.progress = _Progress(hub, plan, self.layouts, self.spans, index)
-        self.locks = (
-            MappingLocks(
-                index,
-                self.slots,
-                self.images,
-                needed_bytes=self.progress.bytes_total,
-                warn=self._warn,
-            )
-            if self.mode == "mlock"
-            else None
-        )
         self._prefault_threads: LoadThreads | None = None  # direct mode: backs pages ahead
 
     # --- the whole load ---------------------------------------------------------------
@@ -210,11 +200,16 @@ class _Load:
         if self.swap:
             ByteSwap.check(self.index, self.plan)
         files = await open_data_files(
-            self.index, self.opened, mode=self.mode, alignment=self.alignment, warn=self._warn
+            self.index,
+            self.opened,
+            mode=self.mode,
+            alignment=self.alignment,
+            warn=self._warn,
+            threads=self.threads,
         )
         for f in files:
             stack.callback(f.close)
-        stack.push_async_callback(anyio.to_thread.run_sync, self.allocation.close)
+        stack.push_async_callback(self.threads.run_sync, self.allocation.close)
         limiters, disks = disk_limiters(files, self.config)
         threads = await stack.enter_async_context(
             LoadThreads(int(sum(lim.total_tokens for lim in set(limiters))))
@@ -258,6 +253,7 @@ class _Load:
             clock=self.hub.elapsed,
             swap=ByteSwap(self.index, self.layouts) if self.swap else None,
             check=validation.check_piece if validation.by_pieces else None,
+            lock=self.mode == "mlock",
             threads=threads,
             check_threads=check_threads,
         )
@@ -265,12 +261,17 @@ class _Load:
         with one_error():
             async with validation:
                 await self._stream(files, reader, uploader, validation, limiters)
+        if reader.lock_refusal is not None:
+            self._warn(
+                f"{reader.lock_refusal}; the whole load needs {self.progress.bytes_total} "
+                "bytes locked; it goes on with the rest unlocked"
+            )
         uploads = uploader.stats if uploader is not None else ()
         # A file truncated, rewritten, replaced or deleted while it was read makes a
         # model whose bytes no longer match its file (and, mapped, one that a later
         # read of a cut-off page would kill): the load fails instead.
+        await self.threads.run_sync(_check_unchanged, files)
         for f, was_direct in zip(files, reader.direct, strict=True):
-            await anyio.to_thread.run_sync(f.check_unchanged)
             if was_direct and not f.direct_ok:
                 self._warn(f"{f.path}: {f.direct_refusal}; the rest was read with mode 'none'")
         failures = validation.failures
@@ -295,7 +296,10 @@ class _Load:
         ready_send, ready_recv = anyio.create_memory_object_stream[str](queue)
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                self.allocation.run, files, uploader.allocate if uploader is not None else None
+                self.allocation.run,
+                files,
+                uploader.allocate if uploader is not None else None,
+                self.threads,
             )
             jobs, device_jobs = split_jobs(
                 self.index,
@@ -380,8 +384,6 @@ class _Load:
     ) -> None:
         async with ready:
             async for name in ready:
-                if self.locks is not None:
-                    await self.locks.lock(name)
                 await validation.tensor_ready(name)
                 self.progress.tensor_done()
 
@@ -423,6 +425,12 @@ def _report(
     )
 
 
+def _check_unchanged(files: Sequence[DataFile]) -> None:
+    """Blocking: raise ``LoadError`` for the first file that changed during the load."""
+    for f in files:
+        f.check_unchanged()
+
+
 def _devices_and_plan(
     index: WeightIndex, config: Config, devices: Sequence[Device] | None
 ) -> tuple[tuple[Device, ...], Plan]:
@@ -449,9 +457,12 @@ async def run_load(
     # Each file is opened once, by the parse stage; the engine reads through the same
     # descriptors (its DataFiles hold duplicates), so the table closes with the stack.
     opened = stack.enter_context(OpenFiles(opener))
-    index = await open_index(path, files=opened)
+    # One thread of the load's own for its one-off blocking calls (parse, index, plan,
+    # open, allocate, close): a process that has loaded before has it ready.
+    threads = await stack.enter_async_context(LoadThreads(1, name="aiogguf-load"))
+    index = await open_index(path, threads=threads, files=opened)
     t1 = hub.elapsed()
-    found, plan = await anyio.to_thread.run_sync(_devices_and_plan, index, config, devices)
+    found, plan = await threads.run_sync(_devices_and_plan, index, config, devices)
     t2 = hub.elapsed()
     load = _Load(
         index,
@@ -459,6 +470,7 @@ async def run_load(
         found,
         config,
         hub,
+        threads=threads,
         opened=opened,
         metadata_stages=[
             ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),

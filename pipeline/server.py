@@ -60,6 +60,7 @@ from aiogguf.errors import ConfigError, GGUFError, LoadError, PathNotAllowedErro
 from aiogguf.events import FanOut, Progress
 from aiogguf.io.devices.base import Device
 from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
+from aiogguf.io.workers import LoadThreads
 from aiogguf.model import Model
 from aiogguf.report import LoadReport
 from aiogguf.server_policy import (
@@ -308,7 +309,8 @@ def _report_summary(report: LoadReport) -> dict[str, Any]:
 async def _close_model(model: Model) -> None:
     """Unmapping and freeing many GiB takes real time: off the loop, even when cancelled."""
     with anyio.CancelScope(shield=True):
-        await anyio.to_thread.run_sync(model.close)
+        async with LoadThreads(1, name="aiogguf-close") as threads:
+            await threads.run_sync(model.close)
 
 
 def _one_line(exc: BaseException) -> str:

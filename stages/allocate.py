@@ -5,15 +5,14 @@ buffers are page-aligned anonymous memory (``none``, ``direct``) or mappings of 
 the group's ranges (``mmap``, ``mlock``); device buffers come from the device backend.
 Work is emitted in load order: device-bound buffers first, ranges holding the biggest
 tensors first; host buffers after, in file order (sequential reads are the fastest).
-The stage also owns what is done to its mappings: advice (``advise``) and, in mode
-``mlock``, locking (``MappingLocks``).
+The stage also owns the advice its mappings get (``advise``); in mode ``mlock`` the read
+stage locks them as it makes them resident.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from functools import partial
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import anyio
 
@@ -22,12 +21,12 @@ from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
 from aiogguf.io.devices.base import DeviceBuffer
 from aiogguf.io.files import DataFile, align_down, align_up
 from aiogguf.io.mapping import FileMapping, MapAdvice, numa_nodes
+from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import BufferLayout, RangeSlot, ReadJob, StageMeter, StageTimes, TensorSlot
 from aiogguf.records import Plan, WeightIndex
 
 __all__ = [
     "Allocation",
-    "MappingLocks",
     "TensorSpans",
     "advise",
     "allocate_host",
@@ -237,35 +236,35 @@ class Allocation:
         self,
         files: Sequence[DataFile],
         allocate_device: Callable[[str, int], Awaitable[DeviceBuffer]] | None,
+        threads: LoadThreads,
     ) -> None:
-        """Allocate every buffer; ``allocate_device(device, nbytes)`` makes device ones."""
-        numa = numa_nodes() > 1
+        """Allocate every buffer; ``allocate_device(device, nbytes)`` makes device ones,
+        ``threads`` the host ones (one call each)."""
         staged = [lay for lay in self.layouts if not lay.plan.host]
         for layout in staged + [lay for lay in self.layouts if lay.plan.host]:
             k = layout.index
-            image: Image
             with self._meter.span(items=1, nbytes=layout.nbytes):
                 if not layout.plan.host:
                     assert allocate_device is not None, "device buffers need an uploader"
                     buffer = await allocate_device(layout.plan.device, max(layout.nbytes, 1))
-                    image = DeviceImage(layout, buffer)
-                elif self._mapped and (layout.plan.lazy or not self._writable):
-                    # Big-endian files are copied even in the mapped modes (lazy ranges
-                    # stay mapped: nothing reads them during the load): swapping in place
-                    # writes every page of a private mapping, so a mapping would save no
-                    # memory, and the swap's own writes would be exposed to SIGBUS if the
-                    # file were cut.
-                    image = await anyio.to_thread.run_sync(
-                        partial(allocate_mapped, layout, files, writable=self._writable)
-                    )
-                    # Owned at once: cancelled at the next await, it must still be unmapped.
-                    self.images[k] = image
-                    advice = partial(advise, image, numa=numa, prefetch=self._prefetch)
-                    await anyio.to_thread.run_sync(advice)
+                    self.images[k] = DeviceImage(layout, buffer)
                 else:
-                    image = await anyio.to_thread.run_sync(allocate_host, layout, self._alignment)
-            self.images[k] = image
+                    await threads.run_sync(self._allocate_host, layout, files)
             self._ready[k].set()
+
+    def _allocate_host(self, layout: BufferLayout, files: Sequence[DataFile]) -> None:
+        """Blocking: host buffer ``layout``, owned (in ``images``) as soon as it exists,
+        so that a load cancelled meanwhile still frees it."""
+        if self._mapped and (layout.plan.lazy or not self._writable):
+            # Big-endian files are copied even in the mapped modes (lazy ranges stay
+            # mapped: nothing reads them during the load): swapping in place writes
+            # every page of a private mapping, so a mapping would save no memory, and
+            # the swap's own writes would be exposed to SIGBUS if the file were cut.
+            image = allocate_mapped(layout, files, writable=self._writable)
+            self.images[layout.index] = image
+            advise(image, numa=numa_nodes() > 1, prefetch=self._prefetch)
+        else:
+            self.images[layout.index] = allocate_host(layout, self._alignment)
 
     async def ready(self, k: int) -> Image:
         """Buffer ``k``'s image, once it exists."""
@@ -301,40 +300,3 @@ def advise(image: MappedImage, *, numa: bool, prefetch: bool) -> None:
     advice = MapAdvice.RANDOM if random else MapAdvice.WILLNEED
     for rs, mapping in zip(image.layout.slots, image.mappings, strict=True):
         mapping.advise(advice, rs.range.start, rs.range.end)
-
-
-class MappingLocks:
-    """Mode ``mlock``: the locked range grows tensor by tensor as tensors land. A
-    refused lock (``RLIMIT_MEMLOCK``) is one warning per load, through ``warn``: the
-    rest would say the same; the load goes on unlocked."""
-
-    def __init__(
-        self,
-        index: WeightIndex,
-        slots: Mapping[str, TensorSlot],
-        images: Sequence[Image | None],
-        *,
-        needed_bytes: int,
-        warn: Callable[[str], None],
-    ) -> None:
-        self._index = index
-        self._slots = slots
-        self._images = images  # filled in by the allocation as it goes
-        self._needed_bytes = needed_bytes
-        self._warn = warn
-        self._refused = False
-
-    async def lock(self, name: str) -> None:
-        """Lock tensor ``name``'s pages (lazy and unmapped tensors are left alone)."""
-        image = self._images[self._slots[name].buffer_index]
-        if not isinstance(image, MappedImage) or image.layout.plan.lazy:
-            return
-        entry = self._index[name]
-        mapping = image.mapping_at(entry.file_index, entry.offset)
-        result = await anyio.to_thread.run_sync(mapping.lock, entry.offset, entry.end)
-        if not result.ok and not self._refused:
-            self._refused = True
-            self._warn(
-                f"{result.problem}; the whole load needs {self._needed_bytes} bytes "
-                "locked; it goes on with the rest unlocked"
-            )

@@ -12,10 +12,9 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
-import anyio
-
 from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.io.opener import OpenFiles
+from aiogguf.io.workers import LoadThreads
 from aiogguf.records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
 from aiogguf.stages.parse import parse_model
 
@@ -227,11 +226,16 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
 
 
 async def open_index(
-    path: str | os.PathLike[str], *, files: OpenFiles | None = None
+    path: str | os.PathLike[str],
+    *,
+    threads: LoadThreads | None = None,
+    files: OpenFiles | None = None,
 ) -> WeightIndex:
     """Parse a model (every split, concurrently) and index it.
 
     ``path``: a single-file model or the first split of a split set.
+    ``threads``: the load's threads, for the parse and the index (default: a thread of
+        its own).
     ``files``: the load's open files; each file is opened through it once and stays
         open there for the engine (default: opened by path and closed after parsing).
     Raises ``GGUFFormatError``: a file is malformed or truncated.
@@ -239,6 +243,9 @@ async def open_index(
     Raises ``PathNotAllowedError``: the opener of ``files`` refuses a file.
     Raises ``LoadError``: a file cannot be read.
     """
-    parsed = await parse_model(path, files=files)
+    if threads is None:
+        async with LoadThreads(1, name="aiogguf-parse") as own:
+            return await open_index(path, threads=own, files=files)
+    parsed = await parse_model(path, threads=threads, files=files)
     # Ordering and checking thousands of tensors takes milliseconds: not on the loop.
-    return await anyio.to_thread.run_sync(build_index, parsed)
+    return await threads.run_sync(build_index, parsed)

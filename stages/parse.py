@@ -5,9 +5,9 @@ Every count and length is checked against the bytes left in the *file* before an
 read or allocated, so a hostile header ends in a ``GGUFFormatError`` naming the offset and
 the field, never in a ``MemoryError`` or a read of gigabytes.
 
-The byte walk is synchronous (``parse_header``) and runs in a worker thread; it can be
-resumed: when the buffer ends before the header does, it raises ``NeedMoreBytes`` and keeps
-everything parsed so far, so the async driver only reads more and calls it again.
+The byte walk is synchronous (``parse_header``) and runs on one of the load's threads; it
+can be resumed: when the buffer ends before the header does, it raises ``NeedMoreBytes``
+and keeps everything parsed so far, so ``read_header`` only reads more and calls it again.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from types import MappingProxyType
 from typing import Final
 
 import anyio
-import anyio.to_thread
 import numpy as np
 
 from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError
 from aiogguf.io.files import align_up
 from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
 from aiogguf.io.opener import OpenFiles
+from aiogguf.io.workers import LoadThreads
 from aiogguf.records import (
     GGUFArray,
     MetadataEntry,
@@ -509,13 +509,14 @@ def parse_header(
 async def parse_file(
     path: str | os.PathLike[str],
     *,
-    limiter: anyio.CapacityLimiter | None = None,
+    threads: LoadThreads | None = None,
     files: OpenFiles | None = None,
 ) -> ParsedFile:
     """Parse one GGUF file's header, reading only as many bytes as the header needs.
 
     ``path``: the file.
-    ``limiter``: bounds the worker threads that walk the bytes (default: anyio's).
+    ``threads``: the load's threads; the whole parse is one call on one of them
+        (default: a thread of its own).
     ``files``: the load's open files: ``path`` is opened through it (under its
         opener's policy) and stays open there for the later stages. Default: a table of
         its own, any path, closed on return.
@@ -526,32 +527,38 @@ async def parse_file(
     """
     if files is None:
         with OpenFiles() as own:
-            return await parse_file(path, limiter=limiter, files=own)
-    fspath = os.fspath(path)
-    fd = await anyio.to_thread.run_sync(files.open, fspath, limiter=limiter)
+            return await parse_file(path, threads=threads, files=own)
+    if threads is None:
+        async with LoadThreads(1, name="aiogguf-parse") as own_threads:
+            return await parse_file(path, threads=own_threads, files=files)
+    return await threads.run_sync(read_header, os.fspath(path), files)
+
+
+def read_header(path: str, files: OpenFiles) -> ParsedFile:
+    """Blocking: open ``path`` through ``files`` and parse its header, reading more
+    (``GROWTH_FACTOR`` times as much each time) until the parser has what it needs."""
+    fd = files.open(path)
     try:
-        file_size = await anyio.to_thread.run_sync(os.lseek, fd, 0, os.SEEK_END, limiter=limiter)
-        parser = _HeaderParser(fspath, file_size)
+        file_size = os.lseek(fd, 0, os.SEEK_END)
+        parser = _HeaderParser(path, file_size)
         data = b""
         target = min(file_size, FIRST_READ_BYTES)
         while True:
             # Through the descriptor, never the name: it is the file the opener allowed.
-            data += await anyio.to_thread.run_sync(
-                _pread_upto, fd, len(data), target - len(data), limiter=limiter
-            )
+            data += _pread_upto(fd, len(data), target - len(data))
             if len(data) < target:
                 raise LoadError(
-                    fspath, len(data), f"short read: the file shrank below {target} bytes"
+                    path, len(data), f"short read: the file shrank below {target} bytes"
                 )
             try:
-                return await anyio.to_thread.run_sync(parser.parse, data, limiter=limiter)
+                return parser.parse(data)
             except NeedMoreBytes as more:
                 # Grow geometrically (x4: a 10 MiB vocabulary costs three reads and
                 # three resumed walks), never past the end of the file (the parser
                 # checked ``more.end`` against it).
                 target = min(file_size, max(more.end, GROWTH_FACTOR * len(data)))
     except OSError as exc:
-        raise LoadError(fspath, None, f"cannot read the file: {exc.strerror or exc}") from exc
+        raise LoadError(path, None, f"cannot read the file: {exc.strerror or exc}") from exc
 
 
 def _pread_upto(fd: int, offset: int, nbytes: int) -> bytes:
@@ -608,11 +615,16 @@ def _split_int(parsed: ParsedFile, key: str) -> int | None:
 
 
 async def parse_model(
-    path: str | os.PathLike[str], *, files: OpenFiles | None = None
+    path: str | os.PathLike[str],
+    *,
+    threads: LoadThreads | None = None,
+    files: OpenFiles | None = None,
 ) -> tuple[ParsedFile, ...]:
     """Parse a model: one file, or every split of a split set (concurrently).
 
     ``path``: a single-file model, or the **first** split of a set.
+    ``threads``: the load's threads (see ``parse_file``); the other splits of a set are
+        parsed on threads of their own, up to 8 at once.
     ``files``: the load's open files (see ``parse_file``); every split is opened
         through it. Default: a table of its own, closed on return.
     Returns one ``ParsedFile`` per file, in split order.
@@ -624,8 +636,8 @@ async def parse_model(
     """
     if files is None:
         with OpenFiles() as own:
-            return await parse_model(path, files=own)
-    first = await parse_file(path, files=files)
+            return await parse_model(path, threads=threads, files=own)
+    first = await parse_file(path, threads=threads, files=files)
     count = _split_int(first, "split.count")
     if count is None or count <= 1:
         return (first,)
@@ -647,11 +659,10 @@ async def parse_model(
     results: list[ParsedFile] = [first]
     found: dict[int, ParsedFile] = {}
     failed: dict[int, GGUFError] = {}
-    limiter = anyio.CapacityLimiter(8)
 
-    async def parse_split(i: int) -> None:
+    async def parse_split(i: int, split_threads: LoadThreads) -> None:
         try:
-            found[i] = await parse_file(paths[i], limiter=limiter, files=files)
+            found[i] = await parse_file(paths[i], threads=split_threads, files=files)
         except LoadError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 failed[i] = SplitError(
@@ -662,9 +673,12 @@ async def parse_model(
         except GGUFError as exc:
             failed[i] = exc
 
-    async with anyio.create_task_group() as tg:
+    async with (
+        LoadThreads(min(count - 1, 8), name="aiogguf-parse") as split_threads,
+        anyio.create_task_group() as tg,
+    ):
         for i in range(1, count):
-            tg.start_soon(parse_split, i)
+            tg.start_soon(parse_split, i, split_threads)
     if failed:
         # Report the lowest split, so the message does not depend on scheduling.
         raise failed[min(failed)]

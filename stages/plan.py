@@ -19,7 +19,7 @@ import numpy as np
 from aiogguf.config import Config, LoadMode, NamePattern, PlacementConfig, compile_pattern
 from aiogguf.errors import PlacementError
 from aiogguf.io.devices.base import BufferRole, BufferType, Device, all_buffer_types
-from aiogguf.io.mapping import memlock_limit
+from aiogguf.io.mapping import may_lock_past_limit, memlock_limit
 from aiogguf.records import (
     BufferPlan,
     DeviceSummary,
@@ -593,7 +593,7 @@ def _memory_warnings(
     if mode != "mlock":
         return
     limit = memlock_limit()
-    if limit is not None and mapped_bytes > limit:
+    if limit is not None and mapped_bytes > limit and not may_lock_past_limit():
         warnings.add(
             f"mode mlock: {format_bytes(mapped_bytes)} would be locked but RLIMIT_MEMLOCK "
             f"is {format_bytes(limit)}: the rest stays unlocked (raise it with `ulimit -l`)"

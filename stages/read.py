@@ -5,8 +5,11 @@ Per mode (design §1.5):
 
 - ``none``: ``preadv`` straight into the destination buffer image;
 - ``direct``: ``O_DIRECT`` reads of aligned chunks into the (page-aligned) image;
-- ``mmap``/``mlock``: the mapping is the buffer; pages are touched so that "loaded"
-  means resident (``mlock`` also locks them, tensor by tensor: ``allocate.MappingLocks``);
+- ``mmap``/``mlock``: the mapping is the buffer; each job's pages are made resident by
+  the kernel in one call (``MADV_POPULATE_READ``), so that "loaded" means resident;
+  ``mlock`` locks them instead, which reads them in too (one pass, not two). A lock the
+  kernel refuses (``RLIMIT_MEMLOCK``) leaves the rest of the load unlocked, and says so
+  once (``lock_refusal``);
 - device-bound jobs: the same reads, into a staging slot: ``fill_slot`` is what the
   upload stage's transfer threads run (this stage knows nothing of devices).
 
@@ -20,7 +23,6 @@ from __future__ import annotations
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import anyio
 import numpy as np
@@ -31,6 +33,7 @@ from aiogguf.errors import BigEndianError
 from aiogguf.images import HostImage, Image, MappedImage
 from aiogguf.io.byteswap import can_convert, to_native
 from aiogguf.io.files import MAX_CALL_BYTES, DataFile, FileAdvice, open_file
+from aiogguf.io.mapping import FileMapping
 from aiogguf.io.opener import OpenFiles
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import BufferLayout, ReadJob, StageTimes
@@ -53,29 +56,34 @@ async def open_data_files(
     mode: str,
     alignment: int,
     warn: Callable[[str], None],
+    threads: LoadThreads,
 ) -> list[DataFile]:
     """The load's files, for reading; the caller closes them. ``opened`` holds the
     descriptors the parse stage read (None: open by path), so the file that was parsed
     is the file that is read, whatever its name points at now. A file that refuses
-    ``O_DIRECT`` in mode ``direct`` is read with mode ``none`` (``warn`` says so)."""
+    ``O_DIRECT`` in mode ``direct`` is read with mode ``none`` (``warn`` says so). Opens
+    them all in one call on ``threads``."""
     direct = mode == "direct"
     files: list[DataFile] = []
-    try:
+
+    def open_all() -> None:
+        # Into ``files`` as they open: if a later one fails, the earlier ones are closed.
         for parsed in index.files:
             fd = opened.open(parsed.path) if opened is not None else None
-            f = await anyio.to_thread.run_sync(
-                partial(open_file, parsed.path, direct=direct, alignment=alignment, fd=fd)
-            )
+            f = open_file(parsed.path, direct=direct, alignment=alignment, fd=fd)
             files.append(f)
-            if direct and not f.direct_ok:
-                warn(f"{parsed.path}: {f.direct_refusal}; reading with mode 'none' instead")
-        if mode in ("mmap", "mlock"):
-            for f in files:
-                await anyio.to_thread.run_sync(f.fadvise, FileAdvice.SEQUENTIAL)
+            if mode in ("mmap", "mlock"):
+                f.fadvise(FileAdvice.SEQUENTIAL)
+
+    try:
+        await threads.run_sync(open_all)
     except BaseException:
         for f in files:
             f.close()
         raise
+    for f in files:
+        if direct and not f.direct_ok:
+            warn(f"{f.path}: {f.direct_refusal}; reading with mode 'none' instead")
     return files
 
 
@@ -214,6 +222,7 @@ class Reader:
         clock: Callable[[], float],
         swap: Callable[[ReadJob, memoryview], None] | None = None,
         check: Callable[[ReadJob, int, memoryview], None] | None = None,
+        lock: bool = False,
         threads: LoadThreads,
         check_threads: LoadThreads,
     ) -> None:
@@ -224,6 +233,8 @@ class Reader:
         self._clock = clock
         self._swap = swap
         self._check = check
+        self._lock = lock
+        self.lock_refusal: str | None = None  # the kernel's first refusal to lock
         self._threads = threads
         self._check_threads = check_threads
         self.stats = [FileStats() for _ in files]
@@ -278,7 +289,8 @@ class Reader:
     def _host_read(self, job: ReadJob, image: HostImage | MappedImage) -> None:
         if isinstance(image, MappedImage):
             mapping = image.mapping_at(job.file_index, job.useful_start)
-            mapping.touch(job.useful_start, job.useful_end)
+            if not self._resident_locked(mapping, job, image):
+                mapping.touch(job.useful_start, job.useful_end)
             if self._swap is not None:
                 self._swap(job, mapping.view(job.file_offset, job.nbytes))
             return
@@ -296,6 +308,16 @@ class Reader:
             self._swap(job, dest)
         if self._check is not None and not self.checks_apart(job.file_index):
             self.check_landed(job, dest)
+
+    def _resident_locked(self, mapping: FileMapping, job: ReadJob, image: MappedImage) -> bool:
+        """Mode ``mlock``: lock the job's pages, which reads them in; False when they
+        are not locked (another mode, a lazy range, or the kernel refused)."""
+        if not self._lock or self.lock_refusal is not None or image.layout.plan.lazy:
+            return False
+        result = mapping.lock(job.useful_start, job.useful_end)
+        if not result.ok and self.lock_refusal is None:
+            self.lock_refusal = result.problem
+        return result.ok
 
     def checks_apart(self, file_index: int) -> bool:
         """Whether the file's jobs are checked on the check threads, after the read."""

@@ -45,7 +45,6 @@ from functools import partial
 from types import TracebackType
 
 import anyio
-import anyio.to_thread
 
 from aiogguf.config import Config
 from aiogguf.io.devices.base import CopyStream, Device, DeviceBuffer, UploadTarget
@@ -261,6 +260,9 @@ class Uploader:
         self._buffers: list[DeviceBuffer] = []
         self._tallies: dict[str, _Tally] = {}
         self._lock = threading.Lock()
+        # Allocations and frees of device memory: not on the transfer threads, which may
+        # be busy with another device's jobs.
+        self._device_thread = LoadThreads(1, name="aiogguf-device")
         self.state = UploaderState.NEW
 
     # -- lifecycle --------------------------------------------------------------------
@@ -268,6 +270,7 @@ class Uploader:
     async def __aenter__(self) -> Uploader:
         if self.state is not UploaderState.NEW:
             raise RuntimeError(f"Uploader cannot be entered in state {self.state.value}")
+        await self._device_thread.__aenter__()
         self.state = UploaderState.OPEN
         return self
 
@@ -283,12 +286,13 @@ class Uploader:
             if exc is not None:
                 # Freed even while being cancelled: nobody else will.
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(_close_all, buffers)
+                    await self._device_thread.run_sync(_close_all, buffers)
         except Exception as err:
             if exc is not None:
                 exc.add_note(f"while freeing device buffers: {err!r}")
         finally:
             self.state = UploaderState.CLOSED
+            await self._device_thread.__aexit__(None, None, None)
 
     def __del__(self) -> None:
         if getattr(self, "state", None) is UploaderState.OPEN and self._buffers:
@@ -318,8 +322,7 @@ class Uploader:
             self._buffers.append(buffer)
             return buffer
 
-        # Not on the transfer threads: they may be busy with another device's jobs.
-        return await anyio.to_thread.run_sync(allocate_and_keep)
+        return await self._device_thread.run_sync(allocate_and_keep)
 
     async def transfer(
         self,

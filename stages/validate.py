@@ -1040,6 +1040,7 @@ class Validation:
         self._files = files
         self._meter = StageMeter(clock)
         self._collector = ValidationCollector(workers, threads=threads, meter=self._meter)
+        self._threads = threads
         host_read = mode in ("none", "direct")
         self._pieces = {
             name: PieceCheck(name, index[name].type, index[name].nbytes)
@@ -1088,7 +1089,7 @@ class Validation:
         if piece_check is not None:
             # Its pieces were checked as they landed: only the units that straddled
             # two pieces are left.
-            failure = await anyio.to_thread.run_sync(self._finish, piece_check)
+            failure = await self._threads.run_sync(self._finish, piece_check)
             if failure is not None:
                 self._piece_failures.append(failure)
         elif self.enabled:

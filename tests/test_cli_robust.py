@@ -89,12 +89,13 @@ STUCK = textwrap.dedent(
     from aiogguf.cli import main
 
     async def parse_file(path, **kwargs):
-        # A worker thread blocked for good, as in an open() on a hung filesystem.
+        # A worker thread blocked for good, as in an open() on a hung filesystem. Said
+        # from inside the command, so that its SIGINT handling is in place by then.
+        print("ready", flush=True)
         await anyio.to_thread.run_sync(threading.Event().wait)
 
     parse.parse_file = parse_file
     sys.argv = ["aiogguf", "inspect", sys.argv[1]]
-    print("ready", flush=True)
     sys.exit(main())
     """
 )
@@ -112,7 +113,7 @@ def test_ctrl_c_ends_a_command_whose_thread_is_stuck(model: SynthModel) -> None:
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "ready\n"
-        time.sleep(0.3)  # let the command reach the stuck thread
+        time.sleep(0.1)  # let the worker thread block
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=ENDS_WITHIN_S)
     finally:
@@ -200,9 +201,11 @@ def test_config_file_over_a_cap_exits_2(
 
 @pytest.fixture
 def small_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A host with 1 MiB of RAM (all free) and RLIMIT_MEMLOCK of 64 KiB."""
+    """A host with 1 MiB of RAM (all free) and RLIMIT_MEMLOCK of 64 KiB, which the
+    process may not exceed (no ``CAP_IPC_LOCK``)."""
     monkeypatch.setattr("aiogguf.io.devices.cpu.host_memory", lambda: (1 << 20, 1 << 20))
     monkeypatch.setattr("aiogguf.stages.plan.memlock_limit", lambda: 64 << 10)
+    monkeypatch.setattr("aiogguf.stages.plan.may_lock_past_limit", lambda: False)
 
 
 @pytest.mark.usefixtures("small_host")
@@ -227,6 +230,17 @@ def test_plan_warns_of_a_memory_shortfall_in_every_mode(
     for text in expected:
         assert any(text in w for w in warnings), warnings
     assert main(["plan", str(model.path), "--mode", mode, "--strict"]) == 3
+
+
+@pytest.mark.usefixtures("small_host")
+def test_plan_does_not_warn_of_the_lock_limit_when_it_does_not_apply(
+    model: SynthModel, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A process with ``CAP_IPC_LOCK`` (root) locks past ``RLIMIT_MEMLOCK``: llama.cpp
+    locked a whole model as root while the plan warned that it would not be locked."""
+    monkeypatch.setattr("aiogguf.stages.plan.may_lock_past_limit", lambda: True)
+    assert main(["plan", str(model.path), "--mode", "mlock"]) == 0
+    assert "RLIMIT_MEMLOCK" not in capsys.readouterr().out
 
 
 def test_plan_strict_without_warnings_exits_0(

@@ -20,6 +20,7 @@ from aiogguf.io.mapping import (
     FileMapping,
     LockResult,
     MapAdvice,
+    may_lock_past_limit,
     memlock_limit,
     numa_nodes,
     open_mapping,
@@ -257,9 +258,18 @@ def test_numa_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("node0", "node1", "nodeX", "possible"):
         (tmp_path / name).mkdir()
     monkeypatch.setattr(mapping_module, "_NODE_DIR", tmp_path)
+    numa_nodes.cache_clear()  # read once per process
     assert numa_nodes() == 2
     monkeypatch.setattr(mapping_module, "_NODE_DIR", tmp_path / "absent")
+    numa_nodes.cache_clear()
     assert numa_nodes() == 1
+    numa_nodes.cache_clear()
+
+
+def test_may_lock_past_limit_reads_the_effective_capabilities() -> None:
+    with open("/proc/self/status", encoding="ascii") as f:
+        caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    assert may_lock_past_limit() is bool(caps & (1 << 14))
 
 
 def test_mapping_from_an_open_data_file_outlives_it(data_file: tuple[Path, bytes]) -> None:

@@ -1,5 +1,6 @@
 """A load's own threads: results and errors come back, a cancelled caller still
-waits for the call it started, the threads run at a lower priority and end with the load."""
+waits for the call it started, the threads run at a lower priority, go back to the
+process's pool with the load's end and are lent again to the next one."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 import anyio
 import pytest
 
-from aiogguf.io.workers import LOAD_NICE, LoadThreads
+from aiogguf.io import workers as workers_module
+from aiogguf.io.workers import IDLE_NAME, LOAD_NICE, LoadThreads, idle_threads
 
 
 def _names() -> set[str]:
@@ -99,3 +101,52 @@ async def test_a_thread_schedules_work_on_the_loop() -> None:
         with anyio.fail_after(5):
             await done.wait()
     assert ran_on == [loop_thread]
+
+
+@pytest.mark.asyncio
+async def test_threads_go_back_to_the_pool_and_are_reused() -> None:
+    """A load's threads are lent by a process-wide pool: the next ``LoadThreads`` gets
+    the same OS threads back, named for its work while it holds them, idle after."""
+
+    def ident() -> int:
+        return threading.get_ident()
+
+    async with LoadThreads(2, name="aiogguf-first") as threads:
+        first = {await threads.run_sync(ident) for _ in range(8)}
+        held = {t.ident for t in threading.enumerate() if t.name.startswith("aiogguf-first")}
+    assert first <= held
+    assert idle_threads() >= 2
+    idle = {t.ident for t in threading.enumerate() if t.name.startswith(IDLE_NAME)}
+    assert held <= idle
+    started_before = set(threading.enumerate())
+    async with LoadThreads(2, name="aiogguf-second") as threads:
+        second = {await threads.run_sync(ident) for _ in range(8)}
+        assert set(threading.enumerate()) == started_before  # no thread started
+    assert second <= held
+
+
+@pytest.mark.asyncio
+async def test_an_idle_thread_ends_after_the_idle_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workers_module, "IDLE_S", 0.05)
+    async with LoadThreads(1, name="aiogguf-brief") as threads:
+        thread = await threads.run_sync(threading.current_thread)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+@pytest.mark.asyncio
+async def test_many_lenders_at_once_each_get_their_own_threads() -> None:
+    """Concurrent loads: each ``LoadThreads`` has its ``n`` threads to itself."""
+    barrier = threading.Barrier(4, timeout=10)
+
+    async def lend(tag: str) -> None:
+        async with (
+            LoadThreads(2, name=f"aiogguf-{tag}") as threads,
+            anyio.create_task_group() as tg,
+        ):
+            for _ in range(2):
+                tg.start_soon(threads.run_sync, barrier.wait)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lend, "a")
+        tg.start_soon(lend, "b")

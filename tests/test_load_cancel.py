@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import aiogguf
 from aiogguf.events import Progress, Stage
+from aiogguf.io.workers import IDLE_NAME
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 PACKAGE_DIRS = tuple(
@@ -53,12 +54,13 @@ def mappings_of(paths: list[Path]) -> list[str]:
 
 def threads_in_our_code() -> list[str]:
     """Threads (other than this one) whose stack has a frame in aiogguf's sources.
-    anyio's idle worker threads may linger, waiting for work: they are not ours."""
+    anyio's idle worker threads and the load threads parked in aiogguf's pool may
+    linger, waiting for work: they work for no load."""
     me = threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
     busy: list[str] = []
     for ident, frame in sys._current_frames().items():
-        if ident == me:
+        if ident == me or names.get(ident, "").startswith(IDLE_NAME):
             continue
         f: Any = frame
         while f is not None:

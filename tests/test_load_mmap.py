@@ -5,7 +5,9 @@ open; after close nothing of the file is mapped."""
 
 from __future__ import annotations
 
+import errno
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +16,9 @@ import pytest
 
 import aiogguf
 from aiogguf.events import Progress
+from aiogguf.io import _libc
 from aiogguf.io.buffers import PAGE_BYTES
+from aiogguf.io.mapping import may_lock_past_limit, memlock_limit
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 GiB = 1024**3
@@ -156,3 +160,64 @@ def test_host_only_mmap_maps_only_tensor_data(model_file: SynthModel) -> None:
         for e in extents:
             assert any(lo <= e.start and e.end <= hi for lo, hi in check_host)
     assert mapped_extents(model_file.path) == []
+
+
+def _vm_locked_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+def _host_range_bytes(model: aiogguf.Model) -> int:
+    return sum(_up(r.end) - _down(r.start) for b in model.plan.buffers for r in b.ranges)
+
+
+@pytest.mark.skipif(
+    not may_lock_past_limit() and memlock_limit() is not None,
+    reason="needs CAP_IPC_LOCK or an unlimited RLIMIT_MEMLOCK to lock a model",
+)
+def test_mlock_locks_every_host_range_and_close_unlocks(model_file: SynthModel) -> None:
+    """Mode ``mlock`` locks each job's pages as it reads them: every host range is
+    locked when the load returns, with no warning, and nothing is locked after close."""
+    before = _vm_locked_bytes()
+    with aiogguf.load_sync(model_file.path, mode="mlock", n_gpu_layers=0) as model:
+        assert not model.report.warnings
+        locked = _vm_locked_bytes() - before
+        # Whole pages of every range; neighbouring ranges may share a page.
+        ranges = sum(len(b.ranges) for b in model.plan.buffers)
+        assert _host_range_bytes(model) - PAGE_BYTES * ranges <= locked
+        assert locked <= _host_range_bytes(model)
+        data = model_file.path.read_bytes()
+        for t in model_file.tensors:
+            assert bytes(model.raw(t.name)) == data[t.file_offset : t.file_offset + t.nbytes]
+    assert _vm_locked_bytes() == before
+
+
+def test_a_refused_lock_is_one_warning_and_the_load_goes_on(
+    model_file: SynthModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over ``RLIMIT_MEMLOCK`` the kernel refuses: the load warns once, stops asking,
+    and still makes every page resident."""
+    calls: list[int] = []
+
+    def refuse(address: int, length: int) -> None:
+        calls.append(length)
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(_libc, "mlock", refuse)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with aiogguf.load_sync(
+            model_file.path, mode="mlock", n_gpu_layers=0, readers=1, chunk_size="1MiB"
+        ) as model:
+            unlocked = [w for w in model.report.warnings if "rest unlocked" in w]
+            assert len(unlocked) == 1
+            assert "RLIMIT_MEMLOCK" in unlocked[0]
+            assert len(calls) == 1  # one refusal: the rest of the load does not ask again
+            data = model_file.path.read_bytes()
+            for t in model_file.tensors:
+                assert bytes(model.raw(t.name)) == data[t.file_offset : t.file_offset + t.nbytes]
+    said = [str(w.message) for w in caught if w.category is aiogguf.LoadWarning]
+    assert [m for m in said if "rest unlocked" in m] == unlocked
