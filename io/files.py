@@ -21,7 +21,7 @@ import stat
 import threading
 from typing import TYPE_CHECKING
 
-from aiogguf.errors import ClosedResourceError, LoadError
+from aiogguf.errors import ClosedResourceError, LoadError, from_os_error, os_errors
 from aiogguf.io.buffers import Closeable, ResourceState, buffer_address
 
 if TYPE_CHECKING:
@@ -97,10 +97,8 @@ def open_readable(path: str | os.PathLike[str], flags: int = 0) -> int:
     Raises ``LoadError`` naming the path if it cannot be opened or is of another kind.
     """
     fspath = os.fspath(path)
-    try:
+    with os_errors(fspath, None, "cannot open"):
         fd = os.open(fspath, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flags)
-    except OSError as exc:
-        raise LoadError(fspath, None, f"cannot open: {exc.strerror}") from exc
     return readable_descriptor(fd, fspath)
 
 
@@ -109,14 +107,12 @@ def readable_descriptor(fd: int, path: str) -> int:
     a block device. Otherwise ``fd`` is closed and a ``LoadError`` names ``path`` and
     what it is (a FIFO, a directory...)."""
     try:
-        mode = os.fstat(fd).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
-            kind = _KIND_NAMES.get(stat.S_IFMT(mode), "not a file")
-            raise LoadError(path, None, f"not a regular file: it is {kind}")
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except OSError as exc:
-        os.close(fd)
-        raise LoadError(path, None, f"cannot open: {exc.strerror}") from exc
+        with os_errors(path, None, "cannot open"):
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
+                kind = _KIND_NAMES.get(stat.S_IFMT(mode), "not a file")
+                raise LoadError(path, None, f"not a regular file: it is {kind}")
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
         raise
@@ -170,10 +166,8 @@ class DataFile(Closeable):
         # from here on the file is reached through it, never through its name.
         self._adopted = fd is not None
         if fd is not None:
-            try:
+            with os_errors(self.path, None, "cannot open"):
                 self._fd: int = os.dup(fd)
-            except OSError as exc:
-                raise LoadError(self.path, None, f"cannot open: {exc.strerror}") from exc
         else:
             self._fd = open_readable(self.path)
         self._state = ResourceState.OPEN
@@ -204,16 +198,17 @@ class DataFile(Closeable):
         import mmap  # local: only the probe needs an aligned scratch page
 
         try:
-            scratch = mmap.mmap(-1, self.alignment)
-        except OSError as exc:
+            with os_errors(self.path, None, "out of host memory"):
+                scratch = mmap.mmap(-1, self.alignment)
+        except LoadError:
             os.close(fd)
-            raise LoadError(self.path, None, f"out of host memory: {exc}") from exc
+            raise
         try:
             os.preadv(fd, [scratch], 0)
         except OSError as exc:
             os.close(fd)
             if exc.errno != errno.EINVAL:
-                raise LoadError(self.path, 0, f"O_DIRECT probe read failed: {exc}") from exc
+                raise from_os_error(exc, self.path, 0, "O_DIRECT probe read failed") from exc
             self.direct_refusal = f"the filesystem refuses O_DIRECT reads ({exc.strerror})"
             return None
         finally:
@@ -386,9 +381,8 @@ class DataFile(Closeable):
             except InterruptedError:
                 continue  # PEP 475 retries EINTR already; kept for non-CPython runtimes
             except OSError as exc:
-                raise LoadError(
-                    self.path, offset + done, f"read of {total - done} bytes failed: {exc}"
-                ) from exc
+                doing = f"read of {total - done} bytes failed"
+                raise from_os_error(exc, self.path, offset + done, doing) from exc
             if n == 0:
                 break  # end of file
             done += n
@@ -405,9 +399,8 @@ class DataFile(Closeable):
         """
         self._enter()
         try:
-            now = os.fstat(self._fd)
-        except OSError as exc:
-            raise LoadError(self.path, None, f"cannot stat the open file: {exc}") from exc
+            with os_errors(self.path, None, "cannot stat the open file"):
+                now = os.fstat(self._fd)
         finally:
             self._leave()
         was = self._opened
@@ -421,12 +414,8 @@ class DataFile(Closeable):
             raise LoadError(self.path, 0, "the file was modified during the load")
         if now.st_nlink == 0:
             raise LoadError(self.path, None, "the file was deleted during the load")
-        try:
+        with os_errors(self.path, None, "the file was removed or renamed during the load"):
             named = os.stat(self.path)
-        except OSError as exc:
-            raise LoadError(
-                self.path, None, f"the file was removed or renamed during the load ({exc.strerror})"
-            ) from exc
         if (named.st_dev, named.st_ino) != (was.st_dev, was.st_ino):
             raise LoadError(self.path, None, "the file was replaced during the load")
 
@@ -439,11 +428,8 @@ class DataFile(Closeable):
         """
         self._enter()
         try:
-            os.posix_fadvise(self._fd, offset, length, advice.value)
-        except OSError as exc:
-            raise LoadError(
-                self.path, offset, f"posix_fadvise({advice.name}) failed: {exc}"
-            ) from exc
+            with os_errors(self.path, offset, f"posix_fadvise({advice.name}) failed"):
+                os.posix_fadvise(self._fd, offset, length, advice.value)
         finally:
             self._leave()
 

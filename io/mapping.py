@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from aiogguf.errors import ClosedResourceError, LoadError
+from aiogguf.errors import ClosedResourceError, LoadError, from_os_error, os_errors
 from aiogguf.io import _libc
 from aiogguf.io.buffers import (
     PAGE_BYTES,
@@ -184,10 +184,8 @@ class FileMapping(Closeable):
         self._locked: list[tuple[int, int]] = []  # merged, sorted file-offset intervals
         if isinstance(source, DataFile):
             # Our own duplicate: the DataFile may be closed while the mapping lives on.
-            try:
+            with os_errors(self.path, None, "cannot duplicate descriptor"):
                 fd = os.dup(source.fileno())
-            except OSError as exc:
-                raise LoadError(self.path, None, f"cannot duplicate descriptor: {exc}") from exc
         else:
             fd = open_readable(self.path)
         try:
@@ -204,16 +202,11 @@ class FileMapping(Closeable):
             self.map_end = min(align_up(file_end, PAGE_BYTES), size)
             flags = mmap.MAP_PRIVATE if writable else mmap.MAP_SHARED
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            try:
+            nbytes = self.map_end - self.map_start
+            with os_errors(self.path, self.map_start, f"mmap of {nbytes} bytes failed"):
                 self._mmap: mmap.mmap | None = mmap.mmap(
-                    fd, self.map_end - self.map_start, flags=flags, prot=prot, offset=self.map_start
+                    fd, nbytes, flags=flags, prot=prot, offset=self.map_start
                 )
-            except OSError as exc:
-                raise LoadError(
-                    self.path,
-                    self.map_start,
-                    f"mmap of {self.map_end - self.map_start} bytes failed: {exc}",
-                ) from exc
         finally:
             os.close(fd)  # the mapping keeps the file alive (and mmap holds its own dup)
         self._mmap_ref: weakref.ref[mmap.mmap] = weakref.ref(self._mmap)
@@ -333,9 +326,8 @@ class FileMapping(Closeable):
             return
         pin = self._pin()
         try:
-            _libc.madvise(self.address + start - self.map_start, end - start, advice.value)
-        except OSError as exc:
-            raise LoadError(self.path, start, f"madvise({advice.name}) failed: {exc}") from exc
+            with os_errors(self.path, start, f"madvise({advice.name}) failed"):
+                _libc.madvise(self.address + start - self.map_start, end - start, advice.value)
         finally:
             del pin
 
@@ -362,9 +354,8 @@ class FileMapping(Closeable):
                     return end - start
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
-                        raise LoadError(
-                            self.path, start, f"reading pages into memory failed: {exc}"
-                        ) from exc
+                        doing = "reading pages into memory failed"
+                        raise from_os_error(exc, self.path, start, doing) from exc
                     _populate_read_works = False  # kernel before 5.14
             # numpy releases the GIL in the reduction loop; each element faults one page.
             pin[rel : end - self.map_start : PAGE_BYTES].sum(dtype=np.uint64)
@@ -388,7 +379,7 @@ class FileMapping(Closeable):
             _libc.mlock(self.address + start - self.map_start, requested)
         except OSError as exc:
             if exc.errno not in _MLOCK_LIMIT_ERRNOS:
-                raise LoadError(self.path, start, f"mlock failed: {exc}") from exc
+                raise from_os_error(exc, self.path, start, "mlock failed") from exc
             limit = memlock_limit()
             already = self.locked_bytes
             limit_text = "unlimited" if limit is None else format_bytes(limit)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
-from aiogguf.errors import LoadError, PathNotAllowedError
+from aiogguf.errors import LoadError, PathNotAllowedError, from_os_error, os_errors
 from aiogguf.io import _libc
 from aiogguf.io.files import open_readable, readable_descriptor
 
@@ -94,10 +94,8 @@ class RootedOpener:
         try:
             for root in roots:
                 given = os.path.abspath(os.fspath(root))
-                try:
+                with os_errors(given, None, "not a usable root"):
                     fd = os.open(given, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-                except OSError as exc:
-                    raise LoadError(given, None, f"not a usable root: {exc.strerror}") from exc
                 self._roots.append(_Root(given, os.path.realpath(given), fd))
         except BaseException:
             self.close()
@@ -149,7 +147,7 @@ class RootedOpener:
                 if exc.errno not in (errno.ENOSYS, errno.EPERM):
                     if exc.errno == errno.EXDEV:  # the walk tried to leave the root
                         raise PathNotAllowedError(path) from None
-                    raise LoadError(path, None, f"cannot read the file: {exc.strerror}") from exc
+                    raise from_os_error(exc, path, None, "cannot read the file") from exc
                 self._openat2 = False
             else:
                 self._openat2 = True
@@ -165,7 +163,7 @@ class RootedOpener:
             where = os.path.realpath(os.path.join(root.real, relative))
             if _inside(where, root.real) is None:
                 raise PathNotAllowedError(path) from None
-            raise LoadError(path, None, f"cannot read the file: {exc.strerror}") from exc
+            raise from_os_error(exc, path, None, "cannot read the file") from exc
         try:
             real = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from aiogguf.errors import LoadError
+from aiogguf.errors import os_errors
 from aiogguf.io import _libc
 from aiogguf.io.buffers import PAGE_BYTES, buffer_address
 from aiogguf.io.files import align_down, align_up
@@ -77,10 +77,8 @@ def drop_from_cache(path: str | os.PathLike[str]) -> bool:
     path = os.fspath(path)
     fd = _open(path)
     try:
-        try:
+        with os_errors(path, None, "fsync failed"):
             os.fsync(fd)
-        except OSError as exc:
-            raise LoadError(path, None, f"fsync failed: {exc}") from exc
         _fadvise(fd, path, 0, 0)
     finally:
         os.close(fd)
@@ -90,17 +88,13 @@ def drop_from_cache(path: str | os.PathLike[str]) -> bool:
 def _resident_in_window(
     fd: int, path: str, window_start: int, window_end: int, start: int, end: int
 ) -> int:
-    try:
+    with os_errors(path, window_start, "mmap for mincore failed"):
         mapping = mmap.mmap(
             fd, window_end - window_start, mmap.MAP_SHARED, mmap.PROT_READ, offset=window_start
         )
-    except OSError as exc:
-        raise LoadError(path, window_start, f"mmap for mincore failed: {exc}") from exc
     try:
-        try:
+        with os_errors(path, window_start, "mincore failed"):
             vector = _libc.mincore(buffer_address(mapping), window_end - window_start)
-        except OSError as exc:
-            raise LoadError(path, window_start, f"mincore failed: {exc}") from exc
     finally:
         mapping.close()
     resident = np.frombuffer(vector, dtype=np.uint8) & 1
@@ -110,21 +104,15 @@ def _resident_in_window(
 
 
 def _open(path: str) -> int:
-    try:
+    with os_errors(path, None, "cannot open"):
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise LoadError(path, None, f"cannot open: {exc.strerror}") from exc
 
 
 def _size(fd: int, path: str) -> int:
-    try:
+    with os_errors(path, None, "fstat failed"):
         return os.fstat(fd).st_size
-    except OSError as exc:
-        raise LoadError(path, None, f"fstat failed: {exc}") from exc
 
 
 def _fadvise(fd: int, path: str, start: int, length: int) -> None:
-    try:
+    with os_errors(path, start, "posix_fadvise(DONTNEED) failed"):
         os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
-    except OSError as exc:
-        raise LoadError(path, start, f"posix_fadvise(DONTNEED) failed: {exc}") from exc

@@ -36,7 +36,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from aiogguf.config import Config
 from aiogguf.devices import enumerate_devices
-from aiogguf.errors import GGUFError, LoadError, LoadWarning, TensorValidationError
+from aiogguf.errors import (
+    GGUFError,
+    LoadError,
+    LoadWarning,
+    TensorValidationError,
+    from_os_error,
+)
 from aiogguf.events import ProgressHub, Stage
 from aiogguf.images import DeviceImage
 from aiogguf.io.byteswap import needs_swap
@@ -452,6 +458,30 @@ async def run_load(
     """Parse, index, plan and load ``path``. Resources are pushed on ``stack`` until the
     returned model owns them; on failure the caller closes the stack. ``opener`` opens
     every file of the load, once (default: any path)."""
+    try:
+        return await _run_load(path, config, hub, stack, devices=devices, opener=opener)
+    except MemoryError as exc:
+        # Host memory refused (a buffer, a staging slot) is a failed load like a refused
+        # mapping, which already is a LoadError: one error, and one exit status, for
+        # running out of memory in every mode.
+        raise LoadError(path, None, f"out of host memory: {exc}") from exc
+    except OSError as exc:
+        # The boundary: the stages word their OSErrors with path and offset
+        # (``errors.os_errors``); one that escapes them still reaches the caller as a
+        # LoadError, never raw.
+        raise from_os_error(exc, path, None, "I/O failed") from exc
+
+
+async def _run_load(
+    path: str | os.PathLike[str],
+    config: Config,
+    hub: ProgressHub,
+    stack: AsyncExitStack,
+    *,
+    devices: Sequence[Device] | None = None,
+    opener: FileOpener | None = None,
+) -> Model:
+    """``run_load`` without its boundary."""
     t0 = hub.elapsed()
     hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
     # Each file is opened once, by the parse stage; the engine reads through the same
@@ -486,10 +516,4 @@ async def run_load(
         f"{len(plan.buffers)} buffers",
         force=True,
     )
-    try:
-        return await load.run(stack)
-    except MemoryError as exc:
-        # Host memory refused (a buffer, a staging slot) is a failed load like a refused
-        # mapping, which already is a LoadError: one error, and one exit status, for
-        # running out of memory in every mode.
-        raise LoadError(index.files[0].path, None, f"out of host memory: {exc}") from exc
+    return await load.run(stack)

@@ -15,15 +15,19 @@ Every error a user can see from aiogguf is one of these::
     ClosedResourceError            a model, buffer, file or mapping used after close():
                                    a bug in the caller, so a ValueError, not a GGUFError
 
-Low-level errors (``OSError``, ``struct.error``, CuPy's) are translated where they
-happen, with ``raise ... from exc``; one escaping unchanged is a bug. What does not stop a
-load is a ``LoadWarning`` (a ``UserWarning``).
+Low-level errors are translated where they happen, with ``raise ... from exc``, where
+the path and offset are known: every ``OSError`` through ``os_errors``, the one place
+that words it (``struct.error`` and CuPy's errors at their own call sites). The engine
+is the boundary behind them: an ``OSError`` that still escapes a stage becomes a
+``LoadError`` naming the model there. What does not stop a load is a ``LoadWarning``
+(a ``UserWarning``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 __all__ = [
@@ -39,6 +43,8 @@ __all__ = [
     "SplitError",
     "TensorFailure",
     "TensorValidationError",
+    "from_os_error",
+    "os_errors",
 ]
 
 
@@ -103,6 +109,26 @@ class LoadError(GGUFError):
         self.problem = problem
         at = f"at offset {offset}: " if offset is not None else ""
         super().__init__(f"{_where(path)}{at}{problem}")
+
+
+def from_os_error(
+    exc: OSError, path: str | os.PathLike[str] | None, offset: int | None, doing: str
+) -> LoadError:
+    """The ``LoadError`` an ``OSError`` becomes: ``"<doing>: <why>"`` at ``path`` and
+    ``offset``. Raise it ``from exc`` (its ``errno`` stays reachable as ``__cause__``)."""
+    return LoadError(path, offset, f"{doing}: {exc.strerror or exc}")
+
+
+@contextmanager
+def os_errors(
+    path: str | os.PathLike[str] | None, offset: int | None, doing: str
+) -> Iterator[None]:
+    """``with os_errors(path, offset, "cannot open"): ...``: an ``OSError`` inside
+    leaves as ``from_os_error(...)``, the one wording of every I/O failure."""
+    try:
+        yield
+    except OSError as exc:
+        raise from_os_error(exc, path, offset, doing) from exc
 
 
 class BigEndianError(LoadError):

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from aiogguf.config import Config, PipelineConfig
-from aiogguf.errors import ConfigError, LoadError
+from aiogguf.errors import ConfigError, from_os_error
 from aiogguf.io.opener import FileOpener
 
 __all__ = [
@@ -189,7 +189,7 @@ class PreOpened:
             self.size_bytes = os.fstat(fd).st_size
         except OSError as exc:
             os.close(fd)
-            raise LoadError(path, None, f"cannot read the file: {exc.strerror}") from exc
+            raise from_os_error(exc, path, None, "cannot read the file") from exc
 
     def open(self, path: str) -> int:
         if path == self.path:

@@ -23,7 +23,7 @@ from typing import Final
 import anyio
 import numpy as np
 
-from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError
+from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError, from_os_error
 from aiogguf.io.files import align_up
 from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
 from aiogguf.io.opener import OpenFiles
@@ -558,7 +558,7 @@ def read_header(path: str, files: OpenFiles) -> ParsedFile:
                 # checked ``more.end`` against it).
                 target = min(file_size, max(more.end, GROWTH_FACTOR * len(data)))
     except OSError as exc:
-        raise LoadError(path, None, f"cannot read the file: {exc.strerror or exc}") from exc
+        raise from_os_error(exc, path, None, "cannot read the file") from exc
 
 
 def _pread_upto(fd: int, offset: int, nbytes: int) -> bytes:

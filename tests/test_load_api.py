@@ -4,6 +4,8 @@ an async iterator, ``load_sync``, overrides, asyncio and uvloop."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 from pathlib import Path
 
 import anyio
@@ -12,7 +14,7 @@ import pytest
 
 import aiogguf
 from aiogguf.config import load_config
-from aiogguf.errors import ConfigError, GGUFError
+from aiogguf.errors import ConfigError, GGUFError, LoadError, os_errors
 from aiogguf.events import Progress, Stage
 from aiogguf.model import ModelState
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
@@ -241,3 +243,34 @@ async def test_a_cancelled_load_ends_with_a_cancelled_event(model_file: SynthMod
     assert last.final
     assert last.message == "cancelled"
     assert (last.bytes_done, last.tensors_done) == (seen[-2].bytes_done, seen[-2].tensors_done)
+
+
+def test_an_os_error_that_escapes_a_stage_is_a_load_error(
+    model_file: SynthModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine is the boundary: a raw ``OSError`` from anywhere in a load reaches
+    the caller as a ``LoadError`` naming the model, with the ``OSError`` as its cause."""
+    from aiogguf.stages.read import Reader
+
+    def broken(*args: object) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(Reader, "_host_read", broken)
+    with pytest.raises(LoadError) as caught, aiogguf.load_sync(model_file.path, n_gpu_layers=0):
+        pass
+    assert caught.value.path == str(model_file.path)
+    assert str(caught.value).endswith("I/O failed: Input/output error")
+    assert isinstance(caught.value.__cause__, OSError)
+    assert caught.value.__cause__.errno == errno.EIO
+
+
+def test_os_errors_words_every_io_failure_one_way(tmp_path: Path) -> None:
+    with pytest.raises(LoadError) as caught, os_errors(tmp_path / "m.gguf", 4096, "read failed"):
+        os.pread(-1, 1, 0)
+    assert (
+        str(caught.value)
+        == f"{tmp_path / 'm.gguf'}: at offset 4096: read failed: Bad file descriptor"
+    )
+    assert isinstance(caught.value.__cause__, OSError)
+    with os_errors(tmp_path, None, "nothing fails"):
+        pass
