@@ -12,7 +12,8 @@ Every blocking call of a load runs here: parsing, planning, opening, allocating,
 reading, checking, uploading and closing. ``LoadThreads(n)`` lends a load ``n`` threads
 for as long as its ``async with`` lasts. The threads themselves come from a process-wide
 pool and go back to it afterwards, so a load in a process that has loaded before starts
-no thread; a thread idle for ``IDLE_S`` ends.
+no thread; a thread idle for ``IDLE_S`` ends. New threads are started by the pool's own
+starter thread, never by the loop's (``reserve_threads`` asks for them ahead).
 
 A thread takes its next call from a queue as soon as it is free, and hands its result to
 the loop without waiting for the loop to take it: with more calls submitted than threads,
@@ -36,7 +37,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ["IDLE_NAME", "IDLE_S", "LOAD_NICE", "LoadThreads", "idle_threads"]
+__all__ = ["IDLE_NAME", "IDLE_S", "LOAD_NICE", "LoadThreads", "idle_threads", "reserve_threads"]
 
 T = TypeVar("T")
 
@@ -90,28 +91,83 @@ class _Worker:
 
 
 class _Pool:
-    """The process's idle load threads, most recently used last."""
+    """The process's idle load threads, most recently used last, and the one thread
+    that starts new ones.
+
+    Starting a thread blocks its starter until the new thread runs, which on a busy
+    machine takes milliseconds: the loop's thread never does it. A load that needs more
+    threads than are idle asks the starter and awaits them; ``reserve`` asks it ahead
+    of time, without waiting. Only the starter's own start, once per process, is done
+    by a caller.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
         self._numbers = itertools.count()
+        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._starter: threading.Thread | None = None
 
-    def take(self, count: int) -> list[_Worker]:
+    async def take(self, count: int) -> list[_Worker]:
+        """``count`` threads, idle ones first; the rest are started for the caller."""
         with self._lock:
             reused = self._idle[len(self._idle) - min(count, len(self._idle)) :]
             del self._idle[len(self._idle) - len(reused) :]
-        workers = list(reused)
+        if len(reused) == count:
+            return reused
         try:
-            while len(workers) < count:
-                worker = _Worker(self, next(self._numbers))
-                worker.thread.start()
-                workers.append(worker)
+            return reused + await self._started(count - len(reused))
         except BaseException:
-            for worker in workers:
-                worker.inbox.put(_nothing)
+            for worker in reused:
+                worker.inbox.put(_nothing)  # straight back to the pool
             raise
-        return workers
+
+    async def _started(self, count: int) -> list[_Worker]:
+        token = anyio.lowlevel.current_token()
+        done = anyio.Event()
+        request = _Request(count)
+        request.reply = lambda: _run_sync_soon(token, done.set, ())
+        self._ask(request)
+        # Shielded: threads started for a caller that left would be lost to the pool.
+        with anyio.CancelScope(shield=True):
+            await done.wait()
+        if request.error is not None:
+            raise request.error
+        return request.started
+
+    def reserve(self, count: int) -> None:
+        """Have ``count`` threads idle soon, starting what is missing; returns at once."""
+        self._ask(_Request(count))
+
+    def _ask(self, request: _Request) -> None:
+        with self._lock:
+            if self._starter is None:
+                self._starter = threading.Thread(
+                    target=self._start_threads, name=f"{IDLE_NAME} starter", daemon=True
+                )
+                self._starter.start()
+        self._requests.put(request)
+
+    def _start_threads(self) -> None:
+        while True:
+            request = self._requests.get()
+            reserving = request.reply is None
+            count = min(request.count, _max_idle()) - self.idle() if reserving else request.count
+            try:
+                for _ in range(count):
+                    worker = _Worker(self, next(self._numbers))
+                    worker.thread.start()
+                    if reserving:
+                        worker.inbox.put(_nothing)  # it puts itself in the pool
+                    else:
+                        request.started.append(worker)
+            except BaseException as exc:  # handed to the caller (a reservation is a hint)
+                request.error = exc
+                for worker in request.started:
+                    worker.inbox.put(_nothing)
+                request.started = []
+            if request.reply is not None:
+                request.reply()
 
     def give_back(self, worker: _Worker) -> bool:
         """From the worker's thread, its lane ended: whether it stays (else it ends)."""
@@ -138,6 +194,18 @@ class _Pool:
         """In a forked child: the parent's threads do not exist there."""
         self._lock = threading.Lock()
         self._idle = []
+        self._requests = queue.SimpleQueue()
+        self._starter = None
+
+
+@dataclass(slots=True)
+class _Request:
+    """Threads asked of the starter: for a caller (``reply`` set), or a reservation."""
+
+    count: int
+    reply: Callable[[], None] | None = None
+    started: list[_Worker] = field(default_factory=list)
+    error: BaseException | None = None
 
 
 def _nothing() -> None:
@@ -157,6 +225,12 @@ if hasattr(os, "register_at_fork"):
 def idle_threads() -> int:
     """How many pooled threads wait for a load now."""
     return _POOL.idle()
+
+
+def reserve_threads(count: int) -> None:
+    """Start threads in the background until ``count`` are idle (up to the pool's
+    cap), so that a load about to begin finds them ready; returns at once."""
+    _POOL.reserve(count)
 
 
 class LoadThreads:
@@ -184,7 +258,7 @@ class LoadThreads:
     async def __aenter__(self) -> LoadThreads:
         self._token = anyio.lowlevel.current_token()
         self._all_back = anyio.Event()
-        self._workers = _POOL.take(self._count)
+        self._workers = await _POOL.take(self._count)
         self._serving = len(self._workers)
         for i, worker in enumerate(self._workers):
             worker.thread.name = f"{self._name}-{i}"

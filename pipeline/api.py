@@ -17,7 +17,7 @@ import numpy as np
 
 from aiogguf.config import Config, load_config
 from aiogguf.devices import enumerate_devices
-from aiogguf.engine import one_error, run_load
+from aiogguf.engine import load_thread_count, one_error, run_load
 from aiogguf.events import Progress, ProgressCallback, ProgressHub, Stage
 from aiogguf.io.devices.base import Device, UploadTarget
 from aiogguf.io.devices.pool import close_staging_pools, staging_pool
@@ -199,16 +199,8 @@ async def warm_up(
     """
     resolved = load_config(config, **overrides)
     # As many threads as such a load takes: entered and left, they wait in the pool.
-    async with LoadThreads(_load_threads(resolved), name="aiogguf-warm-up") as threads:
+    async with LoadThreads(load_thread_count(resolved), name="aiogguf-warm-up") as threads:
         return await threads.run_sync(_warm_up, resolved, devices)
-
-
-def _load_threads(config: Config) -> int:
-    """How many threads a load of ``config`` holds at once, at most."""
-    pipeline = config.pipeline
-    readers = pipeline.reader_count(direct=config.load.mode == "direct")
-    # Readers, transfer threads, check threads, and the load's own thread.
-    return 2 * readers + pipeline.validate_workers + 1
 
 
 def warm_up_sync(

@@ -49,7 +49,7 @@ from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile, align_up
 from aiogguf.io.opener import FileOpener, OpenFiles
-from aiogguf.io.workers import LoadThreads
+from aiogguf.io.workers import LoadThreads, reserve_threads
 from aiogguf.jobs import BufferLayout, ReadJob, StageTimes, TensorSlot
 from aiogguf.model import Model
 from aiogguf.records import Plan, WeightIndex
@@ -67,7 +67,7 @@ from aiogguf.stages.read import ByteSwap, Reader, disk_limiters, hand_out, open_
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 from aiogguf.stages.validate import Validation
 
-__all__ = ["run_load"]
+__all__ = ["load_thread_count", "one_error", "run_load"]
 
 
 @contextmanager
@@ -236,7 +236,12 @@ class _Load:
                 LoadThreads(1, name="aiogguf-prefault")
             )
         workers = self.config.pipeline.validate_workers
-        check_threads = await stack.enter_async_context(LoadThreads(workers, name="aiogguf-check"))
+        # With checks off nothing runs on check threads: the readers' stand in.
+        check_threads = (
+            await stack.enter_async_context(LoadThreads(workers, name="aiogguf-check"))
+            if self.config.load.check_tensors
+            else threads
+        )
         validation = Validation(
             self.index,
             self.layouts,
@@ -431,6 +436,15 @@ def _report(
     )
 
 
+def load_thread_count(config: Config, *, uploads: bool = True) -> int:
+    """How many threads a load of ``config`` holds at once, at most: its own, readers,
+    check threads and (``uploads``) transfer threads."""
+    pipeline = config.pipeline
+    readers = pipeline.reader_count(direct=config.load.mode == "direct")
+    checks = pipeline.validate_workers if config.load.check_tensors else 0
+    return 1 + readers + checks + (readers if uploads else 0)
+
+
 def _check_unchanged(files: Sequence[DataFile]) -> None:
     """Blocking: raise ``LoadError`` for the first file that changed during the load."""
     for f in files:
@@ -490,6 +504,9 @@ async def _run_load(
     # One thread of the load's own for its one-off blocking calls (parse, index, plan,
     # open, allocate, close): a process that has loaded before has it ready.
     threads = await stack.enter_async_context(LoadThreads(1, name="aiogguf-load"))
+    # The rest of the load's threads are started meanwhile (a process's first load).
+    # Transfer threads are started when the plan asks for them.
+    reserve_threads(load_thread_count(config, uploads=False) - 1)
     index = await open_index(path, threads=threads, files=opened)
     t1 = hub.elapsed()
     found, plan = await threads.run_sync(_devices_and_plan, index, config, devices)

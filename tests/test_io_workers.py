@@ -5,14 +5,18 @@ process's pool with the load's end and are lent again to the next one."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import anyio
 import pytest
 
 from aiogguf.io import workers as workers_module
 from aiogguf.io.workers import IDLE_NAME, LOAD_NICE, LoadThreads, idle_threads
+from aiogguf.testing.synth import write_synthetic_model
 
 
 def _names() -> set[str]:
@@ -150,3 +154,37 @@ async def test_many_lenders_at_once_each_get_their_own_threads() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(lend, "a")
         tg.start_soon(lend, "b")
+
+
+FIRST_LOAD = """
+import sys, threading
+import aiogguf
+
+loop_starts = []
+start = threading.Thread.start
+
+def recorded(self):
+    if threading.current_thread() is threading.main_thread():
+        loop_starts.append(self.name)
+    start(self)
+
+threading.Thread.start = recorded
+with aiogguf.load_sync(sys.argv[1], n_gpu_layers=0, mode="none") as model:
+    pass
+print(",".join(loop_starts))
+"""
+
+
+def test_the_first_load_of_a_process_starts_one_thread_on_the_loop(tmp_path: Path) -> None:
+    """Starting a thread blocks until the thread runs (milliseconds on a busy machine):
+    only the pool's starter is started by the loop's thread, once per process; it starts
+    every load thread."""
+    model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="2MiB", seed=1, n_layer=2)
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_LOAD, str(model.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == f"{IDLE_NAME} starter"
