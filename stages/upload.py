@@ -317,6 +317,9 @@ class Uploader:
         target = self._target(device)
 
         def allocate_and_keep() -> DeviceBuffer:
+            # The device gets its pool now even if no copy reaches it: the pool is how
+            # ``release_staging`` finds a device's cached memory.
+            staging_pool(target)
             buffer = target.allocate(nbytes)
             # Recorded in the thread: a cancelled await cannot lose the buffer.
             self._buffers.append(buffer)

@@ -30,6 +30,7 @@ from aiogguf.io.ggml_types import GGMLType
 __all__ = [
     "BufferRole",
     "BufferType",
+    "CachedMemory",
     "CopyEvent",
     "CopyStream",
     "Device",
@@ -272,4 +273,14 @@ class UploadTarget(Protocol):
 
     def new_event(self) -> CopyEvent:
         """A new event of this device, never recorded (done)."""
+        ...
+
+
+@runtime_checkable
+class CachedMemory(Protocol):
+    """A device that keeps freed device memory for later allocations (the simulated
+    device's cache). ``close_staging_pools`` (``release_staging``) empties it."""
+
+    def release_cached_memory(self) -> int:
+        """Give the idle cached memory back; the bytes freed."""
         ...

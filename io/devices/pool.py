@@ -6,7 +6,8 @@ kept: every load of the process, and loads running side by side, lease them from
 device's pool and give them back when their copies have completed. The pool grows on
 demand up to the cap its callers pass, pins outside its lock (so leases of slots already
 pinned never wait behind a pin), and is freed by ``close_staging_pools()`` (also at
-exit).
+exit), which also empties the device's cache of freed device memory where it keeps one
+(``CachedMemory``).
 
 Each slot carries the device event recorded behind the last copy out of it. A slot comes
 back to the pool only after its lessee has synchronized the stream that copied out of it,
@@ -22,7 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aiogguf.io.devices.base import CopyEvent, StagingSlot, UploadTarget
+from aiogguf.io.devices.base import CachedMemory, CopyEvent, StagingSlot, UploadTarget
 
 __all__ = [
     "PoolStats",
@@ -146,13 +147,18 @@ class StagingPool:
 
     def close(self) -> None:
         """Free every idle slot (call it when no load runs: leased slots stay with their
-        lessees). Raises the first failure to free one."""
+        lessees), and the device's idle cached memory. Raises the first failure to free
+        one."""
         with self._cond:
             idle, self._idle = self._idle, []
             for pooled in idle:
                 self._pinned_bytes -= pooled.nbytes
                 self._count -= 1
-        _close_slots(idle)
+        try:
+            _close_slots(idle)
+        finally:
+            if isinstance(self.target, CachedMemory):
+                self.target.release_cached_memory()
 
     # -- internals ----------------------------------------------------------------------
 
@@ -229,8 +235,9 @@ def staging_pools() -> tuple[StagingPool, ...]:
 
 
 def close_staging_pools() -> None:
-    """Free every idle slot of every pool and forget the pools. Call it when no load
-    runs (a slot leased now stays with its load and is freed with the pool's object)."""
+    """Free every idle slot of every pool and the idle cached memory of its device, and
+    forget the pools. Call it when no load runs (a slot leased now stays with its load
+    and is freed with the pool's object)."""
     with _pools_lock:
         pools = [pool for _, pool in _pools.values()]
         _pools.clear()

@@ -5,7 +5,13 @@ every one of them settable, including ggml types it refuses to hold. It also *be
 like a GPU for the upload stage, so CI can test the staging ring without one:
 
 * device memory is host memory (numpy arrays, filled with a poison byte), counted and
-  capped at the device's ``total``; ``live`` tells how much is allocated right now;
+  capped at the device's ``total``; ``live`` tells how much is allocated right now. A
+  GPU's memory takes no host page faults, so the sim backs each new allocation in one
+  kernel call on the allocating thread (``MADV_POPULATE_WRITE``: the allocate stage pays
+  it, and no copy ever faults) and keeps freed allocations, once no array views them,
+  in a per-device cache (``SimMemoryCache``, as CuPy's memory pool does) for later
+  allocations of a fitting size. ``release_cached_memory()`` (called by
+  ``release_staging``) gives the cache back to the OS;
 * it carries a real GPU's costs, so that a design that is slow on a GPU is slow here
   too: pinning a staging slot sleeps ``pin_s_per_gib`` per GiB, and a copy takes
   ``copy_latency_us`` plus ``nbytes / bandwidth`` (plus a random delay up to
@@ -14,6 +20,11 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
   driver's waits do;
 * a ``SimCopyStream`` runs queued copies in order on its own thread (the copy engine);
 * ``SimEvent`` has CUDA's record / query / synchronize semantics, on any stream;
+* not modelled: backing a new allocation costs the host about 0.3 s per GiB on a
+  small VM (page zeroing, in the allocate stage), which ``cudaMalloc`` does not; the
+  copy engine is a host thread whose memcpy takes a host core, where a GPU's DMA engine
+  takes none; device memory bandwidth, PCIe sharing between devices and ``cudaMalloc``'s
+  own latency are not modelled at all;
 * the device checks the ring invariant itself: refilling a staging slot whose last copy
   (on whichever stream) has not completed raises ``RingViolation`` naming the slot
   (``begin_write``), and every copy fingerprints its source when it is issued and again
@@ -24,21 +35,24 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
 
 from __future__ import annotations
 
+import mmap
 import random
 import threading
 import time
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy
 
 from aiogguf.errors import ConfigError, GGUFError, LoadError
-from aiogguf.io.buffers import HostBuffer
+from aiogguf.io import _libc
+from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
 from aiogguf.io.devices.base import (
     BufferRole,
     BufferType,
@@ -53,12 +67,15 @@ from aiogguf.io.ggml_types import GGMLType, ggml_type_by_name
 __all__ = [
     "SIM_COPY_BYTES_PER_S",
     "SIM_COPY_LATENCY_US",
+    "SIM_MEMORY_CACHE_BYTES",
     "SIM_PIN_S_PER_GIB",
     "RingViolation",
     "SimCopyStream",
     "SimDevice",
     "SimDeviceBuffer",
     "SimEvent",
+    "SimMemoryCache",
+    "SimMemoryStats",
     "SimStagingSlot",
     "SimUsage",
 ]
@@ -72,6 +89,8 @@ POISON_BYTE = 0xA5
 SIM_PIN_S_PER_GIB = 1.1
 SIM_COPY_BYTES_PER_S = 55_000_000_000
 SIM_COPY_LATENCY_US = 10.0
+# Idle device memory a simulated device keeps for reuse, at most: it is host RAM.
+SIM_MEMORY_CACHE_BYTES = 4 * 1024**3
 
 
 class RingViolation(GGUFError):
@@ -125,6 +144,7 @@ class SimDevice:
         pin_s_per_gib: float = SIM_PIN_S_PER_GIB,
         max_delay_ms: float = 0.0,
         seed: int | None = None,
+        memory_cache_bytes: int = SIM_MEMORY_CACHE_BYTES,
     ) -> None:
         if kind == "cpu":
             raise ConfigError("device.kind", None, "a simulated device cannot be the CPU")
@@ -167,6 +187,7 @@ class SimDevice:
         self._lock = threading.Lock()
         self._usage = SimUsage(0, 0, 0, 0)
         self._streams_opened = 0
+        self.memory_cache = SimMemoryCache(name, memory_cache_bytes)
 
     def memory(self) -> tuple[int, int]:
         return self.free, self.total
@@ -193,7 +214,8 @@ class SimDevice:
             )
 
     def allocate(self, nbytes: int) -> SimDeviceBuffer:
-        """``nbytes`` of simulated device memory, poisoned.
+        """``nbytes`` of simulated device memory, poisoned. Blocking: memory the cache
+        cannot supply is backed before this returns.
 
         Raises ``LoadError`` when the device's ``total`` would be exceeded."""
         if nbytes < 0:
@@ -208,7 +230,17 @@ class SimDevice:
                     f"{self.total - u.buffer_bytes} of {self.total} free",
                 )
             self._usage = SimUsage(u.buffers + 1, u.buffer_bytes + nbytes, u.slots, u.streams)
-        return SimDeviceBuffer(self, nbytes)
+        try:
+            return SimDeviceBuffer(self, nbytes)
+        except BaseException:
+            self._count(buffers=-1, buffer_bytes=-nbytes)
+            raise
+
+    def release_cached_memory(self) -> int:
+        """Give the idle memory of the device's cache back to the OS; the bytes freed.
+        Memory that arrays still view returns to the cache when they die (and stays
+        there until the next call)."""
+        return self.memory_cache.release()
 
     def open_copy_stream(self, *, asynchronous: bool) -> SimCopyStream:
         """A copy stream; ``asynchronous`` starts its copy-engine thread."""
@@ -245,10 +277,12 @@ def _check_range(what: str, offset: int, nbytes: int, size: int) -> None:
 class SimDeviceBuffer:
     """Simulated device memory: a numpy array standing in for a device allocation.
 
-    Bytes no copy has reached read as ``POISON_BYTE``. The poison is laid lazily, on the
-    first read of a range no copy wrote: filling gigabytes up front would cost the host
-    what ``cudaMalloc`` does not cost a GPU (touching every page), and make a simulated
-    load look slower than a real one."""
+    The memory comes from the device's ``SimMemoryCache``, backed before the buffer
+    exists, and goes back to it once the buffer is closed and no array views it.
+
+    Bytes no copy has reached read as ``POISON_BYTE``, memory the cache reused included.
+    The poison is laid lazily, on the first read of a range no copy wrote: a second pass
+    over gigabytes up front would cost the host what ``cudaMalloc`` does not cost a GPU."""
 
     xp: ModuleType = numpy
 
@@ -256,10 +290,16 @@ class SimDeviceBuffer:
         self.device = owner.name
         self.nbytes = nbytes
         self._owner = owner
-        # numpy.empty of a large size is an untouched anonymous mapping: free until used.
-        self._data: numpy.ndarray[Any, numpy.dtype[numpy.uint8]] | None = numpy.empty(
-            nbytes, dtype=numpy.uint8
-        )
+        block = owner.memory_cache.take(nbytes)
+        # A new array over the block's memory: its base is a memoryview, so no view of
+        # it reaches past it to the block.
+        data = numpy.frombuffer(block.data, dtype=numpy.uint8, count=nbytes)
+        # Every view handed out (array(), the copy engine's slices) has ``data`` as its
+        # base: the block goes back to the cache when the last of them dies, never while
+        # someone can still read or write it.
+        finalizer = weakref.finalize(data, owner.memory_cache.give_back, block)
+        finalizer.atexit = False
+        self._data: numpy.ndarray[Any, numpy.dtype[numpy.uint8]] | None = data
         self._lock = threading.Lock()
         self._filled: list[tuple[int, int]] = []  # sorted, disjoint: written or poisoned
 
@@ -308,8 +348,8 @@ class SimDeviceBuffer:
         return self._live()[offset : offset + nbytes].copy().data
 
     def close(self) -> None:
-        # Views handed out by array() keep the numpy memory alive; the device's
-        # accounting is what "free" means here.
+        # Views handed out by array() keep the memory alive and out of the cache; the
+        # device's accounting is what "free" means here.
         with self._owner._lock:
             if self._data is None:
                 return
@@ -319,6 +359,122 @@ class SimDeviceBuffer:
     def __repr__(self) -> str:
         state = "closed" if self._data is None else "open"
         return f"SimDeviceBuffer({self.device!r}, {self.nbytes}, {state})"
+
+
+@dataclass(frozen=True, slots=True)
+class SimMemoryStats:
+    """What a simulated device's memory cache holds now, and what it did so far."""
+
+    cached_blocks: int  # idle allocations kept for reuse
+    cached_bytes: int
+    backed: int  # allocations that needed new memory
+    backed_bytes: int
+    backed_s: float  # time spent backing new memory (on the allocating threads)
+    reused: int  # allocations served from the cache
+
+
+class SimMemoryCache:
+    """The freed device memory of one simulated device, kept for later allocations, as
+    CuPy's memory pool keeps freed blocks.
+
+    ``take`` hands out the smallest idle block that holds the request and is at most
+    twice its size (a big block is not spent on a small request); otherwise it backs
+    new memory on the calling thread, outside the lock (``_back``). ``give_back`` keeps
+    a block while the idle bytes stay within ``cap_bytes``, dropping the oldest idle
+    blocks to make room; a block larger than the cap is dropped. ``release`` drops every
+    idle block. Thread-safe.
+    """
+
+    def __init__(self, device: str, cap_bytes: int) -> None:
+        if cap_bytes < 0:
+            raise ValueError(f"device {device}: memory cache cap must be >= 0, got {cap_bytes}")
+        self.device = device
+        self.cap_bytes = cap_bytes
+        # Reentrant: give_back runs from a finalizer, which a garbage collection can
+        # start on a thread that already holds the lock.
+        self._lock = threading.RLock()
+        self._idle: list[_Block] = []  # oldest first
+        self._backed = 0
+        self._backed_bytes = 0
+        self._backed_s = 0.0
+        self._reused = 0
+
+    def take(self, nbytes: int) -> _Block:
+        """A backed block of at least ``nbytes``. Raises ``LoadError`` when the host
+        cannot allocate the memory."""
+        with self._lock:
+            fitting = [b for b in self._idle if nbytes <= b.size <= max(2 * nbytes, 1)]
+            if fitting:
+                best = min(fitting, key=lambda b: b.size)
+                self._idle.remove(best)
+                self._reused += 1
+                return best
+        began = time.perf_counter()
+        try:
+            block = _back(max(nbytes, 1))
+        except MemoryError as exc:
+            raise LoadError(
+                None, None, f"device {self.device}: cannot back {nbytes} bytes: {exc}"
+            ) from exc
+        with self._lock:
+            self._backed += 1
+            self._backed_bytes += block.size
+            self._backed_s += time.perf_counter() - began
+        return block
+
+    def give_back(self, block: _Block) -> None:
+        """Keep ``block`` for a later ``take`` (nothing may view it any more)."""
+        with self._lock:
+            if block.size > self.cap_bytes:
+                return
+            held = sum(b.size for b in self._idle)
+            while self._idle and held + block.size > self.cap_bytes:
+                held -= self._idle.pop(0).size
+            self._idle.append(block)
+
+    def release(self) -> int:
+        """Drop every idle block (its memory goes back to the OS); the bytes freed."""
+        with self._lock:
+            freed = sum(b.size for b in self._idle)
+            self._idle.clear()
+        return freed
+
+    def stats(self) -> SimMemoryStats:
+        with self._lock:
+            return SimMemoryStats(
+                cached_blocks=len(self._idle),
+                cached_bytes=sum(b.size for b in self._idle),
+                backed=self._backed,
+                backed_bytes=self._backed_bytes,
+                backed_s=self._backed_s,
+                reused=self._reused,
+            )
+
+
+_Block: TypeAlias = "numpy.ndarray[Any, numpy.dtype[numpy.uint8]]"
+
+
+def _back(nbytes: int) -> _Block:
+    """``nbytes`` of host memory with every page backed, so that no copy into it faults.
+
+    One ``MADV_POPULATE_WRITE`` call backs them all, the GIL let go. Transparent huge
+    pages are refused first (numpy asks for them): on the 2-core VM backing 1 GiB with
+    them took 0.2 to 3.2 s from one process to the next, against 0.15 to 0.38 s with
+    4 KiB pages. The memory is a numpy allocation, not an ``mmap`` of the loader's own
+    (``HostBuffer``): it stands in for device memory, not for the load's host memory."""
+    block = numpy.empty(nbytes, dtype=numpy.uint8)
+    address = block.ctypes.data
+    start = -(-address // PAGE_BYTES) * PAGE_BYTES
+    end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
+    if end > start:
+        try:
+            _libc.madvise(start, end - start, mmap.MADV_NOHUGEPAGE)
+            _libc.madvise(start, end - start, _libc.MADV_POPULATE_WRITE)
+        except OSError:
+            # Kernels before 5.14: one write per page backs it (a read would only map
+            # the shared zero page).
+            block[start - address : end - address : PAGE_BYTES] = 0
+    return block
 
 
 # A copy's fingerprint reads this many of its bytes, evenly spread: a refill with other
