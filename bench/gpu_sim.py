@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     hostsum = driver.summarise(samples["host_none"])
     sim_warm = driver.summarise(samples["sim_offload_warm"])
     host_warm = driver.summarise(samples["host_none_warm"])
-    for summary, name in ((sim, "sim_offload"), (sim_warm, "sim_offload_warm")):
+    named = zip((sim, hostsum, sim_warm, host_warm), kinds, strict=True)
+    for summary, name in named:
         summary["allocate_s"] = _median_or_none(
             [a for a in map(_allocate_s, samples[name]) if a is not None]
         )

@@ -242,8 +242,9 @@ def _warm_up(config: Config, devices: Sequence[Device] | None) -> WarmUp:
 
 
 async def release_staging() -> None:
-    """Free every device's pool of pinned staging slots (on a thread of its own). Call
-    it when no load runs; a later load pins slots again."""
+    """Free every device's pool of pinned staging slots, and the freed device memory a
+    simulated device keeps for reuse (on a thread of its own). Call it when no load
+    runs; a later load pins slots again."""
     async with LoadThreads(1, name="aiogguf-release") as threads:
         await threads.run_sync(close_staging_pools)
 

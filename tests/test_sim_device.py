@@ -3,15 +3,23 @@ ring check it performs itself (so a broken upload ring cannot pass a test)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+import aiogguf
+from aiogguf.config import Config
+from aiogguf.devices import enumerate_devices
 from aiogguf.errors import LoadError
+from aiogguf.io import _libc
 from aiogguf.io.devices.base import DeviceBuffer, UploadTarget
 from aiogguf.io.devices.sim import POISON_BYTE, RingViolation, SimDevice, SimUsage
+from aiogguf.testing.synth import write_synthetic_model
 
 KiB = 1024
 
@@ -222,3 +230,104 @@ def test_close_joins_the_copy_thread_after_the_queue_drains() -> None:
         stream.copy_async(dest, 0, slot, 1)
     slot.close()
     dest.close()
+
+
+# --- device memory: backed at allocation, cached after free -----------------------------
+
+PAGE = 4096
+
+
+def _address(buf: DeviceBuffer) -> int:
+    address: int = buf.array(0, 1).ctypes.data
+    return address
+
+
+def test_new_device_memory_is_backed_before_allocate_returns() -> None:
+    # A GPU's memory takes no host page faults: every page is resident before a copy.
+    dev = SimDevice("g0", free=64 * KiB * KiB)
+    buf = dev.allocate(8 * KiB * KiB)
+    try:
+        start = -(-_address(buf) // PAGE) * PAGE
+        end = (_address(buf) + buf.nbytes) // PAGE * PAGE
+        resident = _libc.mincore(start, end - start)
+        assert all(page & 1 for page in resident)
+        stats = dev.memory_cache.stats()
+        assert (stats.backed, stats.backed_bytes, stats.reused) == (1, 8 * KiB * KiB, 0)
+    finally:
+        buf.close()
+
+
+def test_freed_device_memory_is_reused_and_poisoned_again() -> None:
+    dev = SimDevice("g0", free=1 * KiB * KiB)
+    first = dev.allocate(64 * KiB)
+    first.array(0, 64 * KiB)[:] = 7
+    address = _address(first)
+    first.close()
+    assert dev.memory_cache.stats().cached_bytes == 64 * KiB
+    second = dev.allocate(40 * KiB)  # fits: at most twice the request
+    try:
+        assert _address(second) == address
+        stats = dev.memory_cache.stats()
+        assert (stats.backed, stats.reused, stats.cached_blocks) == (1, 1, 0)
+        # The last user's bytes never show through: unwritten ranges read as poison.
+        assert bytes(second.to_host(0, 16)) == bytes([POISON_BYTE]) * 16
+        assert dev.live == SimUsage(1, 40 * KiB, 0, 0)
+    finally:
+        second.close()
+
+
+def test_memory_an_array_still_views_is_not_reused_until_the_array_dies() -> None:
+    dev = SimDevice("g0", free=1 * KiB * KiB)
+    buf = dev.allocate(16 * KiB)
+    view = buf.array(0, 16)
+    view[:] = 3
+    buf.close()
+    assert dev.live == SimUsage(0, 0, 0, 0)  # freed, as far as the device counts
+    assert dev.memory_cache.stats().cached_blocks == 0  # but not handed out again
+    other = dev.allocate(16 * KiB)
+    try:
+        assert _address(other) != view.ctypes.data
+        assert bytes(view) == b"\x03" * 16  # the array's bytes are untouched
+    finally:
+        other.close()
+    del view
+    assert dev.memory_cache.stats().cached_blocks == 2
+
+
+def test_cache_takes_a_fitting_block_and_stays_within_its_cap() -> None:
+    dev = SimDevice("g0", free=1 * KiB * KiB, memory_cache_bytes=96 * KiB)
+    held = [dev.allocate(nbytes) for nbytes in (64 * KiB, 32 * KiB)]
+    for buf in held:
+        buf.close()
+    assert dev.memory_cache.stats().cached_bytes == 96 * KiB
+    # Far smaller than any idle block: new memory, the big blocks are not spent on it.
+    dev.allocate(4 * KiB).close()
+    stats = dev.memory_cache.stats()
+    assert (stats.backed, stats.reused) == (3, 0)
+    # The 4 KiB block came back over the cap: the oldest idle block (64 KiB) made room.
+    assert (stats.cached_blocks, stats.cached_bytes) == (2, 36 * KiB)
+    dev.allocate(200 * KiB).close()  # larger than the cap: freed, never cached
+    assert dev.memory_cache.stats().cached_bytes == 36 * KiB
+    assert dev.release_cached_memory() == 36 * KiB
+    assert dev.memory_cache.stats().cached_blocks == 0
+
+
+def test_release_staging_frees_the_cached_device_memory(tmp_path: Path) -> None:
+    path = write_synthetic_model(tmp_path / "m.gguf", size_bytes="2MiB", seed=3).path
+    overrides: dict[str, Any] = {
+        "n_gpu_layers": -1,
+        "staging_buffer_size": "256KiB",
+        "sim_gpus": ["name=gr,free=1GiB"],
+    }
+    for _ in range(2):
+        with aiogguf.load_sync(path, **overrides) as model:
+            assert model.report.uploads
+        gc.collect()  # no array of the model may keep its memory out of the cache
+    (sim,) = [d for d in enumerate_devices(Config().with_overrides(**overrides)) if d.name == "gr"]
+    assert isinstance(sim, SimDevice)
+    stats = sim.memory_cache.stats()
+    # The second load allocated every buffer from what the first one freed.
+    assert stats.reused == stats.backed > 0
+    assert stats.cached_bytes > 0
+    aiogguf.release_staging_sync()
+    assert sim.memory_cache.stats().cached_bytes == 0
