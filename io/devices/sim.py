@@ -8,9 +8,10 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
   capped at the device's ``total``; ``live`` tells how much is allocated right now. A
   GPU's memory takes no host page faults, so the sim backs each new allocation in one
   kernel call on the allocating thread (``MADV_POPULATE_WRITE``: the allocate stage pays
-  it, and no copy ever faults) and keeps freed allocations, once no array views them,
-  in a per-device cache (``SimMemoryCache``, as CuPy's memory pool does) for later
-  allocations of a fitting size. ``release_cached_memory()`` (called by
+  it, and no copy ever faults). Freed allocations, once no array views them, go to a
+  per-device cache (``SimMemoryCache``, the pattern of CuPy's memory pool) that serves
+  later allocations of a fitting size, so the backing is paid once per process, as a
+  GPU's memory is there from the start. ``release_cached_memory()`` (called by
   ``release_staging``) gives the cache back to the OS;
 * it carries a real GPU's costs, so that a design that is slow on a GPU is slow here
   too: pinning a staging slot sleeps ``pin_s_per_gib`` per GiB, and a copy takes
@@ -20,11 +21,12 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
   driver's waits do;
 * a ``SimCopyStream`` runs queued copies in order on its own thread (the copy engine);
 * ``SimEvent`` has CUDA's record / query / synchronize semantics, on any stream;
-* not modelled: backing a new allocation costs the host about 0.3 s per GiB on a
-  small VM (page zeroing, in the allocate stage), which ``cudaMalloc`` does not; the
-  copy engine is a host thread whose memcpy takes a host core, where a GPU's DMA engine
-  takes none; device memory bandwidth, PCIe sharing between devices and ``cudaMalloc``'s
-  own latency are not modelled at all;
+* not modelled: backing a new allocation costs the host its page zeroing (in the
+  allocate stage, see the README's ``gpu_sim.py`` figures), which ``cudaMalloc`` does
+  not (the CuPy backend allocates with it directly, no pool); the copy engine is a host
+  thread whose memcpy takes a host core, where a GPU's DMA engine takes none; device
+  memory bandwidth, PCIe sharing between devices and ``cudaMalloc``'s own latency are
+  not modelled at all;
 * the device checks the ring invariant itself: refilling a staging slot whose last copy
   (on whichever stream) has not completed raises ``RingViolation`` naming the slot
   (``begin_write``), and every copy fingerprints its source when it is issued and again
@@ -458,10 +460,11 @@ def _back(nbytes: int) -> _Block:
     """``nbytes`` of host memory with every page backed, so that no copy into it faults.
 
     One ``MADV_POPULATE_WRITE`` call backs them all, the GIL let go. Transparent huge
-    pages are refused first (numpy asks for them): on the 2-core VM backing 1 GiB with
-    them took 0.2 to 3.2 s from one process to the next, against 0.15 to 0.38 s with
-    4 KiB pages. The memory is a numpy allocation, not an ``mmap`` of the loader's own
-    (``HostBuffer``): it stands in for device memory, not for the load's host memory."""
+    pages are refused first (numpy asks for them): on a VM, how long backing them takes
+    swings several-fold from one process to the next, and the sim would then measure
+    that swing instead of the offload. The memory is a numpy allocation, not an
+    ``mmap`` of the loader's own (``HostBuffer``): it stands in for device memory, not
+    for the load's host memory."""
     block = numpy.empty(nbytes, dtype=numpy.uint8)
     address = block.ctypes.data
     start = -(-address // PAGE_BYTES) * PAGE_BYTES
