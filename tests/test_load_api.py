@@ -274,3 +274,24 @@ def test_os_errors_words_every_io_failure_one_way(tmp_path: Path) -> None:
     assert isinstance(caught.value.__cause__, OSError)
     with os_errors(tmp_path, None, "nothing fails"):
         pass
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap", "direct"])
+def test_every_file_is_advised_sequential(
+    model_file: SynthModel, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load reads each file front to back: the kernel is told so, which makes a cold
+    buffered read go ahead in large steps."""
+    from aiogguf.io.files import DataFile, FileAdvice
+
+    advised: list[tuple[str, FileAdvice]] = []
+    fadvise = DataFile.fadvise
+
+    def recorded(self: DataFile, advice: FileAdvice, *args: int) -> None:
+        advised.append((self.path, advice))
+        fadvise(self, advice, *args)
+
+    monkeypatch.setattr(DataFile, "fadvise", recorded)
+    with aiogguf.load_sync(model_file.path, mode=mode, n_gpu_layers=0):
+        pass
+    assert (str(model_file.path), FileAdvice.SEQUENTIAL) in advised
