@@ -4,6 +4,7 @@ repository. Missing on a developer's machine they skip, missing under CI they fa
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -83,3 +84,11 @@ def disk_dir(tmp_path: Path) -> Iterator[Path]:
         if own:
             shutil.rmtree(folder, ignore_errors=True)
     pytest.skip("no folder here lets pages leave the page cache (all tmpfs?)")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection built (modules, strategies, parameters) out of the garbage
+    collector's reach: a failed load runs a full collection to free what cancelled tasks
+    hold, and in this process that would otherwise scan the whole suite every time."""
+    gc.collect()
+    gc.freeze()
