@@ -3,6 +3,7 @@ Python reader) reads from a file, in the shape of ``aiogguf inspect --json``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -35,6 +36,14 @@ def flatten(value: list[Any]) -> list[Any]:
     for v in value:
         out.extend(flatten(v) if isinstance(v, list) else [v])
     return out
+
+
+@functools.cache
+def cached_reader(path: Path) -> gguf.GGUFReader:
+    """``gguf.GGUFReader(path)``, made once per run for the files that never change (the
+    reference files): it takes a second on a big vocabulary, and several test modules
+    read the same files. Only read from it."""
+    return gguf.GGUFReader(path)
 
 
 def reader_metadata(reader: gguf.GGUFReader) -> KV:

@@ -17,7 +17,8 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from conftest import reference_files
+from conftest import REFERENCE_DIR, reference_files
+from gguf_oracle import cached_reader
 from helpers_gguf import write_gguf
 
 import aiogguf
@@ -56,7 +57,9 @@ def oracle(paths: tuple[Path, ...]) -> dict[str, Expected]:
     """name → ``Expected`` over every file of a (split) model (GGUFReader is slow: once)."""
     out: dict[str, Expected] = {}
     for path in paths:
-        for t in gguf.GGUFReader(path).tensors:
+        # The reference files never change: their reader is shared with other modules.
+        reader = cached_reader(path) if path.is_relative_to(REFERENCE_DIR) else None
+        for t in (reader or gguf.GGUFReader(path)).tensors:
             assert t.name not in out
             data = np.asarray(t.data)
             out[t.name] = Expected(

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
-from gguf_oracle import json_metadata, reader_metadata, run_inspect
+from gguf_oracle import cached_reader, json_metadata, reader_metadata, run_inspect
 
 from aiogguf.cli import main
 from aiogguf.records import TensorClass
@@ -36,7 +36,7 @@ def reader_tensors(reader: gguf.GGUFReader) -> dict[str, dict[str, Any]]:
 def assert_agrees_with_reader(result: dict[str, Any], paths: list[Path]) -> None:
     """The JSON of ``inspect`` against gguf-py's reader of each file of the model."""
     assert [f["path"] for f in result["files"]] == [str(p) for p in paths]
-    readers = [gguf.GGUFReader(p) for p in paths]
+    readers = [cached_reader(p) for p in paths]
     nested = any(
         e["type"] == "array" and e.get("item_type") == "array" for e in result["metadata"].values()
     )
