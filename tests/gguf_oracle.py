@@ -98,10 +98,11 @@ def reader_tensors(reader: gguf.GGUFReader) -> dict[str, dict[str, Any]]:
 
 # What a sandboxed gguf-py may take: on a hostile header it allocates without bound (an
 # array count of 2**40) or loops for a long time, which must fail the read, not the run.
-# The files are small (a few hundred bytes, read in milliseconds): a second of CPU time
-# is a loop, whatever else the machine is doing; the wall-clock alarm is a backstop.
+# The files are small (a few hundred bytes, read in a few milliseconds): a quarter of a
+# second of CPU time is a loop, whatever else the machine is doing; the wall-clock alarm
+# is a backstop.
 ORACLE_EXTRA_BYTES = 64 * 1024**2
-ORACLE_CPU_SECONDS = 1
+ORACLE_CPU_SECONDS = 0.25
 ORACLE_SECONDS = 5
 
 
@@ -119,8 +120,10 @@ def sandboxed_reader_view(path: Path) -> dict[str, Any] | str:
                 vm_kib = next(int(ln.split()[1]) for ln in f if ln.startswith("VmSize:"))
             cap = vm_kib * 1024 + ORACLE_EXTRA_BYTES
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-            # A forked child starts with no CPU time used; at the limit it gets SIGKILL.
-            resource.setrlimit(resource.RLIMIT_CPU, (ORACLE_CPU_SECONDS, ORACLE_CPU_SECONDS))
+            # A forked child starts with no CPU time used and no timers; SIGPROF's default
+            # action ends it once it has used ORACLE_CPU_SECONDS (user and system time).
+            signal.signal(signal.SIGPROF, signal.SIG_DFL)
+            signal.setitimer(signal.ITIMER_PROF, ORACLE_CPU_SECONDS)
             # The default action (the end of the child), not pytest-timeout's handler,
             # which the fork inherited and which gguf-py's loops may never reach.
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
