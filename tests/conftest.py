@@ -36,6 +36,17 @@ def _fresh_process_state() -> Iterator[None]:
     forget_cupy_devices()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_what_came_before() -> None:
+    """Collect, then move what is left (modules, strategies, earlier modules' caches) out
+    of the garbage collector's reach. A failed load runs a full collection to free what
+    cancelled tasks hold; in this process each would otherwise walk everything the suite
+    has built so far. What a test makes is still collected, and a check that must see
+    every object calls ``gc.unfreeze()`` first."""
+    gc.collect()
+    gc.freeze()
+
+
 def _require_reference() -> Path:
     if (REFERENCE_DIR / "MANIFEST.json").is_file():
         return REFERENCE_DIR
@@ -84,11 +95,3 @@ def disk_dir(tmp_path: Path) -> Iterator[Path]:
         if own:
             shutil.rmtree(folder, ignore_errors=True)
     pytest.skip("no folder here lets pages leave the page cache (all tmpfs?)")
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Move what collection built (modules, strategies, parameters) out of the garbage
-    collector's reach: a failed load runs a full collection to free what cancelled tasks
-    hold, and in this process that would otherwise scan the whole suite every time."""
-    gc.collect()
-    gc.freeze()

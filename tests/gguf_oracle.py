@@ -10,10 +10,12 @@ import os
 import resource
 import select
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 
 from aiogguf.cli import main
@@ -36,14 +38,6 @@ def flatten(value: list[Any]) -> list[Any]:
     for v in value:
         out.extend(flatten(v) if isinstance(v, list) else [v])
     return out
-
-
-@functools.cache
-def cached_reader(path: Path) -> gguf.GGUFReader:
-    """``gguf.GGUFReader(path)``, made once per run for the files that never change (the
-    reference files): it takes a second on a big vocabulary, and several test modules
-    read the same files. Only read from it."""
-    return gguf.GGUFReader(path)
 
 
 def reader_metadata(reader: gguf.GGUFReader) -> KV:
@@ -94,6 +88,57 @@ def reader_tensors(reader: gguf.GGUFReader) -> dict[str, dict[str, Any]]:
         }
         for t in reader.tensors
     }
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderTensor:
+    """One tensor as ``gguf.GGUFReader`` gives it, its data copied out of the mapping."""
+
+    name: str
+    type_id: int
+    dims: tuple[int, ...]  # ggml order
+    data_offset: int  # absolute, in its file
+    n_bytes: int
+    data: np.ndarray  # the reader's array (its shape and dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderView:
+    """What ``gguf.GGUFReader`` reads from one file, as plain values."""
+
+    data_offset: int
+    alignment: int
+    big_endian: bool
+    metadata: KV  # ``reader_metadata``
+    tensors: tuple[ReaderTensor, ...]
+    tensors_json: dict[str, dict[str, Any]]  # ``reader_tensors``
+
+
+@functools.cache
+def reference_reader(path: Path) -> ReaderView:
+    """``gguf.GGUFReader(path)`` read once per run, for files that never change (the
+    reference files): it takes a second on a big vocabulary, and several test modules
+    compare with the same files. Plain values, not the reader: its fields are hundreds of
+    thousands of small arrays, which every garbage collection after it would walk."""
+    reader = gguf.GGUFReader(path)
+    return ReaderView(
+        data_offset=int(reader.data_offset),
+        alignment=int(reader.alignment),
+        big_endian=reader.endianess == gguf.GGUFEndian.BIG,
+        metadata=reader_metadata(reader),
+        tensors=tuple(
+            ReaderTensor(
+                name=t.name,
+                type_id=int(t.tensor_type),
+                dims=tuple(int(d) for d in t.shape),
+                data_offset=int(t.data_offset),
+                n_bytes=int(t.n_bytes),
+                data=np.array(t.data),
+            )
+            for t in reader.tensors
+        ),
+        tensors_json=reader_tensors(reader),
+    )
 
 
 # What a sandboxed gguf-py may take: on a hostile header it allocates without bound (an
