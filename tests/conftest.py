@@ -20,6 +20,14 @@ from aiogguf.io.devices.pool import close_staging_pools
 from aiogguf.io.pagecache import drop_from_cache
 
 ROOT = Path(__file__).resolve().parent.parent
+# How many examples the expensive property tests (a forked reader or a whole load per
+# example) run: fewer in a development run, the full count in CI (.ci/run sets "ci"),
+# ten times that for a hunt ("thorough").
+HYPOTHESIS_PROFILE = os.environ.get("AIOGGUF_HYPOTHESIS_PROFILE", "default")
+if HYPOTHESIS_PROFILE not in ("default", "ci", "thorough"):
+    raise pytest.UsageError(
+        f"AIOGGUF_HYPOTHESIS_PROFILE={HYPOTHESIS_PROFILE!r}: expected default, ci or thorough"
+    )
 REFERENCE_DIR = Path(
     os.environ.get("AIOGGUF_TESTDATA") or ROOT.parent / "shared" / "testdata" / "reference"
 ).resolve()
@@ -65,6 +73,12 @@ def reference_dir() -> Path:
 def manifest(reference_dir: Path) -> list[dict[str, Any]]:
     data: list[dict[str, Any]] = json.loads((reference_dir / "MANIFEST.json").read_text())
     return data
+
+
+def examples(default: int, ci: int) -> int:
+    """``max_examples`` for an expensive property test, by ``AIOGGUF_HYPOTHESIS_PROFILE``:
+    ``default`` in a development run, ``ci`` in CI, ten times ``ci`` when thorough."""
+    return {"default": default, "ci": ci, "thorough": 10 * ci}[HYPOTHESIS_PROFILE]
 
 
 def reference_files() -> list[str]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import examples
 from fault_helpers import CallSeam, copy_file, holdings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -224,7 +225,7 @@ def _pick(data: st.DataObject, first: int, last: int, label: str) -> int:
 
 CASES = [(mode, gpu) for mode in MODES for gpu in (False, True)]
 FAULT_SETTINGS = settings(
-    max_examples=6,
+    max_examples=examples(default=4, ci=6),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
     derandomize=True,
