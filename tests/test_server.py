@@ -154,14 +154,19 @@ LATENCY_ROUNDS = 3
 @pytest.mark.asyncio
 async def test_concurrent_loads_cancel_and_latency(tmp_path: Path) -> None:
     a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
-    write_synthetic_model(a, size_bytes="64MiB", seed=1)
-    write_synthetic_model(b, size_bytes="64MiB", seed=2)
-    write_synthetic_model(c, size_bytes="128MiB", seed=3)
+    write_synthetic_model(a, size_bytes="32MiB", seed=1)
+    write_synthetic_model(b, size_bytes="32MiB", seed=2)
+    write_synthetic_model(c, size_bytes="64MiB", seed=3)
     models = (a, b, c)
     baseline = all_fds()
 
+    # Small staging slots: the slow load lands its first bytes, and its cancellation
+    # waits for its copies in flight, a slot at a time at the slow GPU's bandwidth.
     app = create_app(
-        limiter=LoadLimiter(max_loads=4, max_readers=8), roots=[tmp_path], policy=SIM_POLICY
+        config=Config().with_overrides(staging_buffer_size="1MiB"),
+        limiter=LoadLimiter(max_loads=4, max_readers=8),
+        roots=[tmp_path],
+        policy=SIM_POLICY,
     )
     async with running(app) as url, aiohttp.ClientSession() as http:
         sampler = HealthSampler(http, url)
