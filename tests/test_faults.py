@@ -40,7 +40,7 @@ from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 MODES = ("none", "direct", "mmap", "mlock")
 WORKER = Path(__file__).with_name("fault_worker.py")
-TRIALS_PER_MODE = 20
+TRIALS_PER_MODE = examples(default=10, ci=20)
 # Worker processes, each running its share of the modes (all of each mode's trials): one
 # per core of a small machine, as starting one costs more than a mode's trials.
 WORKER_MODES = ("none,mmap", "direct,mlock")
