@@ -474,16 +474,20 @@ def test_lock_failing_ends_in_one_load_error(model: SynthModel, data: st.DataObj
     ``mlock`` fail with ENOMEM (the kernel's word for a fault while locking, as for the
     lock limit): the load then makes the range resident without the lock, meets the
     I/O error itself, and fails with it."""
-    locks = 0
 
-    def count(original: Callable[..., None], _n: int, addr: int, size: int) -> None:
-        nonlocal locks
-        locks += 1
-        original(addr, size)
+    def count_locks() -> int:
+        locks = 0
 
-    with _FnSeam(_libc, "mlock", count):
-        _load(model.path, "mlock", None)
-    at = _pick(data, 1, locks, "failing lock")
+        def count(original: Callable[..., None], _n: int, addr: int, size: int) -> None:
+            nonlocal locks
+            locks += 1
+            original(addr, size)
+
+        with _FnSeam(_libc, "mlock", count):
+            _load(model.path, "mlock", None)
+        return locks
+
+    at = _pick(data, 1, _counted(("locks",), count_locks), "failing lock")
     failed: list[tuple[int, int]] = []
 
     def lock(original: Callable[..., None], n: int, addr: int, size: int) -> None:
