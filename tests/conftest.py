@@ -4,6 +4,7 @@ repository. Missing on a developer's machine they skip, missing under CI they fa
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -19,6 +20,14 @@ from aiogguf.io.devices.pool import close_staging_pools
 from aiogguf.io.pagecache import drop_from_cache
 
 ROOT = Path(__file__).resolve().parent.parent
+# How many examples the expensive property tests (a forked reader or a whole load per
+# example) run: fewer in a development run, the full count in CI (.ci/run sets "ci"),
+# ten times that for a hunt ("thorough").
+HYPOTHESIS_PROFILE = os.environ.get("AIOGGUF_HYPOTHESIS_PROFILE", "default")
+if HYPOTHESIS_PROFILE not in ("default", "ci", "thorough"):
+    raise pytest.UsageError(
+        f"AIOGGUF_HYPOTHESIS_PROFILE={HYPOTHESIS_PROFILE!r}: expected default, ci or thorough"
+    )
 REFERENCE_DIR = Path(
     os.environ.get("AIOGGUF_TESTDATA") or ROOT.parent / "shared" / "testdata" / "reference"
 ).resolve()
@@ -33,6 +42,17 @@ def _fresh_process_state() -> Iterator[None]:
     yield
     close_staging_pools()
     forget_cupy_devices()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_what_came_before() -> None:
+    """Collect, then move what is left (modules, strategies, earlier modules' caches) out
+    of the garbage collector's reach. A failed load runs a full collection to free what
+    cancelled tasks hold; in this process each would otherwise walk everything the suite
+    has built so far. What a test makes is still collected, and a check that must see
+    every object calls ``gc.unfreeze()`` first."""
+    gc.collect()
+    gc.freeze()
 
 
 def _require_reference() -> Path:
@@ -53,6 +73,12 @@ def reference_dir() -> Path:
 def manifest(reference_dir: Path) -> list[dict[str, Any]]:
     data: list[dict[str, Any]] = json.loads((reference_dir / "MANIFEST.json").read_text())
     return data
+
+
+def examples(default: int, ci: int) -> int:
+    """``max_examples`` for an expensive property test, by ``AIOGGUF_HYPOTHESIS_PROFILE``:
+    ``default`` in a development run, ``ci`` in CI, ten times ``ci`` when thorough."""
+    return {"default": default, "ci": ci, "thorough": 10 * ci}[HYPOTHESIS_PROFILE]
 
 
 def reference_files() -> list[str]:

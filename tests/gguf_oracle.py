@@ -3,16 +3,19 @@ Python reader) reads from a file, in the shape of ``aiogguf inspect --json``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import resource
 import select
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 
 from aiogguf.cli import main
@@ -87,16 +90,71 @@ def reader_tensors(reader: gguf.GGUFReader) -> dict[str, dict[str, Any]]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class ReaderTensor:
+    """One tensor as ``gguf.GGUFReader`` gives it, its data copied out of the mapping."""
+
+    name: str
+    type_id: int
+    dims: tuple[int, ...]  # ggml order
+    data_offset: int  # absolute, in its file
+    n_bytes: int
+    data: np.ndarray  # the reader's array (its shape and dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderView:
+    """What ``gguf.GGUFReader`` reads from one file, as plain values."""
+
+    data_offset: int
+    alignment: int
+    big_endian: bool
+    metadata: KV  # ``reader_metadata``
+    tensors: tuple[ReaderTensor, ...]
+    tensors_json: dict[str, dict[str, Any]]  # ``reader_tensors``
+
+
+@functools.cache
+def reference_reader(path: Path) -> ReaderView:
+    """``gguf.GGUFReader(path)`` read once per run, for files that never change (the
+    reference files): it takes a second on a big vocabulary, and several test modules
+    compare with the same files. Plain values, not the reader: its fields are hundreds of
+    thousands of small arrays, which every garbage collection after it would walk."""
+    reader = gguf.GGUFReader(path)
+    return ReaderView(
+        data_offset=int(reader.data_offset),
+        alignment=int(reader.alignment),
+        big_endian=reader.endianess == gguf.GGUFEndian.BIG,
+        metadata=reader_metadata(reader),
+        tensors=tuple(
+            ReaderTensor(
+                name=t.name,
+                type_id=int(t.tensor_type),
+                dims=tuple(int(d) for d in t.shape),
+                data_offset=int(t.data_offset),
+                n_bytes=int(t.n_bytes),
+                data=np.array(t.data),
+            )
+            for t in reader.tensors
+        ),
+        tensors_json=reader_tensors(reader),
+    )
+
+
 # What a sandboxed gguf-py may take: on a hostile header it allocates without bound (an
 # array count of 2**40) or loops for a long time, which must fail the read, not the run.
+# The files are small (a few hundred bytes, read in a few milliseconds): a quarter of a
+# second of CPU time is a loop, whatever else the machine is doing; the wall-clock alarm
+# is a backstop.
 ORACLE_EXTRA_BYTES = 64 * 1024**2
+ORACLE_CPU_SECONDS = 0.25
 ORACLE_SECONDS = 5
 
 
 def sandboxed_reader_view(path: Path) -> dict[str, Any] | str:
     """What ``gguf.GGUFReader`` makes of ``path``: ``{"metadata", "tensors"}`` (JSON
     shapes), or the text of its failure. Runs in a forked child with an address-space
-    cap and an alarm, so a hostile file cannot exhaust this process."""
+    cap, a CPU-time cap and an alarm, so a hostile file cannot exhaust this process."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -107,6 +165,10 @@ def sandboxed_reader_view(path: Path) -> dict[str, Any] | str:
                 vm_kib = next(int(ln.split()[1]) for ln in f if ln.startswith("VmSize:"))
             cap = vm_kib * 1024 + ORACLE_EXTRA_BYTES
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+            # A forked child starts with no CPU time used and no timers; SIGPROF's default
+            # action ends it once it has used ORACLE_CPU_SECONDS (user and system time).
+            signal.signal(signal.SIGPROF, signal.SIG_DFL)
+            signal.setitimer(signal.ITIMER_PROF, ORACLE_CPU_SECONDS)
             # The default action (the end of the child), not pytest-timeout's handler,
             # which the fork inherited and which gguf-py's loops may never reach.
             signal.signal(signal.SIGALRM, signal.SIG_DFL)

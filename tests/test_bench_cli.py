@@ -36,6 +36,8 @@ POINT_KEYS = {
 }
 
 
+# About ten fresh interpreters (limits, points) and a plot: run apart (marker slow).
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_quick_sweep_writes_json_and_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -111,6 +113,8 @@ def test_grid_groups_points_by_mode() -> None:
     assert limit_for_mode("none", cold=True) == "preadv_fresh_cold"
 
 
+# About twenty fresh interpreters (two runs of limits and loads per mode): run apart.
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_load_script_prints_the_issue_json(tmp_path: Path) -> None:
     # bench/load.py is a script, not part of the package: run it as a user would.

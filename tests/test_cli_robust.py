@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +55,37 @@ def _cli(*args: str, timeout: float = ENDS_WITHIN_S) -> subprocess.CompletedProc
 # --- only regular files ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["inspect", "load", "plan", "validate"])
-def test_fifo_is_refused_not_waited_on(tmp_path: Path, command: str) -> None:
+FIFO_COMMANDS = ("inspect", "load", "plan", "validate")
+
+
+@pytest.fixture(scope="module")
+def fifo_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str] | str]]:
+    """Each command on a FIFO of its own, in processes side by side (each waits mostly
+    for its interpreter to start): command → (the FIFO, the finished process or why it
+    did not finish)."""
+
+    def run(command: str) -> tuple[Path, subprocess.CompletedProcess[str] | str]:
+        fifo = tmp_path_factory.mktemp(f"fifo-{command}") / "model.gguf"
+        os.mkfifo(fifo)
+        try:
+            return fifo, _cli(command, str(fifo))
+        except pytest.fail.Exception as exc:
+            return fifo, str(exc)
+
+    with ThreadPoolExecutor(max_workers=len(FIFO_COMMANDS)) as pool:
+        return dict(zip(FIFO_COMMANDS, pool.map(run, FIFO_COMMANDS), strict=True))
+
+
+@pytest.mark.parametrize("command", FIFO_COMMANDS)
+def test_fifo_is_refused_not_waited_on(
+    fifo_runs: dict[str, tuple[Path, subprocess.CompletedProcess[str] | str]], command: str
+) -> None:
     """A FIFO hung inspect/load/plan/validate for ever (the open blocks for a writer)."""
-    fifo = tmp_path / "model.gguf"
-    os.mkfifo(fifo)
-    proc = _cli(command, str(fifo))
+    fifo, proc = fifo_runs[command]
+    if isinstance(proc, str):
+        pytest.fail(proc)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1
     assert f"{fifo}: not a regular file: it is a FIFO" in proc.stderr
@@ -85,14 +110,23 @@ STUCK = textwrap.dedent(
     """
     import sys, threading
     import anyio
+    import aiogguf.cli
     import aiogguf.stages.parse as parse
     from aiogguf.cli import main
+
+    # The watchdog's wait before it ends the process: what ends it is the point here, not
+    # how long it waits.
+    aiogguf.cli.INTERRUPT_GRACE_S = 0.1
+
+    def stuck():
+        print("stuck", flush=True)
+        threading.Event().wait()
 
     async def parse_file(path, **kwargs):
         # A worker thread blocked for good, as in an open() on a hung filesystem. Said
         # from inside the command, so that its SIGINT handling is in place by then.
         print("ready", flush=True)
-        await anyio.to_thread.run_sync(threading.Event().wait)
+        await anyio.to_thread.run_sync(stuck)
 
     parse.parse_file = parse_file
     sys.argv = ["aiogguf", "inspect", sys.argv[1]]
@@ -113,7 +147,7 @@ def test_ctrl_c_ends_a_command_whose_thread_is_stuck(model: SynthModel) -> None:
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "ready\n"
-        time.sleep(0.1)  # let the worker thread block
+        assert proc.stdout.readline() == "stuck\n"  # the command's thread is blocked
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=ENDS_WITHIN_S)
     finally:

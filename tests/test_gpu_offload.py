@@ -106,7 +106,8 @@ def fresh_pool() -> Iterator[dict[str, Any]]:
 
 def live_staging_slots() -> list[Any]:
     """Staging slots of any device that are open now (pinned memory not yet freed):
-    objects of a ``*StagingSlot`` class whose memory is still held."""
+    objects of a ``*StagingSlot`` class whose memory is still held (frozen ones too)."""
+    gc.unfreeze()
     gc.collect()
     live = []
     for obj in gc.get_objects():

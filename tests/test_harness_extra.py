@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import REFERENCE_DIR
 
 from aiogguf.cli import build_parser
 from aiogguf.cli.bench import SETTLE_DEFAULT_S
@@ -36,34 +39,66 @@ def _cli_without_gguf(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]
     return _python(code, cwd, *argv)
 
 
-def test_importing_the_loader_and_the_cli_imports_no_harness(tmp_path: Path) -> None:
-    code = (
-        "import sys, aiogguf, aiogguf.cli\n"
-        "aiogguf.cli.build_parser()\n"
-        "loaded = sorted(m for m in sys.modules if m == 'gguf' or m.startswith(('gguf.',"
-        " 'aiogguf.testing')))\n"
-        "print(loaded)\n"
-    )
-    done = _python(code, tmp_path)
+IMPORTS_NO_HARNESS = (
+    "import sys, aiogguf, aiogguf.cli\n"
+    "aiogguf.cli.build_parser()\n"
+    "loaded = sorted(m for m in sys.modules if m == 'gguf' or m.startswith(('gguf.',"
+    " 'aiogguf.testing')))\n"
+    "print(loaded)\n"
+)
+COMMANDS_NEEDING_GGUF = ("demo", "bench")
+INSPECTED = REFERENCE_DIR / "tiny-llama-F16.gguf"
+
+Run = tuple[Path, subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """Each child of this module's tests, in processes side by side (each waits mostly
+    for its interpreter to start), in a folder of its own: name → (folder, process)."""
+
+    def imports(cwd: Path) -> subprocess.CompletedProcess[str]:
+        return _python(IMPORTS_NO_HARNESS, cwd)
+
+    def command(name: str) -> Callable[[Path], subprocess.CompletedProcess[str]]:
+        return lambda cwd: _cli_without_gguf(cwd, name, "--size", "1MiB", "--dir", str(cwd))
+
+    def inspect(cwd: Path) -> subprocess.CompletedProcess[str]:
+        return _cli_without_gguf(cwd, "inspect", "--json", str(INSPECTED))
+
+    children = {"imports": imports, **{name: command(name) for name in COMMANDS_NEEDING_GGUF}}
+    if INSPECTED.is_file():  # else its test skips (or fails under CI) on reference_dir
+        children["inspect"] = inspect
+
+    def run(name: str) -> Run:
+        cwd = tmp_path_factory.mktemp(name)
+        return cwd, children[name](cwd)
+
+    with ThreadPoolExecutor(max_workers=len(children)) as pool:
+        return dict(zip(children, pool.map(run, children), strict=True))
+
+
+def test_importing_the_loader_and_the_cli_imports_no_harness(runs: dict[str, Run]) -> None:
+    _, done = runs["imports"]
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("command", ["demo", "bench"])
-def test_without_gguf_the_command_names_the_extra(tmp_path: Path, command: str) -> None:
-    done = _cli_without_gguf(tmp_path, command, "--size", "1MiB", "--dir", str(tmp_path))
+@pytest.mark.parametrize("command", COMMANDS_NEEDING_GGUF)
+def test_without_gguf_the_command_names_the_extra(runs: dict[str, Run], command: str) -> None:
+    folder, done = runs[command]
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith(f"aiogguf {command}: ")
     assert "pip install 'aiogguf[demo]'" in lines[0]
-    assert not list(tmp_path.glob("**/*.gguf"))  # failed before writing anything
+    assert not list(folder.glob("**/*.gguf"))  # failed before writing anything
 
 
-def test_without_gguf_inspect_still_reads_a_file(reference_dir: Path, tmp_path: Path) -> None:
-    path = reference_dir / "tiny-llama-F16.gguf"
-    done = _cli_without_gguf(tmp_path, "inspect", "--json", str(path))
+def test_without_gguf_inspect_still_reads_a_file(reference_dir: Path, runs: dict[str, Run]) -> None:
+    assert reference_dir / "tiny-llama-F16.gguf" == INSPECTED
+    _, done = runs["inspect"]
     assert done.returncode == 0, done.stderr
     assert '"tensors"' in done.stdout
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import examples
 from gguf_oracle import json_metadata, sandboxed_reader_view
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -430,7 +431,7 @@ async def test_hostile_header_allocates_little(case: str, tmp_path: Path) -> Non
 # --- property tests --------------------------------------------------------------------
 
 FUZZ = settings(
-    max_examples=150,
+    max_examples=examples(default=60, ci=150),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )

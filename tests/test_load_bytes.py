@@ -17,7 +17,8 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from conftest import reference_files
+from conftest import REFERENCE_DIR, reference_files
+from gguf_oracle import ReaderTensor, reference_reader
 from helpers_gguf import write_gguf
 
 import aiogguf
@@ -53,18 +54,32 @@ class Expected:
 
 @functools.cache
 def oracle(paths: tuple[Path, ...]) -> dict[str, Expected]:
-    """name → ``Expected`` over every file of a (split) model (GGUFReader is slow: once)."""
+    """name → ``Expected`` over every file of a (split) model (GGUFReader is slow: once;
+    the reference files' reading is shared with other modules)."""
     out: dict[str, Expected] = {}
     for path in paths:
-        for t in gguf.GGUFReader(path).tensors:
+        if path.is_relative_to(REFERENCE_DIR):
+            tensors = reference_reader(path).tensors
+        else:
+            tensors = tuple(
+                ReaderTensor(
+                    t.name,
+                    int(t.tensor_type),
+                    tuple(int(d) for d in t.shape),
+                    int(t.data_offset),
+                    int(t.n_bytes),
+                    np.asarray(t.data),
+                )
+                for t in gguf.GGUFReader(path).tensors
+            )
+        for t in tensors:
             assert t.name not in out
-            data = np.asarray(t.data)
             out[t.name] = Expected(
-                data=data.view(np.uint8).tobytes(),
-                at_offset=file_bytes(path, int(t.data_offset), int(t.n_bytes)),
-                type_id=int(t.tensor_type),
-                dims=tuple(int(d) for d in t.shape),
-                reader_shape=data.shape,
+                data=t.data.view(np.uint8).tobytes(),
+                at_offset=file_bytes(path, t.data_offset, t.n_bytes),
+                type_id=t.type_id,
+                dims=t.dims,
+                reader_shape=t.data.shape,
             )
     return out
 

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -156,7 +157,7 @@ async def _settle() -> None:
 
 @pytest.mark.filterwarnings("ignore::aiogguf.errors.LoadWarning")  # low RLIMIT_MEMLOCK
 @settings(
-    max_examples=16,
+    max_examples=examples(default=8, ci=16),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

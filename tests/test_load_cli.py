@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -127,23 +128,23 @@ def test_errors_are_one_line_and_exit_2(
 def test_console_script_in_a_subprocess(model_file: SynthModel, tmp_path: Path) -> None:
     """The real entry point: exit codes and streams as a shell sees them."""
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    ok = subprocess.run(
-        [sys.executable, "-m", "aiogguf", "load", str(model_file.path), "--mode", "none"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-    )
+
+    def aiogguf_load(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "aiogguf", "load", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=60,
+        )
+
+    # Side by side: each waits mostly for its interpreter to start.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        loading = pool.submit(aiogguf_load, str(model_file.path), "--mode", "none")
+        failing = pool.submit(aiogguf_load, str(tmp_path / "nope.gguf"))
+        ok, bad = loading.result(), failing.result()
     assert ok.returncode == 0, ok.stderr
     _assert_report(ok.stdout, model_file.n_tensors, "none")
-    bad = subprocess.run(
-        [sys.executable, "-m", "aiogguf", "load", str(tmp_path / "nope.gguf")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-    )
     assert bad.returncode == 2
     assert "nope.gguf" in _one_error_line(bad.stderr)

@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
-from gguf_oracle import json_metadata, reader_metadata, run_inspect
+from gguf_oracle import json_metadata, reference_reader, run_inspect
 
 from aiogguf.cli import main
 from aiogguf.records import TensorClass
@@ -21,36 +20,22 @@ NAMES = sorted(p.name for p in REFERENCE_DIR.glob("*.gguf")) or ["<missing>"]
 LATER_SPLITS = {n for n in NAMES if "-split-" in n and "-00001-of-" not in n}
 
 
-def reader_tensors(reader: gguf.GGUFReader) -> dict[str, dict[str, Any]]:
-    return {
-        t.name: {
-            "type": t.tensor_type.name,
-            "shape": [int(d) for d in t.field.parts[3]],
-            "offset": int(t.data_offset),
-            "nbytes": int(t.n_bytes),
-        }
-        for t in reader.tensors
-    }
-
-
 def assert_agrees_with_reader(result: dict[str, Any], paths: list[Path]) -> None:
     """The JSON of ``inspect`` against gguf-py's reader of each file of the model."""
     assert [f["path"] for f in result["files"]] == [str(p) for p in paths]
-    readers = [gguf.GGUFReader(p) for p in paths]
+    readers = [reference_reader(p) for p in paths]
     nested = any(
         e["type"] == "array" and e.get("item_type") == "array" for e in result["metadata"].values()
     )
-    assert json_metadata(result["metadata"], flat=nested) == reader_metadata(readers[0])
+    assert json_metadata(result["metadata"], flat=nested) == readers[0].metadata
     ours = {t["name"]: t for t in result["tensors"]}
     assert len(ours) == sum(len(r.tensors) for r in readers)
     for file_index, (reader, info) in enumerate(zip(readers, result["files"], strict=True)):
         assert info["data_offset"] == reader.data_offset
         assert info["alignment"] == reader.alignment
-        assert info["byte_order"] == (
-            "big" if reader.endianess == gguf.GGUFEndian.BIG else "little"
-        )
+        assert info["byte_order"] == ("big" if reader.big_endian else "little")
         assert info["n_tensors"] == len(reader.tensors)
-        for name, want in reader_tensors(reader).items():
+        for name, want in reader.tensors_json.items():
             got = ours[name]
             assert got["file"] == file_index
             assert {k: got[k] for k in want} == want, name

@@ -23,6 +23,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from server_helpers import running
 
 import aiogguf.server
+from aiogguf.config import Config
 from aiogguf.server import LoadLimiter, ServerPolicy, create_app, registry_of
 from aiogguf.server_policy import REQUEST_KEYS
 from aiogguf.testing.synth import write_synthetic_model
@@ -153,14 +154,19 @@ LATENCY_ROUNDS = 3
 @pytest.mark.asyncio
 async def test_concurrent_loads_cancel_and_latency(tmp_path: Path) -> None:
     a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
-    write_synthetic_model(a, size_bytes="64MiB", seed=1)
-    write_synthetic_model(b, size_bytes="64MiB", seed=2)
-    write_synthetic_model(c, size_bytes="128MiB", seed=3)
+    write_synthetic_model(a, size_bytes="32MiB", seed=1)
+    write_synthetic_model(b, size_bytes="32MiB", seed=2)
+    write_synthetic_model(c, size_bytes="64MiB", seed=3)
     models = (a, b, c)
     baseline = all_fds()
 
+    # Small staging slots: the slow load lands its first bytes, and its cancellation
+    # waits for its copies in flight, a slot at a time at the slow GPU's bandwidth.
     app = create_app(
-        limiter=LoadLimiter(max_loads=4, max_readers=8), roots=[tmp_path], policy=SIM_POLICY
+        config=Config().with_overrides(staging_buffer_size="1MiB"),
+        limiter=LoadLimiter(max_loads=4, max_readers=8),
+        roots=[tmp_path],
+        policy=SIM_POLICY,
     )
     async with running(app) as url, aiohttp.ClientSession() as http:
         sampler = HealthSampler(http, url)
@@ -338,8 +344,12 @@ async def test_shutdown_cancels_loads_and_closes_models(
     small, big = tmp_path / "small.gguf", tmp_path / "big.gguf"
     write_synthetic_model(small, size_bytes="2MiB")
     write_synthetic_model(big, size_bytes="64MiB")
-    # One load at a time: the third waits in the limiter's queue.
-    app = create_app(limiter=LoadLimiter(max_loads=1), roots=[tmp_path], policy=SIM_POLICY)
+    # One load at a time: the third waits in the limiter's queue. Small staging slots: the
+    # shutdown waits for the copies in flight, each a slot at the slow GPU's bandwidth.
+    config = Config().with_overrides(staging_buffer_size="1MiB")
+    app = create_app(
+        config=config, limiter=LoadLimiter(max_loads=1), roots=[tmp_path], policy=SIM_POLICY
+    )
     async with running(app) as url, aiohttp.ClientSession() as http:
         ready_id = await start_load(http, url, small, mode="mmap")
         assert (await follow(http, url, ready_id))[-1]["state"] == "ready"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -424,19 +425,43 @@ def serve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         pytest.fail(f"aiogguf serve {' '.join(args)} started instead of refusing: {exc.stdout!r}")
 
 
-@pytest.mark.parametrize(
-    ("args", "words"),
-    [
-        ((), "--root"),  # finding 1: it served any file by default
-        (("--root", "/nonexistent"), "/nonexistent"),  # finding 7: started, refused all
-        (("--port", "99999", "--root", "."), "99999"),  # finding 7: a random port
-        (("--host", "0.0.0.0", "--root", "."), "--token-file"),  # finding 6: no warning
-    ],
-)
+UNSAFE_STARTS = [
+    ((), "--root"),  # finding 1: it served any file by default
+    (("--root", "/nonexistent"), "/nonexistent"),  # finding 7: started, refused all
+    (("--port", "99999", "--root", "."), "99999"),  # finding 7: a random port
+    (("--host", "0.0.0.0", "--root", "."), "--token-file"),  # finding 6: no warning
+]
+
+
+@pytest.fixture(scope="module")
+def unsafe_starts(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, ...], subprocess.CompletedProcess[str] | str]:
+    """Each unsafe ``aiogguf serve`` in a process of its own, side by side (each waits
+    mostly for its interpreter to start): args → the finished process, or why it is a
+    failure."""
+
+    def run(args: tuple[str, ...]) -> subprocess.CompletedProcess[str] | str:
+        cwd = tmp_path_factory.mktemp("serve")
+        try:
+            return serve("--port", "0", *args, cwd=cwd)
+        except pytest.fail.Exception as exc:
+            return str(exc)
+
+    all_args = [args for args, _ in UNSAFE_STARTS]
+    with ThreadPoolExecutor(max_workers=len(all_args)) as pool:
+        return dict(zip(all_args, pool.map(run, all_args), strict=True))
+
+
+@pytest.mark.parametrize(("args", "words"), UNSAFE_STARTS)
 def test_cli_serve_refuses_to_start_unsafely(
-    tmp_path: Path, args: tuple[str, ...], words: str
+    unsafe_starts: dict[tuple[str, ...], subprocess.CompletedProcess[str] | str],
+    args: tuple[str, ...],
+    words: str,
 ) -> None:
-    result = serve("--port", "0", *args, cwd=tmp_path)
+    result = unsafe_starts[args]
+    if isinstance(result, str):
+        pytest.fail(result)
     assert result.returncode == 2, result
     assert result.stderr.count("\n") == 1, result.stderr
     assert words in result.stderr

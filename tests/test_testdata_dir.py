@@ -7,40 +7,86 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from conftest import REFERENCE_DIR
+
 ROOT = Path(__file__).resolve().parent.parent
-ONE_REFERENCE_TEST = "tests/test_inspect_cli.py::test_json_through_a_subprocess"
+# A test that reads a reference file in this process: the child pytest runs only it, and
+# without the hypothesis plugin (which it does not use and which takes longest to import).
+ONE_REFERENCE_TEST = "tests/test_inspect_cli.py::test_readable_summary"
+
+Finished = tuple[int, str, str]  # exit status, stdout, stderr
 
 
-def _pytest(env_update: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _start_pytest(env_update: dict[str, str]) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("AIOGGUF_TESTDATA", "CI")}
     env.update(env_update)
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", ONE_REFERENCE_TEST],
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:hypothesispytest",
+            "-rs",
+            ONE_REFERENCE_TEST,
+        ],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120,
-        check=False,
     )
 
 
-def test_the_variable_moves_the_reference_folder(tmp_path: Path) -> None:
-    empty = tmp_path / "no-reference-here"
+def _finish(proc: subprocess.Popen[str]) -> Finished:
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Finished]]:
+    """The child pytests of this module's tests, side by side (each is independent and
+    spends most of its life starting up): name → (the folder named, how it ended)."""
+    empty = tmp_path_factory.mktemp("testdata") / "no-reference-here"
     empty.mkdir()
-    skipped = _pytest({"AIOGGUF_TESTDATA": str(empty)})
-    assert skipped.returncode == 0, skipped.stdout + skipped.stderr
-    assert "1 skipped" in skipped.stdout
-    assert str(empty) in skipped.stdout  # the skip names the folder it looked in
-    failed = _pytest({"AIOGGUF_TESTDATA": str(empty), "CI": "true"})
-    assert failed.returncode == 1
-    assert "CI=true" in failed.stdout
+    folders = {"skipping": empty, "failing": empty}
+    envs = {
+        "skipping": {"AIOGGUF_TESTDATA": str(empty)},
+        "failing": {"AIOGGUF_TESTDATA": str(empty), "CI": "true"},
+    }
+    if REFERENCE_DIR.is_dir():  # else test_the_variable_finds_files_elsewhere skips
+        # The same files under another name: found only through the variable.
+        elsewhere = tmp_path_factory.mktemp("testdata") / "copied-reference"
+        elsewhere.symlink_to(REFERENCE_DIR, target_is_directory=True)
+        folders["elsewhere"] = elsewhere
+        envs["elsewhere"] = {"AIOGGUF_TESTDATA": str(elsewhere)}
+    started = {name: _start_pytest(env) for name, env in envs.items()}
+    return {name: (folders[name], _finish(proc)) for name, proc in started.items()}
 
 
-def test_the_variable_finds_files_elsewhere(reference_dir: Path, tmp_path: Path) -> None:
-    # The same files under another name: found only through the variable.
-    elsewhere = tmp_path / "copied-reference"
-    elsewhere.symlink_to(reference_dir, target_is_directory=True)
-    passed = _pytest({"AIOGGUF_TESTDATA": str(elsewhere)})
-    assert passed.returncode == 0, passed.stdout + passed.stderr
-    assert "1 passed" in passed.stdout
+def test_the_variable_moves_the_reference_folder(
+    children: dict[str, tuple[Path, Finished]],
+) -> None:
+    empty, (status, out, err) = children["skipping"]
+    assert status == 0, out + err
+    assert "1 skipped" in out
+    assert str(empty) in out  # the skip names the folder it looked in
+    _, (status, out, err) = children["failing"]
+    assert status == 1, out + err
+    assert "CI=true" in out
+
+
+def test_the_variable_finds_files_elsewhere(
+    reference_dir: Path, children: dict[str, tuple[Path, Finished]]
+) -> None:
+    assert reference_dir == REFERENCE_DIR
+    _, (status, out, err) = children["elsewhere"]
+    assert status == 0, out + err
+    assert "1 passed" in out

@@ -120,9 +120,10 @@ def test_two_devices_get_exact_bytes(
 async def test_waits_sit_before_slot_reuse_and_never_block_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # 40 KiB per copy at 100 KB/s: every copy takes ~400 ms and, with one slot, every
-    # job after the first must wait for the previous copy: on a transfer thread.
-    sim = SimDevice("g0", bandwidth=100_000)
+    # 40 KiB per copy at 400 KB/s: every copy takes ~100 ms (filling a slot takes
+    # microseconds) and, with one slot, every job after the first must wait for the
+    # previous copy: on a transfer thread.
+    sim = SimDevice("g0", bandwidth=400_000)
     config = ring_config(1, 40 * KiB)
     payload = np.frombuffer(random.Random(3).randbytes(120 * KiB), np.uint8)
     jobs = [ReadJob(i, 0, 0, i * 40 * KiB, 40 * KiB, i * 40 * KiB, 0, 0) for i in range(3)]
@@ -232,8 +233,9 @@ async def test_broken_ring_is_caught_by_the_sim_device(
     if skip_begin_write:
         # Only the copy engine's checksum is left to notice the overwrite.
         monkeypatch.setattr(SimStagingSlot, "begin_write", lambda self: None)
-    # 8 KiB = 400 ms per copy: the second fill surely lands while the first copy runs.
-    sim = SimDevice("g1", bandwidth=20_000)
+    # 8 KiB = 100 ms per copy: the second fill (microseconds after the first copy
+    # starts) surely lands while that copy runs.
+    sim = SimDevice("g1", bandwidth=80_000)
     config = ring_config(1, 8 * KiB)
     jobs = [ReadJob(i, 0, 0, i * 8 * KiB, 8 * KiB, i * 8 * KiB, 0, 0) for i in range(2)]
     allocated: list[DeviceBuffer] = []
@@ -262,7 +264,7 @@ async def test_broken_ring_is_caught_by_the_sim_device(
 
 @pytest.mark.asyncio
 async def test_same_ring_with_waits_passes() -> None:
-    sim = SimDevice("g1", bandwidth=20_000)
+    sim = SimDevice("g1", bandwidth=80_000)
     config = ring_config(1, 8 * KiB)
     jobs = [ReadJob(i, 0, 0, 0, 8 * KiB, i * 8 * KiB, 0, 0) for i in range(2)]
     async with open_uploader({"g1": sim}, config, 1) as up:
