@@ -46,6 +46,8 @@ __all__ = [
     "HostBuffer",
     "ResourceState",
     "buffer_address",
+    "held_by_views",
+    "memory_held_by_views",
 ]
 
 PAGE_BYTES: int = mmap.PAGESIZE
@@ -91,6 +93,46 @@ class Closeable:
         if self._state is ResourceState.OPEN:
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
             self.close()
+
+
+class _HeldByViews:
+    """Memory closed while views of it were alive (kept until the last view goes).
+
+    A failed or cancelled load leaves frames in reference cycles that can hold such
+    views; only a garbage collection frees them. A full collection holds the GIL for as
+    long as the heap is big, so the load's caller runs one only when this says there is
+    something for it to free."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: weakref.WeakSet[object] = weakref.WeakSet()
+        self._unknown = False  # memory that cannot be watched was held
+
+    def add(self, memory: object) -> None:
+        with self._lock:
+            try:
+                self._held.add(memory)
+            except TypeError:  # no weak references to it: assume it is held
+                self._unknown = True
+
+    def any(self) -> bool:
+        with self._lock:
+            unknown, self._unknown = self._unknown, False
+            return unknown or len(self._held) > 0
+
+
+_HELD_BY_VIEWS = _HeldByViews()
+
+
+def held_by_views(memory: object) -> None:
+    """Record that ``memory``, whose owner was just closed, may live on in views (its
+    release then waits for them). Pass the object whose death frees the memory."""
+    _HELD_BY_VIEWS.add(memory)
+
+
+def memory_held_by_views() -> bool:
+    """Whether memory recorded by ``held_by_views`` is still alive."""
+    return _HELD_BY_VIEWS.any()
 
 
 def buffer_address(buffer: Buffer) -> int:
@@ -207,7 +249,7 @@ class HostBuffer(Closeable):
         except BufferError:
             # Views are alive (numpy arrays, slices held by a reader): we have dropped
             # our references; the mmap is unmapped when the last view goes away.
-            pass
+            held_by_views(mapping)
 
     def __repr__(self) -> str:
         return f"<HostBuffer nbytes={self._nbytes} state={self._state.value}>"

@@ -47,6 +47,7 @@ from aiogguf.io.buffers import (
     Closeable,
     ResourceState,
     buffer_address,
+    held_by_views,
 )
 from aiogguf.io.files import DataFile, align_down, align_up, open_readable
 from aiogguf.units import format_bytes
@@ -259,7 +260,8 @@ class FileMapping(Closeable):
             view.release()
             mapping.close()
         except BufferError:
-            pass  # views alive: the mapping is unmapped when the last one is released
+            # Views alive: the mapping is unmapped when the last one is released.
+            held_by_views(mapping)
 
     def __repr__(self) -> str:
         return (

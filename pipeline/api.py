@@ -19,6 +19,7 @@ from aiogguf.config import Config, load_config
 from aiogguf.devices import enumerate_devices
 from aiogguf.engine import load_thread_count, one_error, run_load
 from aiogguf.events import Progress, ProgressCallback, ProgressHub, Stage
+from aiogguf.io.buffers import memory_held_by_views
 from aiogguf.io.devices.base import Device, UploadTarget
 from aiogguf.io.devices.pool import close_staging_pools, staging_pool
 from aiogguf.io.ggml_types import GGML_TYPES
@@ -88,7 +89,8 @@ class LoadHandle:
             # Frames of cancelled tasks sit in reference cycles with their tracebacks and
             # can hold views of closed mappings and buffers, which are freed only when
             # the last view goes: collect them now, so a failed load leaves nothing behind.
-            gc.collect()
+            if memory_held_by_views():
+                gc.collect()
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 self.hub.end(Stage.CANCELLED, "cancelled")
             else:

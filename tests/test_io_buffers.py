@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from aiogguf.io.buffers import (
     HostBuffer,
     ResourceState,
     buffer_address,
+    memory_held_by_views,
 )
 
 
@@ -150,3 +152,37 @@ def test_buffer_address_rejects_non_contiguous() -> None:
     array = np.zeros((4, 4), dtype=np.uint8)[:, ::2]
     with pytest.raises(ValueError, match="contiguous"):
         buffer_address(array)
+
+
+def test_memory_kept_by_views_after_close_is_known() -> None:
+    """A failed load collects garbage only when some closed memory is still viewed:
+    ``memory_held_by_views`` says so until the last view goes."""
+    gc.collect()  # what earlier tests left behind
+    assert not memory_held_by_views()
+    buf = HostBuffer(PAGE_BYTES)
+    buf.close()
+    assert not memory_held_by_views()  # no view: unmapped at once
+    buf = HostBuffer(PAGE_BYTES)
+    array = buf.as_array()
+    buf.close()
+    assert memory_held_by_views()
+    del array
+    assert buf.memory_released
+    assert not memory_held_by_views()
+
+
+def test_a_failed_load_that_holds_no_memory_does_not_collect(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full collection holds the GIL for as long as the heap is big: a load refused
+    before any memory was allocated (here, a file that is not GGUF) skips it."""
+    import aiogguf
+    import aiogguf.api
+
+    collections: list[int] = []
+    monkeypatch.setattr(aiogguf.api.gc, "collect", lambda *a: collections.append(1) or 0)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 100)
+    with pytest.raises(aiogguf.GGUFFormatError), aiogguf.load_sync(bad):
+        pass
+    assert collections == []

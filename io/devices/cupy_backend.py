@@ -30,6 +30,7 @@ from typing import Any
 import numpy
 
 from aiogguf.errors import GGUFError, LoadError
+from aiogguf.io.buffers import held_by_views
 from aiogguf.io.devices.base import (
     BufferRole,
     BufferType,
@@ -278,7 +279,9 @@ class CupyDeviceBuffer:
 
     def close(self) -> None:
         # cudaFree happens when the last reference (ours, or an array view's) goes.
-        self._mem = None
+        mem, self._mem = self._mem, None
+        if mem is not None:
+            held_by_views(mem)
 
     def __repr__(self) -> str:
         state = "closed" if self._mem is None else "open"

@@ -54,7 +54,7 @@ import numpy
 
 from aiogguf.errors import ConfigError, GGUFError, LoadError
 from aiogguf.io import _libc
-from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
+from aiogguf.io.buffers import PAGE_BYTES, HostBuffer, held_by_views
 from aiogguf.io.devices.base import (
     BufferRole,
     BufferType,
@@ -353,9 +353,11 @@ class SimDeviceBuffer:
         # Views handed out by array() keep the memory alive and out of the cache; the
         # device's accounting is what "free" means here.
         with self._owner._lock:
-            if self._data is None:
+            data, self._data = self._data, None
+            if data is None:
                 return
-            self._data = None
+        held_by_views(data)  # forgotten at once unless a view keeps it
+        del data
         self._owner._count(buffers=-1, buffer_bytes=-self.nbytes)
 
     def __repr__(self) -> str:
