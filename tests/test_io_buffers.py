@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from aiogguf.io import buffers as buffers_module
 from aiogguf.io.buffers import (
     PAGE_BYTES,
     ByteRegion,
@@ -154,10 +155,16 @@ def test_buffer_address_rejects_non_contiguous() -> None:
         buffer_address(array)
 
 
+@pytest.fixture
+def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registry of its own: what earlier tests keep viewed is none of the test's."""
+    monkeypatch.setattr(buffers_module, "_HELD_BY_VIEWS", buffers_module._HeldByViews())
+
+
+@pytest.mark.usefixtures("fresh_registry")
 def test_memory_kept_by_views_after_close_is_known() -> None:
     """A failed load collects garbage only when some closed memory is still viewed:
     ``memory_held_by_views`` says so until the last view goes."""
-    gc.collect()  # what earlier tests left behind
     assert not memory_held_by_views()
     buf = HostBuffer(PAGE_BYTES)
     buf.close()
@@ -171,6 +178,7 @@ def test_memory_kept_by_views_after_close_is_known() -> None:
     assert not memory_held_by_views()
 
 
+@pytest.mark.usefixtures("fresh_registry")
 def test_a_failed_load_that_holds_no_memory_does_not_collect(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
