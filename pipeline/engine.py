@@ -47,7 +47,7 @@ from aiogguf.events import ProgressHub, Stage
 from aiogguf.images import DeviceImage
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
-from aiogguf.io.files import DataFile, align_up
+from aiogguf.io.files import DataFile
 from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads, reserve_threads
 from aiogguf.jobs import BufferLayout, ReadJob, StageTimes, TensorSlot
@@ -57,6 +57,7 @@ from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import (
     Allocation,
     TensorSpans,
+    job_bytes,
     layout_buffers,
     split_jobs,
     tensor_slots,
@@ -312,10 +313,11 @@ class _Load:
                 uploader.allocate if uploader is not None else None,
                 self.threads,
             )
+            readers = int(sum(lim.total_tokens for lim in set(limiters)))
             jobs, device_jobs = split_jobs(
                 self.index,
                 self.layouts,
-                align_up(self.config.pipeline.chunk_size, self.alignment),
+                job_bytes(self.config.pipeline.chunk_size, self.layouts, readers, self.alignment),
                 slot_bytes=uploader.slot_bytes if uploader is not None else None,
                 aligned=self.mode == "direct",
             )

@@ -512,17 +512,23 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
     overrides = body.get("config") or {}
     if not isinstance(overrides, dict):
         raise RequestRefused('\'config\' must be an object of config keys, like {"mode": "none"}')
+    # Compiling a client's override patterns, opening the file and finding the devices
+    # are blocking work: on a thread of the request's own, not on the loop.
+    async with LoadThreads(1, name="aiogguf-request") as threads:
+        return await _prepare_request(registry, path, overrides, threads)
+
+
+async def _prepare_request(
+    registry: LoaderRegistry, path: str, overrides: dict[str, Any], threads: LoadThreads
+) -> _Request:
     limiter = registry.limiter
-    # Compiling a client's override patterns is work: not on the loop.
-    config = await anyio.to_thread.run_sync(
-        request_config, registry.config, overrides, registry.policy
-    )
+    config = await threads.run_sync(request_config, registry.config, overrides, registry.policy)
     if config.pipeline.reader_count() > limiter.max_readers:
         config = config.with_settings({"readers": limiter.max_readers})
     # A relative path is the server's directory's; ``~`` is not expanded.
     # The file is opened here, once, under the roots: the load reads this descriptor.
     try:
-        opener = await anyio.to_thread.run_sync(PreOpened, registry.opener, path)
+        opener = await threads.run_sync(PreOpened, registry.opener, path)
     except PathNotAllowedError as exc:
         # Said the same way whether or not the file exists: nothing leaks from outside.
         raise RequestRefused(str(exc), status=403) from exc
@@ -530,7 +536,7 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
         raise RequestRefused(_one_line(exc)) from exc
     try:
         try:
-            devices = await anyio.to_thread.run_sync(enumerate_devices, config)
+            devices = await threads.run_sync(enumerate_devices, config)
         except ConfigError as exc:
             raise RequestRefused(_one_line(exc)) from exc
         splits = split_count_from_name(path)

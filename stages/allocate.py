@@ -31,6 +31,7 @@ __all__ = [
     "advise",
     "allocate_host",
     "allocate_mapped",
+    "job_bytes",
     "layout_buffers",
     "load_order",
     "read_jobs",
@@ -152,6 +153,21 @@ def read_jobs(
             )
             seq += 1
             offset += n
+
+
+# Jobs smaller than this are not worth a reader of their own.
+MIN_SPREAD_BYTES = 1 << 20
+
+
+def job_bytes(
+    chunk_bytes: int, layouts: Sequence[BufferLayout], readers: int, alignment: int
+) -> int:
+    """How big a host job is: ``chunk_bytes``, or less for a model too small to give
+    every reader a job of that size, so that its readers share it (down to
+    ``MIN_SPREAD_BYTES``); a multiple of ``alignment``."""
+    host = sum(lay.nbytes for lay in layouts if lay.plan.host and not lay.plan.lazy)
+    spread = max(-(-host // max(readers, 1)), MIN_SPREAD_BYTES)
+    return align_up(min(chunk_bytes, spread), alignment)
 
 
 def split_jobs(

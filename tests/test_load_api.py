@@ -295,3 +295,19 @@ def test_every_file_is_advised_sequential(
     with aiogguf.load_sync(model_file.path, mode=mode, n_gpu_layers=0):
         pass
     assert (str(model_file.path), FileAdvice.SEQUENTIAL) in advised
+
+
+@pytest.mark.parametrize("readers", [1, 2, 3])
+def test_a_small_model_is_shared_by_its_readers(model_file: SynthModel, readers: int) -> None:
+    """A model smaller than ``readers`` chunks is cut into one job per reader (of at
+    least 1 MiB), not read by one reader while the others wait."""
+    host_bytes = model_file.tensor_bytes
+    with aiogguf.load_sync(
+        model_file.path, mode="none", n_gpu_layers=0, readers=readers, chunk_size="64MiB"
+    ) as model:
+        reads = sum(f.reads for f in model.report.files)
+        assert reads >= min(readers, host_bytes // (1 << 20))
+        assert reads <= readers + len(model.plan.buffers[0].ranges)
+        for t in model_file.tensors:
+            want = _file_bytes(model_file.path, t.file_offset, t.nbytes)
+            assert bytes(model.raw(t.name)) == want, t.name
