@@ -26,9 +26,10 @@ mappings, host and device buffers) before the exception propagates.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
 
 import anyio
@@ -396,9 +397,10 @@ class _Load:
         self, ready: MemoryObjectReceiveStream[str], validation: Validation
     ) -> None:
         async with ready:
-            async for name in ready:
-                await validation.tensor_ready(name)
-                self.progress.tensor_done()
+            async for names in _batches(ready):
+                await validation.tensors_ready(names)
+                for _ in names:
+                    self.progress.tensor_done()
 
     def _warn(self, message: str) -> None:
         self.warnings.append(message)
@@ -445,6 +447,16 @@ def load_thread_count(config: Config, *, uploads: bool = True) -> int:
     readers = pipeline.reader_count(direct=config.load.mode == "direct")
     checks = pipeline.validate_workers if config.load.check_tensors else 0
     return 1 + readers + checks + (readers if uploads else 0)
+
+
+async def _batches(stream: MemoryObjectReceiveStream[str]) -> AsyncIterator[list[str]]:
+    """Each item with every item that arrived meanwhile: one batch per wake-up."""
+    async for first in stream:
+        batch = [first]
+        with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
+            while True:
+                batch.append(stream.receive_nowait())
+        yield batch
 
 
 def _check_unchanged(files: Sequence[DataFile]) -> None:

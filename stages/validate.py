@@ -994,9 +994,9 @@ class Validation:
     Tensors read by ``preadv``/``O_DIRECT`` into host memory (modes ``none``,
     ``direct``) and every device tensor (its pieces pass through a staging slot in every
     mode) are checked piece by piece as they land: the read and transfer threads call
-    ``check_piece``, and ``tensor_ready`` then checks the few units that straddled two
+    ``check_piece``, and ``tensors_ready`` then checks the few units that straddled two
     pieces. Every other tensor (mapped, or with bytes swapped after the read) is checked
-    whole by ``tensor_ready``, on the check threads, while the load goes on; a mapped
+    whole by ``tensors_ready``, on the check threads, while the load goes on; a mapped
     one through reads of its file (``FileBytes`` says why). ``failures`` lists every bad
     tensor in index order; ``times`` is the stage's work, both ways together.
 
@@ -1082,17 +1082,22 @@ class Validation:
                     data[lo - file_offset : hi - file_offset], lo - self._index[name].offset
                 )
 
-    async def tensor_ready(self, name: str) -> None:
-        """Every byte of tensor ``name`` has landed: finish its check, or start one.
-        Waits only while too many whole-tensor checks are in flight."""
-        piece_check = self._pieces.get(name)
-        if piece_check is not None:
-            # Its pieces were checked as they landed: only the units that straddled
+    async def tensors_ready(self, names: Sequence[str]) -> None:
+        """Every byte of each tensor of ``names`` has landed: finish its check, or start
+        one. The piece-checked ones are finished in one call on a check thread (a call
+        per tensor would make the loop's round trips the check's cost); whole-tensor
+        checks wait only while too many are in flight."""
+        finishing = [check for name in names if (check := self._pieces.get(name)) is not None]
+        if finishing:
+            # Their pieces were checked as they landed: only the units that straddled
             # two pieces are left.
-            failure = await self._threads.run_sync(self._finish, piece_check)
-            if failure is not None:
-                self._piece_failures.append(failure)
-        elif self.enabled:
+            failures = await self._threads.run_sync(self._finish_all, finishing)
+            self._piece_failures.extend(failures)
+        if not self.enabled:
+            return
+        for name in names:
+            if name in self._pieces:
+                continue
             entry = self._index[name]
             slot = self._slots[name]
             image = self._images[slot.buffer_index]
@@ -1102,6 +1107,10 @@ class Validation:
             else:
                 data, xp = _tensor_data(slot, image)
                 await self._collector.submit(name, entry.type, data, xp=xp)
+
+    def _finish_all(self, checks: Sequence[PieceCheck]) -> list[TensorFailure]:
+        """Blocking: ``_finish`` each check; the failures found."""
+        return [failure for check in checks if (failure := self._finish(check)) is not None]
 
     def _finish(self, check: PieceCheck) -> TensorFailure | None:
         """Blocking: the units of a tensor no piece covered, read from where it lives
