@@ -474,6 +474,22 @@ def _devices_and_plan(
     return found, make_plan(index, found, config)
 
 
+@contextmanager
+def _load_errors(path: str | os.PathLike[str]) -> Iterator[None]:
+    """The load's error boundary."""
+    try:
+        yield
+    except MemoryError as exc:
+        # Host memory refused (a buffer, a staging slot) is a failed load like a refused
+        # mapping, which already is a LoadError: one error, and one exit status, for
+        # running out of memory in every mode.
+        raise LoadError(path, None, f"out of host memory: {exc}") from exc
+    except OSError as exc:
+        # The stages word their OSErrors with path and offset (``errors.os_errors``);
+        # one that escapes them still reaches the caller as a LoadError, never raw.
+        raise from_os_error(exc, path, None, "I/O failed") from exc
+
+
 async def run_load(
     path: str | os.PathLike[str],
     config: Config,
@@ -486,65 +502,42 @@ async def run_load(
     """Parse, index, plan and load ``path``. Resources are pushed on ``stack`` until the
     returned model owns them; on failure the caller closes the stack. ``opener`` opens
     every file of the load, once (default: any path)."""
-    try:
-        return await _run_load(path, config, hub, stack, devices=devices, opener=opener)
-    except MemoryError as exc:
-        # Host memory refused (a buffer, a staging slot) is a failed load like a refused
-        # mapping, which already is a LoadError: one error, and one exit status, for
-        # running out of memory in every mode.
-        raise LoadError(path, None, f"out of host memory: {exc}") from exc
-    except OSError as exc:
-        # The boundary: the stages word their OSErrors with path and offset
-        # (``errors.os_errors``); one that escapes them still reaches the caller as a
-        # LoadError, never raw.
-        raise from_os_error(exc, path, None, "I/O failed") from exc
-
-
-async def _run_load(
-    path: str | os.PathLike[str],
-    config: Config,
-    hub: ProgressHub,
-    stack: AsyncExitStack,
-    *,
-    devices: Sequence[Device] | None = None,
-    opener: FileOpener | None = None,
-) -> Model:
-    """``run_load`` without its boundary."""
-    t0 = hub.elapsed()
-    hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
-    # Each file is opened once, by the parse stage; the engine reads through the same
-    # descriptors (its DataFiles hold duplicates), so the table closes with the stack.
-    opened = stack.enter_context(OpenFiles(opener))
-    # One thread of the load's own for its one-off blocking calls (parse, index, plan,
-    # open, allocate, close): a process that has loaded before has it ready.
-    threads = await stack.enter_async_context(LoadThreads(1, name="aiogguf-load"))
-    # The rest of the load's threads are started meanwhile (a process's first load).
-    # Transfer threads are started when the plan asks for them.
-    reserve_threads(load_thread_count(config, uploads=False) - 1)
-    index = await open_index(path, threads=threads, files=opened)
-    t1 = hub.elapsed()
-    found, plan = await threads.run_sync(_devices_and_plan, index, config, devices)
-    t2 = hub.elapsed()
-    load = _Load(
-        index,
-        plan,
-        found,
-        config,
-        hub,
-        threads=threads,
-        opened=opened,
-        metadata_stages=[
-            ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),
-            ("plan", StageTimes(t1, t2, t2 - t1, len(plan.tensors), 0)),
-        ],
-    )
-    hub.emit(
-        Stage.PLAN,
-        0,
-        load.progress.bytes_total,
-        0,
-        load.progress.tensors_total,
-        f"{len(plan.buffers)} buffers",
-        force=True,
-    )
-    return await load.run(stack)
+    with _load_errors(path):
+        t0 = hub.elapsed()
+        hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
+        # Each file is opened once, by the parse stage; the engine reads through the same
+        # descriptors (its DataFiles hold duplicates), so the table closes with the stack.
+        opened = stack.enter_context(OpenFiles(opener))
+        # One thread of the load's own for its one-off blocking calls (parse, index, plan,
+        # open, allocate, close): a process that has loaded before has it ready.
+        threads = await stack.enter_async_context(LoadThreads(1, name="aiogguf-load"))
+        # The rest of the load's threads are started meanwhile (a process's first load).
+        # Transfer threads are started when the plan asks for them.
+        reserve_threads(load_thread_count(config, uploads=False) - 1)
+        index = await open_index(path, threads=threads, files=opened)
+        t1 = hub.elapsed()
+        found, plan = await threads.run_sync(_devices_and_plan, index, config, devices)
+        t2 = hub.elapsed()
+        load = _Load(
+            index,
+            plan,
+            found,
+            config,
+            hub,
+            threads=threads,
+            opened=opened,
+            metadata_stages=[
+                ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),
+                ("plan", StageTimes(t1, t2, t2 - t1, len(plan.tensors), 0)),
+            ],
+        )
+        hub.emit(
+            Stage.PLAN,
+            0,
+            load.progress.bytes_total,
+            0,
+            load.progress.tensors_total,
+            f"{len(plan.buffers)} buffers",
+            force=True,
+        )
+        return await load.run(stack)
