@@ -110,9 +110,7 @@ class _Pool:
 
     async def take(self, count: int) -> list[_Worker]:
         """``count`` threads, idle ones first; the rest are started for the caller."""
-        with self._lock:
-            reused = self._idle[len(self._idle) - min(count, len(self._idle)) :]
-            del self._idle[len(self._idle) - len(reused) :]
+        reused = self._take_idle(count)
         if len(reused) == count:
             return reused
         try:
@@ -121,6 +119,12 @@ class _Pool:
             for worker in reused:
                 worker.inbox.put(_nothing)  # straight back to the pool
             raise
+
+    def _take_idle(self, count: int) -> list[_Worker]:
+        with self._lock:
+            taken = self._idle[len(self._idle) - min(count, len(self._idle)) :]
+            del self._idle[len(self._idle) - len(taken) :]
+        return taken
 
     async def _started(self, count: int) -> list[_Worker]:
         token = anyio.lowlevel.current_token()
@@ -152,7 +156,12 @@ class _Pool:
         while True:
             request = self._requests.get()
             reserving = request.reply is None
-            count = min(request.count, _max_idle()) - self.idle() if reserving else request.count
+            if reserving:
+                count = min(request.count, _max_idle()) - self.idle()
+            else:
+                # Threads a reservation started while this request waited are idle now.
+                request.started = self._take_idle(request.count)
+                count = request.count - len(request.started)
             try:
                 for _ in range(count):
                     worker = _Worker(self, next(self._numbers))
