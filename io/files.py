@@ -34,6 +34,7 @@ __all__ = [
     "FileAdvice",
     "align_down",
     "align_up",
+    "merge_range",
     "open_file",
     "open_readable",
     "readable_descriptor",
@@ -61,6 +62,22 @@ def align_down(value: int, alignment: int) -> int:
 def align_up(value: int, alignment: int) -> int:
     """Smallest multiple of ``alignment`` that is >= ``value`` (alignment > 0)."""
     return -(-value // alignment) * alignment
+
+
+def merge_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """``ranges`` (sorted, disjoint ``[start, end)`` pairs) with ``[lo, hi)`` added,
+    merging what it overlaps or touches; an empty ``[lo, hi)`` changes nothing."""
+    if lo >= hi:
+        return ranges
+    merged: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if end < lo or start > hi:
+            merged.append((start, end))
+        else:
+            lo, hi = min(lo, start), max(hi, end)
+    merged.append((lo, hi))
+    merged.sort()
+    return merged
 
 
 class FileAdvice(enum.Enum):

@@ -49,7 +49,7 @@ from aiogguf.io.buffers import (
     buffer_address,
     held_by_views,
 )
-from aiogguf.io.files import DataFile, align_down, align_up, open_readable
+from aiogguf.io.files import DataFile, align_down, align_up, merge_range, open_readable
 from aiogguf.units import format_bytes
 
 if TYPE_CHECKING:
@@ -395,24 +395,10 @@ class FileMapping(Closeable):
         finally:
             del pin
         with self._lock:
-            self._locked = _merge(self._locked, (start, end))
+            self._locked = merge_range(self._locked, start, end)
             total = sum(e - s for s, e in self._locked)
         return LockResult(True, requested, total, memlock_limit())
 
 
 # Flipped to False the first time the kernel says MADV_POPULATE_READ is unknown.
 _populate_read_works = True
-
-
-def _merge(intervals: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:
-    """Insert ``new`` into sorted, disjoint intervals, merging overlaps and neighbours."""
-    merged: list[tuple[int, int]] = []
-    start, end = new
-    for s, e in intervals:
-        if e < start or s > end:
-            merged.append((s, e))
-        else:
-            start, end = min(start, s), max(end, e)
-    merged.append((start, end))
-    merged.sort()
-    return merged

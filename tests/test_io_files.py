@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ from aiogguf.io.files import (
     FileAdvice,
     align_down,
     align_up,
+    merge_range,
     open_file,
 )
 from aiogguf.io.pagecache import drop_from_cache, resident_bytes
@@ -330,3 +332,15 @@ def test_direct_read_need_end(data_file: tuple[Path, bytes]) -> None:
             f.read_direct_into(buf.memoryview, tail, need_end=SIZE + 1)
         assert f.read_direct_into(buf.memoryview, tail, need_end=SIZE) == SIZE - tail
         assert bytes(buf.memoryview[: SIZE - tail]) == payload[tail:]
+
+
+def test_merge_range_keeps_ranges_sorted_disjoint_and_covering_the_same_bytes() -> None:
+    ranges: list[tuple[int, int]] = []
+    covered: set[int] = set()
+    for lo, hi in [(10, 20), (30, 40), (20, 25), (0, 5), (4, 31), (50, 50), (60, 70)]:
+        ranges = merge_range(ranges, lo, hi)
+        covered |= set(range(lo, hi))
+        assert ranges == sorted(ranges)
+        assert all(a[1] < b[0] for a, b in itertools.pairwise(ranges))
+        assert {i for a, b in ranges for i in range(a, b)} == covered
+    assert ranges == [(0, 40), (60, 70)]

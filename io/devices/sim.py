@@ -64,6 +64,7 @@ from aiogguf.io.devices.base import (
     DeviceKind,
     StagingSlot,
 )
+from aiogguf.io.files import merge_range
 from aiogguf.io.ggml_types import GGMLType, ggml_type_by_name
 
 __all__ = [
@@ -308,7 +309,7 @@ class SimDeviceBuffer:
     def mark_written(self, offset: int, nbytes: int) -> None:
         """Record that a copy wrote ``[offset, offset + nbytes)`` (the copy engine)."""
         with self._lock:
-            self._filled = _merged(self._filled, offset, offset + nbytes)
+            self._filled = merge_range(self._filled, offset, offset + nbytes)
 
     def _poison_gaps(self, offset: int, nbytes: int) -> None:
         """Lay the poison in the parts of ``[offset, offset + nbytes)`` nothing wrote."""
@@ -326,7 +327,7 @@ class SimDeviceBuffer:
                 pos = max(pos, hi)
             if pos < end:
                 data[pos:end] = POISON_BYTE
-            self._filled = _merged(self._filled, offset, end)
+            self._filled = merge_range(self._filled, offset, end)
 
     @property
     def closed(self) -> bool:
@@ -494,21 +495,6 @@ def _fingerprint(data: memoryview) -> int:
     stride = max(len(data) // _FINGERPRINT_BYTES, 1)
     sample = numpy.frombuffer(data, dtype=numpy.uint8)[::stride]
     return zlib.crc32(sample.tobytes(), len(data))
-
-
-def _merged(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """``spans`` (sorted, disjoint) with ``[lo, hi)`` added."""
-    if lo >= hi:
-        return spans
-    out: list[tuple[int, int]] = []
-    for a, b in spans:
-        if b < lo or a > hi:
-            out.append((a, b))
-        else:
-            lo, hi = min(lo, a), max(hi, b)
-    out.append((lo, hi))
-    out.sort()
-    return out
 
 
 class SimStagingSlot:
