@@ -29,8 +29,9 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
+from functools import partial
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -53,7 +54,7 @@ from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads, reserve_threads
 from aiogguf.jobs import BufferLayout, ReadJob, StageTimes, TensorSlot
 from aiogguf.model import Model
-from aiogguf.records import Plan, WeightIndex
+from aiogguf.records import ParsedFile, Plan, WeightIndex
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import (
     Allocation,
@@ -63,9 +64,9 @@ from aiogguf.stages.allocate import (
     split_jobs,
     tensor_slots,
 )
-from aiogguf.stages.index import open_index
+from aiogguf.stages.index import open_index, read_whole_model
 from aiogguf.stages.plan import make_plan
-from aiogguf.stages.read import ByteSwap, Reader, disk_limiters, hand_out, open_data_files
+from aiogguf.stages.read import ByteSwap, Reader, disk_limiters, open_data_files
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 from aiogguf.stages.validate import Validation
 
@@ -142,8 +143,8 @@ class _Progress:
         self.emit(Stage.READ)
         return done
 
-    def tensor_done(self) -> None:
-        self.tensors_done += 1
+    def tensors_checked(self, count: int) -> None:
+        self.tensors_done += count
         self.emit(Stage.READ)
 
     def emit(self, stage: Stage) -> None:
@@ -273,7 +274,7 @@ class _Load:
         # A stage that fails cancels the others; the caller sees its error, unwrapped.
         with one_error():
             async with validation:
-                await self._stream(files, reader, uploader, validation, limiters)
+                await self._stream(files, reader, uploader, validation)
         if reader.lock_refusal is not None:
             self._warn(
                 f"{reader.lock_refusal}; the whole load needs {self.progress.bytes_total} "
@@ -301,26 +302,30 @@ class _Load:
         reader: Reader,
         uploader: Uploader | None,
         validation: Validation,
-        limiters: Sequence[anyio.CapacityLimiter],
     ) -> None:
         """The streaming half: allocate, read, upload and validate, all at once."""
-        queue = self.config.pipeline.queue_depth
-        landed_send, landed_recv = anyio.create_memory_object_stream[ReadJob](queue)
-        ready_send, ready_recv = anyio.create_memory_object_stream[str](queue)
+        pipeline = self.config.pipeline
+        size = job_bytes(pipeline.chunk_size, self.layouts, reader.threads, self.alignment)
+        jobs, device_jobs = split_jobs(
+            self.index,
+            self.layouts,
+            size,
+            slot_bytes=uploader.slot_bytes if uploader is not None else None,
+            aligned=self.mode == "direct",
+        )
+        # Room for every host job: reader threads hand over landed jobs without waiting.
+        landed_send, landed_recv = anyio.create_memory_object_stream[ReadJob](
+            max(1, sum(len(file_jobs) for file_jobs in jobs))
+        )
+        # Tensor names travel in lists, one per landed job: a send per tensor would be a
+        # loop iteration per tensor.
+        ready_send, ready_recv = anyio.create_memory_object_stream[list[str]](pipeline.queue_depth)
         async with anyio.create_task_group() as tg:
             tg.start_soon(
                 self.allocation.run,
                 files,
                 uploader.allocate if uploader is not None else None,
                 self.threads,
-            )
-            readers = int(sum(lim.total_tokens for lim in set(limiters)))
-            jobs, device_jobs = split_jobs(
-                self.index,
-                self.layouts,
-                job_bytes(self.config.pipeline.chunk_size, self.layouts, readers, self.alignment),
-                slot_bytes=uploader.slot_bytes if uploader is not None else None,
-                aligned=self.mode == "direct",
             )
             if device_jobs:
                 assert uploader is not None
@@ -333,18 +338,16 @@ class _Load:
                     validation.by_pieces,
                 )
             for file_index, file_jobs in enumerate(jobs):
-                send, recv = anyio.create_memory_object_stream[ReadJob](queue)
                 tg.start_soon(
-                    hand_out, file_jobs, send, self.allocation.ready, self._prefault_threads
+                    partial(
+                        reader.read_file,
+                        file_index,
+                        file_jobs,
+                        self.allocation.ready,
+                        landed_send.clone(),
+                        prefault=self._prefault_threads,
+                    )
                 )
-                n_tasks = int(limiters[file_index].total_tokens)
-                if reader.checks_apart(file_index):
-                    # Tasks waiting on a check hold no read slot: the slots need tasks
-                    # of their own to stay busy.
-                    n_tasks += self.config.pipeline.validate_workers
-                async with recv:
-                    for _ in range(n_tasks):
-                        tg.start_soon(reader.serve, recv.clone(), landed_send.clone())
             landed_send.close()
             tg.start_soon(self._track, landed_recv, ready_send)
             tg.start_soon(self._validate_loop, ready_recv, validation)
@@ -356,7 +359,7 @@ class _Load:
         uploader: Uploader,
         reader: Reader,
         jobs: Sequence[ReadJob],
-        ready: MemoryObjectSendStream[str],
+        ready: MemoryObjectSendStream[list[str]],
         check: bool,
     ) -> None:
         """Every device job through the upload stage's transfer threads; then the device
@@ -379,28 +382,29 @@ class _Load:
                 check=reader.check_landed if check else None,
                 landed=landed,
             )
-            for name in self.progress.device_landed:
-                await ready.send(name)
+            if self.progress.device_landed:
+                await ready.send(list(self.progress.device_landed))
 
     # --- completion and validation ----------------------------------------------------
 
     async def _track(
-        self, landed: MemoryObjectReceiveStream[ReadJob], ready: MemoryObjectSendStream[str]
+        self,
+        landed: MemoryObjectReceiveStream[ReadJob],
+        ready: MemoryObjectSendStream[list[str]],
     ) -> None:
         """Turn landed host jobs into ready tensors."""
         async with landed, ready:
             async for job in landed:
-                for name in self.progress.landed(job):
-                    await ready.send(name)
+                if names := self.progress.landed(job):
+                    await ready.send(names)
 
     async def _validate_loop(
-        self, ready: MemoryObjectReceiveStream[str], validation: Validation
+        self, ready: MemoryObjectReceiveStream[list[str]], validation: Validation
     ) -> None:
         async with ready:
             async for names in _batches(ready):
                 await validation.tensors_ready(names)
-                for _ in names:
-                    self.progress.tensor_done()
+                self.progress.tensors_checked(len(names))
 
     def _warn(self, message: str) -> None:
         self.warnings.append(message)
@@ -449,13 +453,13 @@ def load_thread_count(config: Config, *, uploads: bool = True) -> int:
     return 1 + readers + checks + (readers if uploads else 0)
 
 
-async def _batches(stream: MemoryObjectReceiveStream[str]) -> AsyncIterator[list[str]]:
-    """Each item with every item that arrived meanwhile: one batch per wake-up."""
+async def _batches(stream: MemoryObjectReceiveStream[list[str]]) -> AsyncIterator[list[str]]:
+    """Each list with every list that arrived meanwhile: one batch per wake-up."""
     async for first in stream:
-        batch = [first]
+        batch = list(first)
         with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
             while True:
-                batch.append(stream.receive_nowait())
+                batch.extend(stream.receive_nowait())
         yield batch
 
 
@@ -472,6 +476,24 @@ def _devices_and_plan(
     and its plan (placement rules are matched against every tensor name)."""
     found = tuple(devices) if devices is not None else enumerate_devices(config)
     return found, make_plan(index, found, config)
+
+
+def _parse_and_plan(
+    path: str,
+    files: OpenFiles,
+    config: Config,
+    devices: Sequence[Device] | None,
+    clock: Callable[[], float],
+) -> tuple[ParsedFile, tuple[WeightIndex, float, tuple[Device, ...], Plan] | None]:
+    """Blocking: a single-file model parsed, indexed and planned in one call (each call
+    is a round trip through the loop, and in a fresh process the round trips cost as
+    much as the work). Returns the header and (index, when it was indexed, devices,
+    plan); for a split set only the first file's header."""
+    first, index = read_whole_model(path, files)
+    if index is None:
+        return first, None
+    indexed = clock()
+    return first, (index, indexed, *_devices_and_plan(index, config, devices))
 
 
 @contextmanager
@@ -514,9 +536,15 @@ async def run_load(
         # The rest of the load's threads are started meanwhile (a process's first load).
         # Transfer threads are started when the plan asks for them.
         reserve_threads(load_thread_count(config, uploads=False) - 1)
-        index = await open_index(path, threads=threads, files=opened)
-        t1 = hub.elapsed()
-        found, plan = await threads.run_sync(_devices_and_plan, index, config, devices)
+        first, whole = await threads.run_sync(
+            _parse_and_plan, os.fspath(path), opened, config, devices, hub.elapsed
+        )
+        if whole is not None:
+            index, t1, found, plan = whole
+        else:
+            index = await open_index(path, threads=threads, files=opened, first=first)
+            t1 = hub.elapsed()
+            found, plan = await threads.run_sync(_devices_and_plan, index, config, devices)
         t2 = hub.elapsed()
         load = _Load(
             index,

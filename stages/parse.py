@@ -39,9 +39,11 @@ from aiogguf.records import (
 
 __all__ = [
     "NeedMoreBytes",
+    "is_split",
     "parse_file",
     "parse_header",
     "parse_model",
+    "read_header",
     "split_paths",
 ]
 
@@ -66,7 +68,9 @@ SPLIT_MAX_COUNT: Final = 65535  # split.count is a u16
 # Magics of ggml's older formats and of a byte-reversed GGUF, named in the magic error.
 _OTHER_MAGICS: Final = frozenset({b"GGML", b"GGMF", b"GGJT", b"FUGG", b"lmgg", b"fmgg", b"tjgg"})
 
-FIRST_READ_BYTES: Final = 1 << 20
+# Enough for a header without a large vocabulary. Each load pays its first read in fresh
+# memory (page faults); bigger headers grow it ``GROWTH_FACTOR`` times per read.
+FIRST_READ_BYTES: Final = 64 << 10
 GROWTH_FACTOR: Final = 4
 
 # value type → (struct code, numpy code, bytes). STRING and ARRAY are not fixed-size.
@@ -614,11 +618,19 @@ def _split_int(parsed: ParsedFile, key: str) -> int | None:
     return value
 
 
+def is_split(first: ParsedFile) -> bool:
+    """Whether a parsed file says it is one split of several (``split.count`` > 1).
+    Raises ``SplitError``: ``split.count`` is not an integer."""
+    count = _split_int(first, "split.count")
+    return count is not None and count > 1
+
+
 async def parse_model(
     path: str | os.PathLike[str],
     *,
     threads: LoadThreads | None = None,
     files: OpenFiles | None = None,
+    first: ParsedFile | None = None,
 ) -> tuple[ParsedFile, ...]:
     """Parse a model: one file, or every split of a split set (concurrently).
 
@@ -627,6 +639,7 @@ async def parse_model(
         parsed on threads of their own, up to 8 at once.
     ``files``: the load's open files (see ``parse_file``); every split is opened
         through it. Default: a table of its own, closed on return.
+    ``first``: ``path`` already parsed (through ``files``), when the caller has it.
     Returns one ``ParsedFile`` per file, in split order.
     Raises ``GGUFFormatError``: a file is malformed.
     Raises ``SplitError``: ``path`` is not the first split (the message names the first), a
@@ -636,8 +649,9 @@ async def parse_model(
     """
     if files is None:
         with OpenFiles() as own:
-            return await parse_model(path, threads=threads, files=own)
-    first = await parse_file(path, threads=threads, files=files)
+            return await parse_model(path, threads=threads, files=own, first=first)
+    if first is None:
+        first = await parse_file(path, threads=threads, files=files)
     count = _split_int(first, "split.count")
     if count is None or count <= 1:
         return (first,)

@@ -20,7 +20,9 @@ disk (``disk_limiters``) and the byte order of what lands (``ByteSwap``). Every 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,7 +46,6 @@ __all__ = [
     "FileStats",
     "Reader",
     "disk_limiters",
-    "hand_out",
     "open_data_files",
 ]
 
@@ -116,39 +117,6 @@ def disk_limiters(
         limiters.append(by_disk[disk])
         disks.append(disk)
     return limiters, disks
-
-
-async def hand_out(
-    jobs: Sequence[ReadJob],
-    send: MemoryObjectSendStream[ReadJob],
-    image_of: Callable[[int], Awaitable[Image]],
-    prefault: LoadThreads | None = None,
-) -> None:
-    """Hand out one file's jobs in load order, each once its buffer exists
-    (``image_of(buffer_index)`` waits for it). With ``prefault`` (mode ``direct``, where
-    the CPU waits for the disk anyway) a helper backs the destination pages of the jobs
-    not handed out yet, so that their reads take no page faults. It never holds a job
-    back: a reader that catches up faults its own pages (two readers then back memory
-    side by side, faster than the one helper)."""
-    handed = 0  # jobs handed out so far
-
-    async def prefault_ahead(threads: LoadThreads) -> None:
-        i = 0
-        while (i := max(i, handed)) < len(jobs):
-            job = jobs[i]
-            image = await image_of(job.buffer_index)
-            if isinstance(image, HostImage):
-                await threads.run_sync(image.prefault, job)
-            i += 1
-
-    async with send, anyio.create_task_group() as tg:
-        if prefault is not None:
-            tg.start_soon(prefault_ahead, prefault)
-        for job in jobs:
-            await image_of(job.buffer_index)
-            await send.send(job)
-            handed += 1
-        tg.cancel_scope.cancel()  # nothing is left to back ahead of the readers
 
 
 class ByteSwap:
@@ -242,29 +210,87 @@ class Reader:
         self.stats = [FileStats() for _ in files]
 
     @property
+    def threads(self) -> int:
+        """How many threads read, over all disks."""
+        return self._threads.count
+
+    @property
     def direct(self) -> Sequence[bool]:
         """Per file: whether reads really bypass the page cache."""
         return self._direct
 
-    async def serve(
+    async def read_file(
+        self,
+        file_index: int,
+        jobs: Sequence[ReadJob],
+        image_of: Callable[[int], Awaitable[Image]],
+        landed: MemoryObjectSendStream[ReadJob],
+        *,
+        prefault: LoadThreads | None = None,
+    ) -> None:
+        """Read one file's ``jobs`` and send each to ``landed`` once its bytes are there
+        (and checked, for checks apart).
+
+        The file's disk allows ``readers`` at once: that many of the load's threads each
+        take the next job, read it and take the next, with no loop round trip between
+        jobs. The loop hands out jobs (each once its buffer exists: ``image_of``) and
+        hears of each landed one, but no thread waits for it. With ``prefault`` (mode
+        ``direct``, where the CPU waits for the disk anyway) a helper backs the
+        destination pages of the jobs not handed out yet, so that their reads take no
+        page faults. It never holds a job back: a reader that catches up faults its own
+        pages (two readers then back memory side by side, faster than the one helper).
+        """
+        feed = _Feed()
+        readers = int(self._limiters[file_index].total_tokens)
+        async with landed, anyio.create_task_group() as tg:
+            if self.checks_apart(file_index):
+                # Checked on the check threads while the readers go on: the landed jobs
+                # wait for them in a stream with room for all, so no reader waits.
+                out, to_check = anyio.create_memory_object_stream[ReadJob](max(len(jobs), 1))
+                async with to_check:
+                    for _ in range(self._check_threads.count):
+                        tg.start_soon(self._check_apart, to_check.clone(), landed.clone())
+            else:
+                out = landed.clone()
+
+            def on_landed(job: ReadJob, start: float, end: float) -> None:
+                # On the loop's thread, scheduled by a reader. ``out`` has room for every
+                # job; it is broken only once the load is failing anyway.
+                self.count(job, start, end)
+                with contextlib.suppress(anyio.BrokenResourceError):
+                    out.send_nowait(job)
+
+            async def serve() -> None:
+                async with self._limiters[file_index]:
+                    await self._threads.run_sync(
+                        self._serve_feed, feed, on_landed, on_cancel=feed.stop
+                    )
+
+            async with out, anyio.create_task_group() as readers_tg:
+                for _ in range(readers):
+                    readers_tg.start_soon(serve)
+                await _hand_out(jobs, feed, image_of, prefault)
+                feed.close(readers)
+
+    def _serve_feed(self, feed: _Feed, on_landed: Callable[[ReadJob, float, float], None]) -> None:
+        """Blocking, one reader thread: read jobs from ``feed`` until it ends."""
+        while (job := feed.get()) is not None:
+            image = self._images[job.buffer_index]
+            assert isinstance(image, HostImage | MappedImage)
+            start = self._clock()
+            self._host_read(job, image)
+            self._threads.call_soon(on_landed, job, start, self._clock())
+
+    async def _check_apart(
         self, jobs: MemoryObjectReceiveStream[ReadJob], landed: MemoryObjectSendStream[ReadJob]
     ) -> None:
-        """One reader task: read each job from ``jobs``, then pass it on to ``landed``."""
+        """One check task of a file whose reads are checked apart (``O_DIRECT`` reads)."""
         async with jobs, landed:
             async for job in jobs:
-                await self.read(job)
+                image = self._images[job.buffer_index]
+                assert isinstance(image, HostImage)
+                await self._check_threads.run_sync(self.check_landed, job, image.dest(job))
                 await landed.send(job)
-
-    async def read(self, job: ReadJob) -> None:
-        """Land ``job`` in its host buffer; returns when its bytes are there."""
-        image = self._images[job.buffer_index]
-        assert isinstance(image, HostImage | MappedImage)
-        start = self._clock()
-        async with self._limiters[job.file_index]:
-            await self._threads.run_sync(self._host_read, job, image)
-        if self.checks_apart(job.file_index) and isinstance(image, HostImage):
-            await self._check_threads.run_sync(self.check_landed, job, image.dest(job))
-        self.count(job, start, self._clock())
 
     def times(self, fill_s: float = 0.0) -> StageTimes:
         """The stage's times over every file; ``fill_s``: time the transfer threads
@@ -349,3 +375,57 @@ class Reader:
         self._read_into(job, slot)
         if self._swap is not None:
             self._swap(job, slot)
+
+
+class _Feed:
+    """One file's jobs, from the loop to its reader threads. ``None`` ends a reader;
+    ``stop`` ends them all after the job each is reading (cancellation)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[ReadJob | None] = queue.SimpleQueue()
+        self._stopped = False
+
+    def put(self, job: ReadJob) -> None:
+        self._queue.put(job)
+
+    def get(self) -> ReadJob | None:
+        job = self._queue.get()
+        return None if self._stopped else job
+
+    def close(self, readers: int) -> None:
+        """No more jobs: each of ``readers`` ends once the queue is empty."""
+        for _ in range(readers):
+            self._queue.put(None)
+
+    def stop(self) -> None:
+        """From the loop (one reader's cancellation): every reader ends after its job."""
+        self._stopped = True
+        self._queue.put(None)
+
+
+async def _hand_out(
+    jobs: Sequence[ReadJob],
+    feed: _Feed,
+    image_of: Callable[[int], Awaitable[Image]],
+    prefault: LoadThreads | None,
+) -> None:
+    """Put one file's jobs on ``feed`` in load order, each once its buffer exists."""
+    handed = 0  # jobs handed out so far
+
+    async def prefault_ahead(threads: LoadThreads) -> None:
+        i = 0
+        while (i := max(i, handed)) < len(jobs):
+            job = jobs[i]
+            image = await image_of(job.buffer_index)
+            if isinstance(image, HostImage):
+                await threads.run_sync(image.prefault, job)
+            i += 1
+
+    async with anyio.create_task_group() as tg:
+        if prefault is not None:
+            tg.start_soon(prefault_ahead, prefault)
+        for job in jobs:
+            await image_of(job.buffer_index)
+            feed.put(job)
+            handed += 1
+        tg.cancel_scope.cancel()  # nothing is left to back ahead of the readers
