@@ -66,7 +66,13 @@ from aiogguf.stages.allocate import (
 )
 from aiogguf.stages.index import open_index, read_whole_model
 from aiogguf.stages.plan import make_plan
-from aiogguf.stages.read import ByteSwap, Reader, disk_limiters, open_data_files
+from aiogguf.stages.read import (
+    ByteSwap,
+    Reader,
+    direct_refusals,
+    disk_limiters,
+    open_data_files,
+)
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 from aiogguf.stages.validate import Validation
 
@@ -172,11 +178,11 @@ class _Load:
         hub: ProgressHub,
         *,
         threads: LoadThreads,
-        opened: OpenFiles | None = None,
+        files: Sequence[DataFile],
         metadata_stages: Sequence[tuple[str, StageTimes]] = (),
     ) -> None:
         self.threads = threads  # the load's thread for its one-off blocking calls
-        self.opened = opened  # the descriptors the parse stage read; None: open by path
+        self.files = files  # open, one per file of the model
         self.index = index
         self.plan = plan
         self.devices = {d.name: d for d in devices}
@@ -208,17 +214,10 @@ class _Load:
         """Load every tensor; resources go on ``stack`` (closed by the caller on failure)."""
         if self.swap:
             ByteSwap.check(self.index, self.plan)
-        files = await open_data_files(
-            self.index,
-            self.opened,
-            mode=self.mode,
-            alignment=self.alignment,
-            warn=self._warn,
-            threads=self.threads,
-        )
-        for f in files:
-            stack.callback(f.close)
-        stack.push_async_callback(self.threads.run_sync, self.allocation.close)
+        files = self.files
+        for warning in direct_refusals(files, self.mode):
+            self._warn(warning)
+        stack.push_async_callback(_free_images, self.allocation, self.threads)
         limiters, disks = disk_limiters(files, self.config)
         threads = await stack.enter_async_context(
             LoadThreads(int(sum(lim.total_tokens for lim in set(limiters))))
@@ -463,6 +462,13 @@ async def _batches(stream: MemoryObjectReceiveStream[list[str]]) -> AsyncIterato
         yield batch
 
 
+async def _free_images(allocation: Allocation, threads: LoadThreads) -> None:
+    """Free the images the model did not take (a failed load); no thread call when
+    there are none (a load that succeeded)."""
+    if allocation.owns_images:
+        await threads.run_sync(allocation.close)
+
+
 def _check_unchanged(files: Sequence[DataFile]) -> None:
     """Blocking: raise ``LoadError`` for the first file that changed during the load."""
     for f in files:
@@ -484,16 +490,31 @@ def _parse_and_plan(
     config: Config,
     devices: Sequence[Device] | None,
     clock: Callable[[], float],
+    into: list[DataFile],
 ) -> tuple[ParsedFile, tuple[WeightIndex, float, tuple[Device, ...], Plan] | None]:
-    """Blocking: a single-file model parsed, indexed and planned in one call (each call
-    is a round trip through the loop, and in a fresh process the round trips cost as
-    much as the work). Returns the header and (index, when it was indexed, devices,
-    plan); for a split set only the first file's header."""
+    """Blocking: a single-file model parsed, indexed, planned and opened for reading
+    (into ``into``) in one call: each call is a round trip through the loop, and in a
+    fresh process the round trips cost as much as the work. Returns the header and
+    (index, when it was indexed, devices, plan); for a split set only the first file's
+    header, and nothing is opened."""
     first, index = read_whole_model(path, files)
     if index is None:
         return first, None
     indexed = clock()
-    return first, (index, indexed, *_devices_and_plan(index, config, devices))
+    found, plan = _devices_and_plan(index, config, devices)
+    _open_files(index, files, config, plan, into)
+    return first, (index, indexed, found, plan)
+
+
+def _open_files(
+    index: WeightIndex, files: OpenFiles, config: Config, plan: Plan, into: list[DataFile]
+) -> None:
+    open_data_files(index, files, mode=plan.mode, alignment=config.pipeline.alignment, into=into)
+
+
+def _close_all(files: Sequence[DataFile]) -> None:
+    for f in files:
+        f.close()
 
 
 @contextmanager
@@ -536,8 +557,12 @@ async def run_load(
         # The rest of the load's threads are started meanwhile (a process's first load).
         # Transfer threads are started when the plan asks for them.
         reserve_threads(load_thread_count(config, uploads=False) - 1)
+        # The files to read, opened (duplicates of the parsed descriptors) by the same
+        # call that plans a single-file model; closed with the stack.
+        files: list[DataFile] = []
+        stack.callback(_close_all, files)
         first, whole = await threads.run_sync(
-            _parse_and_plan, os.fspath(path), opened, config, devices, hub.elapsed
+            _parse_and_plan, os.fspath(path), opened, config, devices, hub.elapsed, files
         )
         if whole is not None:
             index, t1, found, plan = whole
@@ -545,6 +570,7 @@ async def run_load(
             index = await open_index(path, threads=threads, files=opened, first=first)
             t1 = hub.elapsed()
             found, plan = await threads.run_sync(_devices_and_plan, index, config, devices)
+            await threads.run_sync(_open_files, index, opened, config, plan, files)
         t2 = hub.elapsed()
         load = _Load(
             index,
@@ -553,7 +579,7 @@ async def run_load(
             config,
             hub,
             threads=threads,
-            opened=opened,
+            files=files,
             metadata_stages=[
                 ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),
                 ("plan", StageTimes(t1, t2, t2 - t1, len(plan.tensors), 0)),

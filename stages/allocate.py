@@ -295,6 +295,11 @@ class Allocation:
         self.images[:] = [None] * len(self.images)
         return images
 
+    @property
+    def owns_images(self) -> bool:
+        """Whether any image is still owned here (not taken, not closed)."""
+        return any(image is not None for image in self.images)
+
     def close(self) -> None:
         """Blocking: free every image still owned."""
         for i, image in enumerate(self.images):

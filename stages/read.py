@@ -45,49 +45,44 @@ __all__ = [
     "ByteSwap",
     "FileStats",
     "Reader",
+    "direct_refusals",
     "disk_limiters",
     "open_data_files",
 ]
 
 
-async def open_data_files(
+def open_data_files(
     index: WeightIndex,
-    opened: OpenFiles | None,
+    opened: OpenFiles,
     *,
     mode: str,
     alignment: int,
-    warn: Callable[[str], None],
-    threads: LoadThreads,
-) -> list[DataFile]:
-    """The load's files, for reading; the caller closes them. ``opened`` holds the
-    descriptors the parse stage read (None: open by path), so the file that was parsed
-    is the file that is read, whatever its name points at now. A file that refuses
-    ``O_DIRECT`` in mode ``direct`` is read with mode ``none`` (``warn`` says so). Opens
-    them all in one call on ``threads``."""
+    into: list[DataFile],
+) -> None:
+    """Blocking: open the load's files for reading, appending each to ``into`` as it
+    opens; the caller closes them, also those opened before a failure. The descriptors
+    are those the parse stage read (``opened``), so the file that was parsed is the file
+    that is read, whatever its name points at now. A file that refuses ``O_DIRECT`` in
+    mode ``direct`` is read with mode ``none`` (``direct_refusals`` words it)."""
     direct = mode == "direct"
-    files: list[DataFile] = []
+    for parsed in index.files:
+        f = open_file(parsed.path, direct=direct, alignment=alignment, fd=opened.open(parsed.path))
+        into.append(f)
+        # Every mode reads each file front to back (O_DIRECT ignores the advice): the
+        # kernel then reads ahead in larger steps, and a cold buffered load costs it
+        # fewer, larger reads (the README's cold figures).
+        f.fadvise(FileAdvice.SEQUENTIAL)
 
-    def open_all() -> None:
-        # Into ``files`` as they open: if a later one fails, the earlier ones are closed.
-        for parsed in index.files:
-            fd = opened.open(parsed.path) if opened is not None else None
-            f = open_file(parsed.path, direct=direct, alignment=alignment, fd=fd)
-            files.append(f)
-            # Every mode reads each file front to back (O_DIRECT ignores the advice): the
-            # kernel then reads ahead in larger steps, and a cold buffered load costs it
-            # fewer, larger reads (the README's cold figures).
-            f.fadvise(FileAdvice.SEQUENTIAL)
 
-    try:
-        await threads.run_sync(open_all)
-    except BaseException:
-        for f in files:
-            f.close()
-        raise
-    for f in files:
-        if direct and not f.direct_ok:
-            warn(f"{f.path}: {f.direct_refusal}; reading with mode 'none' instead")
-    return files
+def direct_refusals(files: Sequence[DataFile], mode: str) -> list[str]:
+    """The warnings for files that refused ``O_DIRECT`` in mode ``direct``."""
+    if mode != "direct":
+        return []
+    return [
+        f"{f.path}: {f.direct_refusal}; reading with mode 'none' instead"
+        for f in files
+        if not f.direct_ok
+    ]
 
 
 def disk_of(file: DataFile, config: Config) -> str:
