@@ -304,7 +304,13 @@ class _Load:
     ) -> None:
         """The streaming half: allocate, read, upload and validate, all at once."""
         pipeline = self.config.pipeline
-        size = job_bytes(pipeline.chunk_size, self.layouts, reader.threads, self.alignment)
+        size = job_bytes(
+            pipeline.chunk_size,
+            self.layouts,
+            reader.threads,
+            self.alignment,
+            mapped=self.mode in ("mmap", "mlock"),
+        )
         jobs, device_jobs = split_jobs(
             self.index,
             self.layouts,

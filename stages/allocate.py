@@ -157,14 +157,25 @@ def read_jobs(
 
 # Jobs smaller than this are not worth a reader of their own.
 MIN_SPREAD_BYTES = 1 << 20
+# A mapped job is one call that makes its pages resident, whose cost is mostly per call
+# when the file is cached: fewer, larger calls (still several per GiB, for progress).
+MIN_MAPPED_JOB_BYTES = 256 << 20
 
 
 def job_bytes(
-    chunk_bytes: int, layouts: Sequence[BufferLayout], readers: int, alignment: int
+    chunk_bytes: int,
+    layouts: Sequence[BufferLayout],
+    readers: int,
+    alignment: int,
+    *,
+    mapped: bool = False,
 ) -> int:
-    """How big a host job is: ``chunk_bytes``, or less for a model too small to give
-    every reader a job of that size, so that its readers share it (down to
-    ``MIN_SPREAD_BYTES``); a multiple of ``alignment``."""
+    """How big a host job is: ``chunk_bytes`` (``mapped``: at least
+    ``MIN_MAPPED_JOB_BYTES``), or less for a model too small to give every reader a job
+    of that size, so that its readers share it (down to ``MIN_SPREAD_BYTES``); a
+    multiple of ``alignment``."""
+    if mapped:
+        chunk_bytes = max(chunk_bytes, MIN_MAPPED_JOB_BYTES)
     host = sum(lay.nbytes for lay in layouts if lay.plan.host and not lay.plan.lazy)
     spread = max(-(-host // max(readers, 1)), MIN_SPREAD_BYTES)
     return align_up(min(chunk_bytes, spread), alignment)

@@ -221,3 +221,18 @@ def test_a_refused_lock_is_one_warning_and_the_load_goes_on(
                 assert bytes(model.raw(t.name)) == data[t.file_offset : t.file_offset + t.nbytes]
     said = [str(w.message) for w in caught if w.category is aiogguf.LoadWarning]
     assert [m for m in said if "rest unlocked" in m] == unlocked
+
+
+def test_mapped_jobs_are_not_cut_at_the_read_chunk(model_file: SynthModel) -> None:
+    """A mapped job is one populate call: ``chunk_size`` (a read's size) does not cut it,
+    while the same setting cuts a buffered load into many reads."""
+    items = {}
+    for mode in ("none", "mmap"):
+        with aiogguf.load_sync(
+            model_file.path, mode=mode, n_gpu_layers=0, check_tensors=False, chunk_size="1MiB"
+        ) as model:
+            assert model.report.nbytes > 6 * 2**20
+            items[mode] = model.report.stage("read").items
+    assert items["none"] >= 6, items
+    # The 8 MiB model spread over its readers: one job per reader and range at most.
+    assert items["mmap"] < items["none"] / 2, items
