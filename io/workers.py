@@ -72,6 +72,7 @@ class _Worker:
     def _run(self) -> None:
         with contextlib.suppress(OSError):  # a hint only: containers may forbid it
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
+        self._pool.start_promised_starter()
         while True:
             try:
                 serve = self.inbox.get(timeout=IDLE_S)
@@ -97,8 +98,8 @@ class _Pool:
     Starting a thread blocks its starter until the new thread runs, which on a busy
     machine takes milliseconds: the loop's thread never does it. A load that needs more
     threads than are idle asks the starter and awaits them; ``reserve`` asks it ahead
-    of time, without waiting. Only the starter's own start, once per process, is done
-    by a caller.
+    of time, without waiting. A caller starts one thread per process: the first load's
+    first thread, which starts the starter.
     """
 
     def __init__(self) -> None:
@@ -107,12 +108,27 @@ class _Pool:
         self._numbers = itertools.count()
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._starter: threading.Thread | None = None
+        self._starter_promised = False  # the first thread will start it
 
     async def take(self, count: int) -> list[_Worker]:
         """``count`` threads, idle ones first; the rest are started for the caller."""
         reused = self._take_idle(count)
         if len(reused) == count:
             return reused
+        if self._first_start():
+            # A process's first load: its first thread is started here, the one thread
+            # start the caller ever does, and that thread starts the starter (see
+            # ``_Worker._run``), so the load waits for one start, not two and a reply.
+            first = _Worker(self, next(self._numbers))
+            try:
+                first.thread.start()
+            except BaseException:
+                with self._lock:
+                    self._starter_promised = False  # the next caller starts the starter
+                raise
+            reused.append(first)
+            if len(reused) == count:
+                return reused
         try:
             return reused + await self._started(count - len(reused))
         except BaseException:
@@ -144,13 +160,33 @@ class _Pool:
         self._ask(_Request(count))
 
     def _ask(self, request: _Request) -> None:
+        self._requests.put(request)  # served once the starter runs
         with self._lock:
-            if self._starter is None:
-                self._starter = threading.Thread(
-                    target=self._start_threads, name=f"{IDLE_NAME} starter", daemon=True
-                )
-                self._starter.start()
-        self._requests.put(request)
+            if self._starter is None and not self._starter_promised:
+                self._start_starter()
+
+    def _first_start(self) -> bool:
+        """Whether the caller is to start the process's first thread itself (nothing
+        was ever started); that thread then starts the starter."""
+        with self._lock:
+            if self._starter is not None or self._starter_promised:
+                return False
+            self._starter_promised = True
+            return True
+
+    def start_promised_starter(self) -> None:
+        """From the first thread: start the starter the first ``take`` promised."""
+        with self._lock:
+            if self._starter is None and self._starter_promised:
+                self._start_starter()
+
+    def _start_starter(self) -> None:
+        # Under the lock.
+        starter = threading.Thread(
+            target=self._start_threads, name=f"{IDLE_NAME} starter", daemon=True
+        )
+        starter.start()
+        self._starter = starter
 
     def _start_threads(self) -> None:
         while True:
@@ -205,6 +241,7 @@ class _Pool:
         self._idle = []
         self._requests = queue.SimpleQueue()
         self._starter = None
+        self._starter_promised = False
 
 
 @dataclass(slots=True)
