@@ -334,14 +334,7 @@ class _Load:
             )
             if device_jobs:
                 assert uploader is not None
-                tg.start_soon(
-                    self._transfer,
-                    uploader,
-                    reader,
-                    device_jobs,
-                    ready_send.clone(),
-                    validation.by_pieces,
-                )
+                tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
             for file_index, file_jobs in enumerate(jobs):
                 tg.start_soon(
                     partial(
@@ -365,7 +358,6 @@ class _Load:
         reader: Reader,
         jobs: Sequence[ReadJob],
         ready: MemoryObjectSendStream[list[str]],
-        check: bool,
     ) -> None:
         """Every device job through the upload stage's transfer threads; then the device
         tensors are ready (every copy has completed when ``transfer`` returns)."""
@@ -381,12 +373,8 @@ class _Load:
                 reader.count(job, now, now)
                 self.progress.landed(job)
 
-            await uploader.transfer(
-                targets,
-                reader.fill_slot,
-                check=reader.check_landed if check else None,
-                landed=landed,
-            )
+            # The reader checks what it fills (``fill_slot``), piece by piece.
+            await uploader.transfer(targets, reader.fill_slot, landed=landed)
             if self.progress.device_landed:
                 await ready.send(list(self.progress.device_landed))
 

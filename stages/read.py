@@ -319,12 +319,7 @@ class Reader:
             return
         dest = image.dest(job)
         if self._check is not None and not self._direct[job.file_index]:
-            # Piece by piece: each piece is checked right after it lands, still hot.
-            useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
-            for lo in range(0, len(useful), MAX_CALL_BYTES):
-                piece = useful[lo : lo + MAX_CALL_BYTES]
-                self._files[job.file_index].read_into(piece, job.useful_start + lo)
-                self._check(job, job.useful_start + lo, piece)
+            self._read_checked(job, dest)
             return
         self._read_into(job, dest)
         if self._swap is not None:
@@ -364,12 +359,30 @@ class Reader:
             lo, hi = job.useful_start - job.file_offset, job.useful_end - job.file_offset
             file.read_into(dest[lo:hi], job.useful_start)
 
+    def _read_checked(self, job: ReadJob, dest: memoryview) -> None:
+        """Buffered reads of ``job`` into ``dest`` (its ``nbytes`` from
+        ``job.file_offset``), piece by piece: each piece is checked right after it
+        lands, still in the CPU's cache."""
+        assert self._check is not None
+        useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
+        for lo in range(0, len(useful), MAX_CALL_BYTES):
+            piece = useful[lo : lo + MAX_CALL_BYTES]
+            self._files[job.file_index].read_into(piece, job.useful_start + lo)
+            self._check(job, job.useful_start + lo, piece)
+
     def fill_slot(self, job: ReadJob, slot: memoryview) -> None:
         """Read ``job`` into a staging slot (``slot`` is ``job.nbytes`` long), in the
-        file's native byte order. Runs on a transfer thread."""
+        file's native byte order, and check it: buffered reads piece by piece as they
+        land (a slot is bigger than the CPU's cache), ``O_DIRECT`` reads once the slot is
+        full. Runs on a transfer thread, before the slot's copy is queued."""
+        if self._check is not None and not self._direct[job.file_index]:
+            self._read_checked(job, slot)
+            return
         self._read_into(job, slot)
         if self._swap is not None:
             self._swap(job, slot)
+        if self._check is not None:
+            self.check_landed(job, slot)
 
 
 class _Feed:

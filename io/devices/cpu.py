@@ -17,10 +17,12 @@ def host_memory() -> tuple[int, int]:
     leaves out the reclaimable page cache; ``os.sysconf`` where there is no procfs.
     """
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        total = int(fields["MemTotal"].split()[0]) * 1024
-        free = int(fields["MemAvailable"].split()[0]) * 1024
+        # Bytes, not text: a text file looks up its codec, which in a fresh process
+        # imports one; every load reads this file.
+        with open("/proc/meminfo", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        total = int(fields[b"MemTotal"].split()[0]) * 1024
+        free = int(fields[b"MemAvailable"].split()[0]) * 1024
         return free, total
     except (OSError, KeyError, ValueError):
         pass
