@@ -10,8 +10,10 @@
 
 Device-bound jobs go to the upload stage as one list: its transfer threads read, copy
 and check them without a trip through the event loop per job, and tell the loop only
-what has landed. Index building, planning and device discovery (CuPy's import, CUDA's
-start-up) run in a worker thread too: the loop's thread only awaits.
+what has landed. Host jobs likewise: each reader thread takes its file's next job as
+soon as it is done with the last. Parsing, index building, planning, device discovery
+(CuPy's import, CUDA's start-up) and opening the files run in the load's own thread,
+for a single-file model in one call: the loop's thread only awaits.
 
 The engine only wires. Each stage's own work lives in its module: descriptors, disk
 limits, byte order and locks in ``read``; images and mapping advice in ``allocate``;

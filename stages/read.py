@@ -432,8 +432,13 @@ async def _hand_out(
     async with anyio.create_task_group() as tg:
         if prefault is not None:
             tg.start_soon(prefault_ahead, prefault)
+        allocated: set[int] = set()
         for job in jobs:
-            await image_of(job.buffer_index)
+            # Awaited once per buffer, not per job: an await passes through the loop,
+            # and the readers must not wait for the loop between jobs.
+            if job.buffer_index not in allocated:
+                await image_of(job.buffer_index)
+                allocated.add(job.buffer_index)
             feed.put(job)
             handed += 1
         tg.cancel_scope.cancel()  # nothing is left to back ahead of the readers

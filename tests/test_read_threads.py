@@ -1,0 +1,59 @@
+"""Reader threads take their file's jobs one after another on their own: a loop that is
+busy (or blocked) does not hold the reads back between jobs."""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import aiogguf
+from aiogguf.testing.synth import write_synthetic_model
+
+PAGE = resource.getpagesize()
+
+
+def _pages_faulted() -> int:
+    # Each page a read lands in is fresh memory: one fault per page. (Counting bytes
+    # read through /proc would count the polling's own reads too.)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.asyncio
+async def test_a_blocked_loop_does_not_stop_the_reader_between_jobs(tmp_path: Path) -> None:
+    model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="32MiB", seed=3, n_layer=4)
+    during: list[int] = []
+
+    async def block_the_loop_once_reading() -> None:
+        # Once the reader has landed a job or two: block the loop's thread, and see how
+        # much the reader lands meanwhile.
+        while not any(t.name.startswith("aiogguf-reader") for t in threading.enumerate()):
+            await anyio.lowlevel.checkpoint()
+        base = _pages_faulted()
+        while (_pages_faulted() - base) * PAGE < 512 * 1024:
+            await anyio.lowlevel.checkpoint()
+        before = _pages_faulted()
+        time.sleep(0.5)  # noqa: ASYNC251 (blocking the loop is the point)
+        during.append((_pages_faulted() - before) * PAGE)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(block_the_loop_once_reading)
+        async with aiogguf.load(
+            model.path,
+            mode="none",
+            n_gpu_layers=0,
+            check_tensors=False,
+            readers=1,
+            chunk_size="256KiB",
+        ) as loaded:
+            total = loaded.report.nbytes
+            jobs = loaded.report.stage("read").items
+    assert jobs >= 64, jobs
+    # With a round trip through the loop per job, at most one more job (256 KiB) would
+    # land while the loop is blocked; the reader reads on through the rest.
+    assert during[0] >= total // 2, (during[0], total)
