@@ -7,6 +7,7 @@ import resource
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -57,3 +58,29 @@ async def test_a_blocked_loop_does_not_stop_the_reader_between_jobs(tmp_path: Pa
     # With a round trip through the loop per job, at most one more job (256 KiB) would
     # land while the loop is blocked; the reader reads on through the rest.
     assert during[0] >= total // 2, (during[0], total)
+
+
+def test_an_error_in_the_loops_share_of_a_landed_job_fails_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the loop does with a job a reader landed runs as a loop callback, whose
+    exceptions the loop would only log: the load fails with it instead."""
+    model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="4MiB", seed=4, n_layer=2)
+    from aiogguf.stages.read import Reader
+
+    calls = 0
+    count = Reader.count
+
+    def failing_count(self: Reader, *args: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("counting failed")
+        count(self, *args)
+
+    monkeypatch.setattr(Reader, "count", failing_count)
+    with (
+        pytest.raises(RuntimeError, match="counting failed"),
+        aiogguf.load_sync(model.path, mode="none", n_gpu_layers=0, readers=1, chunk_size="256KiB"),
+    ):
+        pass
