@@ -350,6 +350,30 @@ async def test_failed_fill_frees_buffers_and_gives_slots_back() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_failing_landed_callback_fails_the_transfer() -> None:
+    """``landed`` runs as a loop callback, whose exceptions the loop would only log: the
+    transfer raises it instead, and frees what it holds."""
+    sim = SimDevice("g0")
+    config = ring_config(2, 4 * KiB)
+    jobs = [ReadJob(i, 0, 0, i * 4096, 4 * KiB, i * 4 * KiB, 0, 0) for i in range(3)]
+
+    def landed(job: ReadJob) -> None:
+        if job.seq == 1:
+            raise RuntimeError("progress failed")
+
+    async def scenario() -> None:
+        async with open_uploader({"g0": sim}, config, 1) as up:
+            buf = await up.allocate("g0", 12 * KiB)
+            await up.transfer([(j, buf) for j in jobs], lambda job, view: None, landed=landed)
+
+    with pytest.raises(RuntimeError, match="progress failed"):
+        await scenario()
+    assert sim.live.buffers == sim.live.streams == 0
+    close_staging_pools()
+    assert sim.live == IDLE
+
+
+@pytest.mark.asyncio
 async def test_fill_that_keeps_a_view_is_an_error() -> None:
     sim = SimDevice("g0")
     kept: list[np.ndarray] = []
