@@ -184,7 +184,8 @@ class PipelineConfig(_Section):
     queue_depth: Int = Field(default=8, ge=1, le=MAX_QUEUE_DEPTH)
     # "auto": one per core (up to 16) for page-cache reads, up to 4 for O_DIRECT.
     readers: Readers = "auto"
-    # One read job; in modes mmap and mlock a job is at least 256 MiB (one populate call).
+    # One read job; in modes mmap and mlock with checks off at least 256 MiB (one populate
+    # call).
     chunk_size: PositiveSize = Field(default=64 * 1024**2, le=MAX_CHUNK_BYTES)
     coalesce_gap: Size = 1024**2
     # Staging slots per transfer thread and device; a slot's size is independent of the

@@ -311,7 +311,9 @@ class _Load:
             self.layouts,
             reader.threads,
             self.alignment,
-            mapped=self.mode in ("mmap", "mlock"),
+            # With checks on, a mapped tensor is checked once its job has landed: the
+            # reads' own size lets the checks start sooner.
+            mapped=self.mode in ("mmap", "mlock") and not self.config.load.check_tensors,
         )
         jobs, device_jobs = split_jobs(
             self.index,

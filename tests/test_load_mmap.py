@@ -224,15 +224,17 @@ def test_a_refused_lock_is_one_warning_and_the_load_goes_on(
 
 
 def test_mapped_jobs_are_not_cut_at_the_read_chunk(model_file: SynthModel) -> None:
-    """A mapped job is one populate call: ``chunk_size`` (a read's size) does not cut it,
-    while the same setting cuts a buffered load into many reads."""
+    """A mapped job is one populate call: with checks off, ``chunk_size`` (a read's size)
+    does not cut it, while the same setting cuts a buffered load into many reads. With
+    checks on, mapped tensors are checked as their jobs land: ``chunk_size`` holds."""
     items = {}
-    for mode in ("none", "mmap"):
+    for mode, checks in (("none", False), ("mmap", False), ("mmap", True)):
         with aiogguf.load_sync(
-            model_file.path, mode=mode, n_gpu_layers=0, check_tensors=False, chunk_size="1MiB"
+            model_file.path, mode=mode, n_gpu_layers=0, check_tensors=checks, chunk_size="1MiB"
         ) as model:
             assert model.report.nbytes > 6 * 2**20
-            items[mode] = model.report.stage("read").items
-    assert items["none"] >= 6, items
+            items[mode, checks] = model.report.stage("read").items
+    assert items["none", False] >= 6, items
     # The 8 MiB model spread over its readers: one job per reader and range at most.
-    assert items["mmap"] < items["none"] / 2, items
+    assert items["mmap", False] < items["none", False] / 2, items
+    assert items["mmap", True] == items["none", False], items
