@@ -306,19 +306,19 @@ class _Load:
     ) -> None:
         """The streaming half: allocate, read, upload and validate, all at once."""
         pipeline = self.config.pipeline
-        size = job_bytes(
-            pipeline.chunk_size,
-            self.layouts,
-            reader.threads,
-            self.alignment,
-            # With checks on, a mapped tensor is checked once its job has landed: the
-            # reads' own size lets the checks start sooner.
-            mapped=self.mode in ("mmap", "mlock") and not self.config.load.check_tensors,
-        )
         jobs, device_jobs = split_jobs(
             self.index,
             self.layouts,
-            size,
+            pipeline.chunk_size,
+            host_bytes=job_bytes(
+                pipeline.chunk_size,
+                self.layouts,
+                reader.threads,
+                self.alignment,
+                # With checks on, a mapped tensor is checked once its job has landed:
+                # the reads' own size lets the checks start sooner.
+                mapped=self.mode in ("mmap", "mlock") and not self.config.load.check_tensors,
+            ),
             slot_bytes=uploader.slot_bytes if uploader is not None else None,
             aligned=self.mode == "direct",
         )

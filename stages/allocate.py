@@ -186,11 +186,13 @@ def split_jobs(
     layouts: Sequence[BufferLayout],
     chunk_bytes: int,
     *,
+    host_bytes: int,
     slot_bytes: int | None,
     aligned: bool,
 ) -> tuple[list[list[ReadJob]], list[ReadJob]]:
-    """Host jobs per file, and device jobs (at most ``slot_bytes``: each fills one
-    staging slot), each in load order. Lazy ranges are only mapped, never read."""
+    """Host jobs per file (at most ``host_bytes``: ``job_bytes``), and device jobs (at
+    most ``chunk_bytes`` and ``slot_bytes``: each fills one staging slot), each in load
+    order. Lazy ranges are only mapped, never read."""
     ordered = [item for item in load_order(index, layouts) if not item[0].plan.lazy]
     staged = [item for item in ordered if not item[0].plan.host]
     hosted = [item for item in ordered if item[0].plan.host]
@@ -199,7 +201,7 @@ def split_jobs(
         assert slot_bytes is not None, "device buffers need a staging slot size"
         device_jobs = list(read_jobs(staged, min(chunk_bytes, slot_bytes), aligned=aligned))
     per_file: list[list[ReadJob]] = [[] for _ in index.files]
-    for job in read_jobs(hosted, chunk_bytes, aligned=aligned):
+    for job in read_jobs(hosted, host_bytes, aligned=aligned):
         per_file[job.file_index].append(job)
     return per_file, device_jobs
 

@@ -171,3 +171,26 @@ def test_device_discovery_never_runs_on_the_event_loop(
 
     anyio.run(main)
     assert len(seen) == 1
+
+
+def test_device_jobs_fill_whole_slots_however_little_stays_on_the_host(
+    tmp_path: Path,
+) -> None:
+    """A full offload leaves the host a few MiB: host jobs are then cut small, to share
+    them among the readers, but device jobs still fill a whole slot each (a copy per
+    MiB would multiply the per-copy costs)."""
+    path = write_synthetic_model(tmp_path / "m.gguf", size_bytes="48MiB", seed=5, n_layer=2).path
+    with aiogguf.load_sync(
+        path, n_gpu_layers=-1, sim_gpus=["1GiB"], staging_buffer_size="16MiB", readers=2
+    ) as model:
+        (upload,) = model.report.uploads
+        host = sum(t.nbytes for t in model.plan.tensors if t.device == "CPU")
+        assert host < 16 * MiB  # the host part alone would make jobs of a few MiB
+        tensors = [t for t in model.plan.tensors if t.device == "g0"]
+        # Every copy fills its slot but the last of each range: at most one more copy
+        # per tensor group than whole slots.
+        assert upload.copies <= upload.bytes_copied // (16 * MiB) + len(tensors), (
+            upload.copies,
+            upload.bytes_copied,
+        )
+        _assert_bytes(model, path)
