@@ -175,10 +175,24 @@ class _Pool:
             return True
 
     def start_promised_starter(self) -> None:
-        """From the first thread: start the starter the first ``take`` promised."""
+        """From the first thread: start the starter the first ``take`` promised. If it
+        cannot be started, the requests waiting for it fail with the reason (a caller
+        would wait for ever), and the next request starts it on its caller's thread."""
         with self._lock:
-            if self._starter is None and self._starter_promised:
+            if self._starter is not None or not self._starter_promised:
+                return
+            try:
                 self._start_starter()
+            except Exception as exc:
+                self._starter_promised = False
+                while True:
+                    try:
+                        request = self._requests.get_nowait()
+                    except queue.Empty:
+                        break
+                    if request.reply is not None:
+                        request.error = exc
+                        request.reply()
 
     def _start_starter(self) -> None:
         # Under the lock.

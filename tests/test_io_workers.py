@@ -188,3 +188,42 @@ def test_the_first_load_of_a_process_starts_one_thread_on_the_loop(tmp_path: Pat
         check=True,
     )
     assert out.stdout.strip() == f"{IDLE_NAME} 0"
+
+
+STARTER_REFUSED = """
+import anyio
+from aiogguf.io import workers
+
+pool = workers._Pool()
+
+def refuse():
+    raise RuntimeError("can't start new thread")
+
+pool._start_starter = refuse
+
+async def main():
+    try:
+        await pool.take(2)
+    except RuntimeError as exc:
+        print("raised:", exc)
+    # The one thread that did start goes back to the pool.
+    while pool.idle() != 1:
+        await anyio.sleep(0.01)
+    print("idle:", pool.idle())
+
+anyio.run(main)
+"""
+
+
+def test_a_starter_that_cannot_start_fails_the_waiting_load_instead_of_hanging() -> None:
+    """A process's first thread starts the starter; if that fails (no threads left),
+    the load waiting for more threads gets the error rather than waiting for ever (the
+    wait is shielded from cancellation, hence a child process with a timeout)."""
+    out = subprocess.run(
+        [sys.executable, "-c", STARTER_REFUSED],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.split("\n")[:2] == ["raised: can't start new thread", "idle: 1"]
