@@ -352,10 +352,25 @@ class Reader:
     def check_landed(self, job: ReadJob, dest: memoryview) -> None:
         """Check a landed job (``dest`` holds its ``nbytes`` from ``job.file_offset``) in
         pieces: bounded scratch, and each piece still in the CPU cache."""
+        self._check_pieces(job, dest, read=False)
+
+    def _check_pieces(self, job: ReadJob, dest: memoryview, *, read: bool) -> None:
+        """Check ``job`` in ``dest`` piece by piece, each piece right after it is read
+        (``read``) or as it is (already landed).
+
+        Each check starts at the previous piece: the units that straddle the two are
+        whole by then (a unit is scanned once, however many pieces cover it). Only the
+        units that straddle two jobs are left for the end of the tensor, which for a
+        device tensor means copying them back from the device."""
         assert self._check is not None
         useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
+        previous = 0
         for lo in range(0, len(useful), MAX_CALL_BYTES):
-            self._check(job, job.useful_start + lo, useful[lo : lo + MAX_CALL_BYTES])
+            hi = min(lo + MAX_CALL_BYTES, len(useful))
+            if read:
+                self._files[job.file_index].read_into(useful[lo:hi], job.useful_start + lo)
+            self._check(job, job.useful_start + previous, useful[previous:hi])
+            previous = lo
 
     def _read_into(self, job: ReadJob, dest: memoryview) -> None:
         file = self._files[job.file_index]
@@ -371,12 +386,7 @@ class Reader:
         """Buffered reads of ``job`` into ``dest`` (its ``nbytes`` from
         ``job.file_offset``), piece by piece: each piece is checked right after it
         lands, still in the CPU's cache."""
-        assert self._check is not None
-        useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
-        for lo in range(0, len(useful), MAX_CALL_BYTES):
-            piece = useful[lo : lo + MAX_CALL_BYTES]
-            self._files[job.file_index].read_into(piece, job.useful_start + lo)
-            self._check(job, job.useful_start + lo, piece)
+        self._check_pieces(job, dest, read=True)
 
     def fill_slot(self, job: ReadJob, slot: memoryview) -> None:
         """Read ``job`` into a staging slot (``slot`` is ``job.nbytes`` long), in the

@@ -18,7 +18,7 @@ from aiogguf.config import Config
 from aiogguf.devices import enumerate_devices
 from aiogguf.io.devices import cupy_backend
 from aiogguf.io.devices.pool import staging_pool, staging_pools
-from aiogguf.io.devices.sim import SimDevice
+from aiogguf.io.devices.sim import SimDevice, SimDeviceBuffer
 from aiogguf.testing.synth import write_synthetic_model
 
 MiB = 1024**2
@@ -194,3 +194,29 @@ def test_device_jobs_fill_whole_slots_however_little_stays_on_the_host(
             upload.bytes_copied,
         )
         _assert_bytes(model, path)
+
+
+def test_device_tensors_are_checked_in_their_slots_not_fetched_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot is checked in pieces as it fills; a unit that straddles two pieces is
+    checked once both have landed, in the slot. Only the units that straddle two jobs
+    are copied back from the device when their tensor is finished (a device-to-host copy
+    each: on a GPU, a round trip through the driver)."""
+    path = write_synthetic_model(tmp_path / "m.gguf", size_bytes="48MiB", seed=6, n_layer=2).path
+    fetched = 0
+    to_host = SimDeviceBuffer.to_host
+
+    def counted(self: SimDeviceBuffer, offset: int, nbytes: int) -> memoryview:
+        nonlocal fetched
+        fetched += 1
+        return to_host(self, offset, nbytes)
+
+    monkeypatch.setattr(SimDeviceBuffer, "to_host", counted)
+    with aiogguf.load_sync(
+        path, n_gpu_layers=-1, sim_gpus=["1GiB"], staging_buffer_size="16MiB", check_tensors=True
+    ) as model:
+        (upload,) = model.report.uploads
+        assert model.report.validated == len(model.plan.tensors)
+        # 48 MiB in 512 KiB pieces would leave about a hundred straddling units.
+        assert fetched <= upload.copies, (fetched, upload.copies)

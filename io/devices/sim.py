@@ -37,7 +37,9 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 import random
 import threading
 import time
@@ -66,6 +68,7 @@ from aiogguf.io.devices.base import (
 )
 from aiogguf.io.files import merge_range
 from aiogguf.io.ggml_types import GGMLType, ggml_type_by_name
+from aiogguf.io.workers import LOAD_NICE
 
 __all__ = [
     "SIM_COPY_BYTES_PER_S",
@@ -705,6 +708,10 @@ class SimCopyStream:
             raise self._error
 
     def _run(self) -> None:
+        # A GPU's copy engine takes no host core; this stand-in's memcpy does. At the
+        # load threads' priority it at least does not take one from the event loop.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
