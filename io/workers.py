@@ -340,11 +340,16 @@ class LoadThreads:
 
     def _serve(self) -> Callable[[], None]:
         while (call := self._queue.get()) is not None:
+            _running.call = call  # what ``call_soon`` from this thread reports to
             try:
                 call.value = call.fn()
             except BaseException as exc:  # handed to the awaiting task, which raises it
-                call.error = exc
+                if call.error is None:
+                    call.error = exc
+            finally:
+                _running.call = None
             # Scheduled, not waited for: the thread goes on to the next call at once.
+            # After every ``call_soon`` of the call: the loop runs them in order.
             self._on_loop(call.done.set)
         return partial(self._on_loop, self._one_back)
 
@@ -385,11 +390,27 @@ class LoadThreads:
         return call.value  # type: ignore[return-value]
 
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
-        """From one of the threads: run ``fn(*args)`` on the loop's thread soon, without
-        waiting for it (progress reports)."""
+        """From one of the threads, within a call: run ``fn(*args)`` on the loop's thread
+        soon, without waiting for it (progress reports). What ``fn`` raises, which the
+        loop would only log, is raised by the ``run_sync`` of that call instead."""
         token = self._token
         assert token is not None
-        _run_sync_soon(token, fn, args)
+        call: _Call[Any] | None = getattr(_running, "call", None)
+
+        def on_loop() -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                if call is None:
+                    raise
+                if call.error is None:
+                    call.error = exc
+
+        _run_sync_soon(token, on_loop, ())
+
+
+# The call each pooled thread is running, if any.
+_running = threading.local()
 
 
 def _run_sync_soon(

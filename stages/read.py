@@ -248,18 +248,13 @@ class Reader:
             else:
                 out = landed.clone()
 
-            failed: list[BaseException] = []
-
             def on_landed(job: ReadJob, start: float, end: float) -> None:
-                # On the loop's thread, scheduled by a reader: what it raises would only
-                # be logged by the loop, so it is kept and raised below. ``out`` has room
-                # for every job; it is broken only once the load is failing anyway.
-                try:
-                    self.count(job, start, end)
-                    with contextlib.suppress(anyio.BrokenResourceError):
-                        out.send_nowait(job)
-                except Exception as exc:
-                    failed.append(exc)
+                # On the loop's thread, scheduled by a reader (what it raises fails that
+                # reader's call). ``out`` has room for every job; it is broken only once
+                # the load is failing anyway.
+                self.count(job, start, end)
+                with contextlib.suppress(anyio.BrokenResourceError):
+                    out.send_nowait(job)
 
             async def serve() -> None:
                 async with self._limiters[file_index]:
@@ -272,8 +267,6 @@ class Reader:
                     readers_tg.start_soon(serve)
                 await _hand_out(jobs, feed, image_of, prefault)
                 feed.close(readers)
-            if failed:
-                raise failed[0]
 
     def _serve_feed(self, feed: _Feed, on_landed: Callable[[ReadJob, float, float], None]) -> None:
         """Blocking, one reader thread: read jobs from ``feed`` until it ends."""

@@ -350,8 +350,7 @@ class Uploader:
             return
         stop = threading.Event()
         failures: list[Exception] = []
-        on_loop = _kept_failures(landed, failures) if landed is not None else None
-        work = partial(self._work, queue, fill, check, on_loop, stop)
+        work = partial(self._work, queue, fill, check, landed, stop)
 
         async def run_thread() -> None:
             try:
@@ -482,16 +481,3 @@ def _close_all(buffers: list[DeviceBuffer]) -> None:
             first = first or exc
     if first is not None:
         raise first
-
-
-def _kept_failures(landed: Landed, failures: list[Exception]) -> Landed:
-    """``landed`` to run as a loop callback: what it raises, which the loop would only
-    log, goes to ``failures`` (raised when the transfer ends)."""
-
-    def on_loop(job: ReadJob) -> None:
-        try:
-            landed(job)
-        except Exception as exc:
-            failures.append(exc)
-
-    return on_loop

@@ -227,3 +227,22 @@ def test_a_starter_that_cannot_start_fails_the_waiting_load_instead_of_hanging()
         check=True,
     )
     assert out.stdout.split("\n")[:2] == ["raised: can't start new thread", "idle: 1"]
+
+
+@pytest.mark.asyncio
+async def test_what_a_call_soon_callback_raises_fails_its_call() -> None:
+    """A callback runs on the loop, which would only log what it raises: the
+    ``run_sync`` of the call that scheduled it raises it instead."""
+
+    def on_loop() -> None:
+        raise RuntimeError("progress failed")
+
+    def work(threads: LoadThreads) -> str:
+        threads.call_soon(on_loop)
+        return "done"
+
+    async with LoadThreads(1) as threads:
+        with pytest.raises(RuntimeError, match="progress failed"):
+            await threads.run_sync(work, threads)
+        # The lane goes on: the next call is not marked.
+        assert await threads.run_sync(lambda: "next") == "next"
