@@ -37,7 +37,15 @@ from typing import Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ["IDLE_NAME", "IDLE_S", "LOAD_NICE", "LoadThreads", "idle_threads", "reserve_threads"]
+__all__ = [
+    "IDLE_NAME",
+    "IDLE_S",
+    "LOAD_NICE",
+    "LoadThreads",
+    "at_load_priority",
+    "idle_threads",
+    "reserve_threads",
+]
 
 T = TypeVar("T")
 
@@ -48,6 +56,13 @@ IDLE_S = 60.0
 # What a pooled thread is called while no load holds it (not "aiogguf-…": a thread
 # named so is doing a load's work).
 IDLE_NAME = "idle aiogguf thread"
+
+
+def at_load_priority() -> None:
+    """Lower the calling thread's CPU priority to ``LOAD_NICE`` (a hint only: containers
+    may forbid it)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
 
 
 @dataclass(slots=True)
@@ -70,8 +85,7 @@ class _Worker:
         self.number = number
 
     def _run(self) -> None:
-        with contextlib.suppress(OSError):  # a hint only: containers may forbid it
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
+        at_load_priority()
         self._pool.start_promised_starter()
         while True:
             try:

@@ -37,9 +37,7 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
 
 from __future__ import annotations
 
-import contextlib
 import mmap
-import os
 import random
 import threading
 import time
@@ -68,7 +66,7 @@ from aiogguf.io.devices.base import (
 )
 from aiogguf.io.files import merge_range
 from aiogguf.io.ggml_types import GGMLType, ggml_type_by_name
-from aiogguf.io.workers import LOAD_NICE
+from aiogguf.io.workers import at_load_priority
 
 __all__ = [
     "SIM_COPY_BYTES_PER_S",
@@ -710,8 +708,7 @@ class SimCopyStream:
     def _run(self) -> None:
         # A GPU's copy engine takes no host core; this stand-in's memcpy does. At the
         # load threads' priority it at least does not take one from the event loop.
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
+        at_load_priority()
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
