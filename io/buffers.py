@@ -45,6 +45,7 @@ __all__ = [
     "ExternalBuffer",
     "HostBuffer",
     "ResourceState",
+    "back_pages",
     "buffer_address",
     "held_by_views",
     "memory_held_by_views",
@@ -133,6 +134,17 @@ def held_by_views(memory: object) -> None:
 def memory_held_by_views() -> bool:
     """Whether memory recorded by ``held_by_views`` is still alive."""
     return _HELD_BY_VIEWS.any()
+
+
+def back_pages(pages: npt.NDArray[np.uint8]) -> None:
+    """Back ``pages`` (fresh memory starting on a page) with RAM now, so that no later
+    write into them faults: one ``MADV_POPULATE_WRITE``, the GIL let go. Kernels before
+    5.14: one write per page (a read would only map the shared zero page), which zeroes
+    those bytes."""
+    try:
+        _libc.madvise(pages.ctypes.data, pages.nbytes, _libc.MADV_POPULATE_WRITE)
+    except OSError:
+        pages[::PAGE_BYTES] = 0
 
 
 def buffer_address(buffer: Buffer) -> int:
@@ -303,12 +315,7 @@ class HostBuffer(Closeable):
             return
         # Holding an array keeps the mapping alive even if another thread closes us.
         array = np.frombuffer(mapping, dtype=np.uint8, offset=self._start)
-        try:
-            _libc.madvise(self._address + start, end - start, _libc.MADV_POPULATE_WRITE)
-        except OSError:
-            # Kernels before 5.14: write one byte per page (reading would only map the
-            # shared zero page and allocate nothing).
-            array[start:end:PAGE_BYTES] = 0
+        back_pages(array[start:end])
         del array
 
 

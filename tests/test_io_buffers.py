@@ -194,3 +194,23 @@ def test_a_failed_load_that_holds_no_memory_does_not_collect(
     with pytest.raises(aiogguf.GGUFFormatError), aiogguf.load_sync(bad):
         pass
     assert collections == []
+
+
+def test_back_pages_writes_each_page_where_the_kernel_cannot_populate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before Linux 5.14 ``MADV_POPULATE_WRITE`` is refused: one write per page backs
+    the memory instead (fresh memory: the bytes written are its zeros)."""
+    from aiogguf.io import _libc
+    from aiogguf.io.buffers import back_pages
+
+    def refuse(address: int, length: int, advice: int) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(_libc, "madvise", refuse)
+    with HostBuffer(3 * PAGE_BYTES) as buf:
+        pages = buf.as_array()
+        pages[:] = 7
+        back_pages(pages)
+        assert (pages[::PAGE_BYTES] == 0).all()
+        assert int(pages.sum()) == 7 * (3 * PAGE_BYTES - 3)

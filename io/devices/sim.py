@@ -37,6 +37,7 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import random
 import threading
@@ -54,7 +55,7 @@ import numpy
 
 from aiogguf.errors import ConfigError, GGUFError, LoadError
 from aiogguf.io import _libc
-from aiogguf.io.buffers import PAGE_BYTES, HostBuffer, held_by_views
+from aiogguf.io.buffers import PAGE_BYTES, HostBuffer, back_pages, held_by_views
 from aiogguf.io.devices.base import (
     BufferRole,
     BufferType,
@@ -474,13 +475,9 @@ def _back(nbytes: int) -> _Block:
     start = -(-address // PAGE_BYTES) * PAGE_BYTES
     end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
     if end > start:
-        try:
+        with contextlib.suppress(OSError):  # a hint: backing goes on without it
             _libc.madvise(start, end - start, mmap.MADV_NOHUGEPAGE)
-            _libc.madvise(start, end - start, _libc.MADV_POPULATE_WRITE)
-        except OSError:
-            # Kernels before 5.14: one write per page backs it (a read would only map
-            # the shared zero page).
-            block[start - address : end - address : PAGE_BYTES] = 0
+        back_pages(block[start - address : end - address])
     return block
 
 
