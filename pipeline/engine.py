@@ -473,13 +473,20 @@ def _check_unchanged(files: Sequence[DataFile]) -> None:
         f.check_unchanged()
 
 
-def _devices_and_plan(
-    index: WeightIndex, config: Config, devices: Sequence[Device] | None
+def _plan_and_open(
+    index: WeightIndex,
+    files: OpenFiles,
+    config: Config,
+    devices: Sequence[Device] | None,
+    into: list[DataFile],
 ) -> tuple[tuple[Device, ...], Plan]:
     """Blocking: the load's devices (the first discovery imports CuPy and starts CUDA)
-    and its plan (placement rules are matched against every tensor name)."""
+    and its plan (placement rules are matched against every tensor name); then the
+    files to read, opened into ``into`` in the plan's mode."""
     found = tuple(devices) if devices is not None else enumerate_devices(config)
-    return found, make_plan(index, found, config)
+    plan = make_plan(index, found, config)
+    open_data_files(index, files, mode=plan.mode, alignment=config.pipeline.alignment, into=into)
+    return found, plan
 
 
 def _parse_and_plan(
@@ -499,15 +506,7 @@ def _parse_and_plan(
     if index is None:
         return first, None
     indexed = clock()
-    found, plan = _devices_and_plan(index, config, devices)
-    _open_files(index, files, config, plan, into)
-    return first, (index, indexed, found, plan)
-
-
-def _open_files(
-    index: WeightIndex, files: OpenFiles, config: Config, plan: Plan, into: list[DataFile]
-) -> None:
-    open_data_files(index, files, mode=plan.mode, alignment=config.pipeline.alignment, into=into)
+    return first, (index, indexed, *_plan_and_open(index, files, config, devices, into))
 
 
 def _close_all(files: Sequence[DataFile]) -> None:
@@ -567,8 +566,9 @@ async def run_load(
         else:
             index = await open_index(path, threads=threads, files=opened, first=first)
             t1 = hub.elapsed()
-            found, plan = await threads.run_sync(_devices_and_plan, index, config, devices)
-            await threads.run_sync(_open_files, index, opened, config, plan, files)
+            found, plan = await threads.run_sync(
+                _plan_and_open, index, opened, config, devices, files
+            )
         t2 = hub.elapsed()
         load = _Load(
             index,
