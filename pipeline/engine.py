@@ -377,6 +377,11 @@ class _Load:
                 reader.count(job, now, now)
                 self.progress.landed(job)
 
+            # Device jobs are read (and checked) before they land: the read stage starts
+            # now, before the validate stage's first check.
+            began = self.hub.elapsed()
+            for file_index in {job.file_index for job in jobs}:
+                reader.started(file_index, began)
             # The reader checks what it fills (``fill_slot``), piece by piece.
             await uploader.transfer(targets, reader.fill_slot, landed=landed)
             if self.progress.device_landed:

@@ -307,8 +307,14 @@ class Reader:
         stats.nbytes += job.useful_end - job.useful_start
         stats.reads += 1
         stats.busy_s += end - start
-        stats.first_start = start if stats.first_start is None else min(stats.first_start, start)
+        self.started(job.file_index, start)
         stats.last_end = max(stats.last_end, end)
+
+    def started(self, file_index: int, when: float) -> None:
+        """Reading the file began at ``when`` at the latest (the transfer threads, which
+        read and check device jobs before they count as landed, say so up front)."""
+        stats = self.stats[file_index]
+        stats.first_start = when if stats.first_start is None else min(stats.first_start, when)
 
     def _host_read(self, job: ReadJob, image: HostImage | MappedImage) -> None:
         if isinstance(image, MappedImage):
