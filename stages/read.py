@@ -285,7 +285,8 @@ class Reader:
             async for job in jobs:
                 image = self._images[job.buffer_index]
                 assert isinstance(image, HostImage)
-                await self._check_threads.run_sync(self.check_landed, job, image.dest(job))
+                dest = image.dest(job)
+                await self._check_threads.run_sync(self._check_pieces, job, dest, False)
                 await landed.send(job)
 
     def times(self, fill_s: float = 0.0) -> StageTimes:
@@ -326,13 +327,13 @@ class Reader:
             return
         dest = image.dest(job)
         if self._check is not None and not self._direct[job.file_index]:
-            self._read_checked(job, dest)
+            self._check_pieces(job, dest, read=True)
             return
         self._read_into(job, dest)
         if self._swap is not None:
             self._swap(job, dest)
         if self._check is not None and not self.checks_apart(job.file_index):
-            self.check_landed(job, dest)
+            self._check_pieces(job, dest, read=False)
 
     def _resident_locked(self, mapping: FileMapping, job: ReadJob, image: MappedImage) -> bool:
         """Mode ``mlock``: lock the job's pages, which reads them in; False when they
@@ -348,14 +349,10 @@ class Reader:
         """Whether the file's jobs are checked on the check threads, after the read."""
         return self._check is not None and self._direct[file_index]
 
-    def check_landed(self, job: ReadJob, dest: memoryview) -> None:
-        """Check a landed job (``dest`` holds its ``nbytes`` from ``job.file_offset``) in
-        pieces: bounded scratch, and each piece still in the CPU cache."""
-        self._check_pieces(job, dest, read=False)
-
-    def _check_pieces(self, job: ReadJob, dest: memoryview, *, read: bool) -> None:
-        """Check ``job`` in ``dest`` piece by piece, each piece right after it is read
-        (``read``) or as it is (already landed).
+    def _check_pieces(self, job: ReadJob, dest: memoryview, read: bool) -> None:
+        """Check ``job`` in ``dest`` (its ``nbytes`` from ``job.file_offset``) piece by
+        piece: bounded scratch, and each piece still in the CPU cache, right after it is
+        read (``read``: buffered reads of the job, piece by piece) or as it is (landed).
 
         Each check starts at the previous piece: the units that straddle the two are
         whole by then (a unit is scanned once, however many pieces cover it). Only the
@@ -381,25 +378,19 @@ class Reader:
             lo, hi = job.useful_start - job.file_offset, job.useful_end - job.file_offset
             file.read_into(dest[lo:hi], job.useful_start)
 
-    def _read_checked(self, job: ReadJob, dest: memoryview) -> None:
-        """Buffered reads of ``job`` into ``dest`` (its ``nbytes`` from
-        ``job.file_offset``), piece by piece: each piece is checked right after it
-        lands, still in the CPU's cache."""
-        self._check_pieces(job, dest, read=True)
-
     def fill_slot(self, job: ReadJob, slot: memoryview) -> None:
         """Read ``job`` into a staging slot (``slot`` is ``job.nbytes`` long), in the
         file's native byte order, and check it: buffered reads piece by piece as they
         land (a slot is bigger than the CPU's cache), ``O_DIRECT`` reads once the slot is
         full. Runs on a transfer thread, before the slot's copy is queued."""
         if self._check is not None and not self._direct[job.file_index]:
-            self._read_checked(job, slot)
+            self._check_pieces(job, slot, read=True)
             return
         self._read_into(job, slot)
         if self._swap is not None:
             self._swap(job, slot)
         if self._check is not None:
-            self.check_landed(job, slot)
+            self._check_pieces(job, slot, read=False)
 
 
 class _Feed:

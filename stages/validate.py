@@ -995,7 +995,7 @@ class Validation:
     ``direct``) and every device tensor (its pieces pass through a staging slot in every
     mode) are checked piece by piece as they land: the read and transfer threads call
     ``check_piece``, and ``tensors_ready`` then checks the few units that straddled two
-    pieces. Every other tensor (mapped, or with bytes swapped after the read) is checked
+    jobs. Every other tensor (mapped, or with bytes swapped after the read) is checked
     whole by ``tensors_ready``, on the check threads, while the load goes on; a mapped
     one through reads of its file (``FileBytes`` says why). ``failures`` lists every bad
     tensor in index order; ``times`` is the stage's work, both ways together.
