@@ -28,9 +28,8 @@ import itertools
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -75,14 +74,20 @@ class _Call(Generic[T]):
 
 class _Worker:
     """One pooled OS thread. Between loads it waits on its inbox for the next lane to
-    serve (a ``LoadThreads``' queue), then for ``IDLE_S`` at most."""
+    serve (a ``LoadThreads``' queue), then for ``IDLE_S`` at most. A lane's owner hands
+    the worker back to the pool when it leaves: the worker may still be on its way out
+    of that lane, and serves the next one from its inbox after it."""
 
     def __init__(self, pool: _Pool, number: int) -> None:
         self._pool = pool
-        # A lane to serve; what it returns is run once the worker is back in the pool.
-        self.inbox: queue.SimpleQueue[Callable[[], Callable[[], None] | None]] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name=f"{IDLE_NAME} {number}", daemon=True)
+        # Lanes to serve, in order; ``_QUIT`` ends the thread.
+        self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=self.idle_name(number), daemon=True)
         self.number = number
+
+    @staticmethod
+    def idle_name(number: int) -> str:
+        return f"{IDLE_NAME} {number}"
 
     def _run(self) -> None:
         at_load_priority()
@@ -94,15 +99,9 @@ class _Worker:
                 if self._pool.retire(self):
                     return
                 continue  # taken just now: its lane is on the way
-            then = serve()
-            self.thread.name = f"{IDLE_NAME} {self.number}"
-            # Back in the pool before the lane's owner hears of it, so that a load
-            # that starts right after this one finds the thread.
-            kept = self._pool.give_back(self)
-            if then is not None:
-                then()
-            if not kept:
+            if serve is _QUIT:
                 return
+            serve()
 
 
 class _Pool:
@@ -121,7 +120,9 @@ class _Pool:
         self._idle: list[_Worker] = []
         self._numbers = itertools.count()
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
-        self._starter: threading.Thread | None = None
+        # Someone has taken on starting the starter (or started it); False again if
+        # that failed, so that the next request tries.
+        self._starter_claimed = False
         self._starter_promised = False  # the first thread will start it
 
     async def take(self, count: int) -> list[_Worker]:
@@ -138,7 +139,8 @@ class _Pool:
                 first.thread.start()
             except BaseException:
                 with self._lock:
-                    self._starter_promised = False  # the next caller starts the starter
+                    # The next caller starts the starter.
+                    self._starter_claimed = self._starter_promised = False
                 raise
             reused.append(first)
             if len(reused) == count:
@@ -146,8 +148,7 @@ class _Pool:
         try:
             return reused + await self._started(count - len(reused))
         except BaseException:
-            for worker in reused:
-                worker.inbox.put(_nothing)  # straight back to the pool
+            self.give_back(reused)
             raise
 
     def _take_idle(self, count: int) -> list[_Worker]:
@@ -176,45 +177,58 @@ class _Pool:
     def _ask(self, request: _Request) -> None:
         self._requests.put(request)  # served once the starter runs
         with self._lock:
-            if self._starter is None and not self._starter_promised:
-                self._start_starter()
+            if self._starter_claimed:
+                return
+            self._starter_claimed = True
+        try:
+            self._start_starter()
+        except BaseException:
+            self._unclaim_starter()
+            raise
 
     def _first_start(self) -> bool:
         """Whether the caller is to start the process's first thread itself (nothing
         was ever started); that thread then starts the starter."""
         with self._lock:
-            if self._starter is not None or self._starter_promised:
+            if self._starter_claimed:
                 return False
-            self._starter_promised = True
+            self._starter_claimed = self._starter_promised = True
             return True
 
     def start_promised_starter(self) -> None:
-        """From the first thread: start the starter the first ``take`` promised. If it
+        """From a new thread: start the starter if the first ``take`` promised it. If it
         cannot be started, the requests waiting for it fail with the reason (a caller
         would wait for ever), and the next request starts it on its caller's thread."""
         with self._lock:
-            if self._starter is not None or not self._starter_promised:
+            if not self._starter_promised:
                 return
-            try:
-                self._start_starter()
-            except Exception as exc:
-                self._starter_promised = False
-                while True:
-                    try:
-                        request = self._requests.get_nowait()
-                    except queue.Empty:
-                        break
-                    if request.reply is not None:
-                        request.error = exc
-                        request.reply()
+            self._starter_promised = False
+        try:
+            self._start_starter()
+        except Exception as exc:
+            # Unclaimed first: a request that comes after the queue is emptied starts
+            # the starter on its caller's thread.
+            self._unclaim_starter()
+            while True:
+                try:
+                    request = self._requests.get_nowait()
+                except queue.Empty:
+                    break
+                if request.reply is not None:
+                    request.error = exc
+                    request.reply()
 
     def _start_starter(self) -> None:
-        # Under the lock.
+        """Start the starter (claimed by the caller). Not under the lock: a start waits
+        for the new thread to run, and the loop's thread may want the lock meanwhile."""
         starter = threading.Thread(
             target=self._start_threads, name=f"{IDLE_NAME} starter", daemon=True
         )
         starter.start()
-        self._starter = starter
+
+    def _unclaim_starter(self) -> None:
+        with self._lock:
+            self._starter_claimed = False
 
     def _start_threads(self) -> None:
         while True:
@@ -231,24 +245,26 @@ class _Pool:
                     worker = _Worker(self, next(self._numbers))
                     worker.thread.start()
                     if reserving:
-                        worker.inbox.put(_nothing)  # it puts itself in the pool
+                        self.give_back([worker])
                     else:
                         request.started.append(worker)
             except BaseException as exc:  # handed to the caller (a reservation is a hint)
                 request.error = exc
-                for worker in request.started:
-                    worker.inbox.put(_nothing)
+                self.give_back(request.started)
                 request.started = []
             if request.reply is not None:
                 request.reply()
 
-    def give_back(self, worker: _Worker) -> bool:
-        """From the worker's thread, its lane ended: whether it stays (else it ends)."""
+    def give_back(self, workers: Sequence[_Worker]) -> None:
+        """Workers whose lane has ended (or was never served) back into the pool,
+        idle-named; past the pool's cap they end instead."""
         with self._lock:
-            if len(self._idle) >= _max_idle():
-                return False
-            self._idle.append(worker)
-            return True
+            for worker in workers:
+                worker.thread.name = worker.idle_name(worker.number)
+                if len(self._idle) < _max_idle():
+                    self._idle.append(worker)
+                else:
+                    worker.inbox.put(_QUIT)
 
     def retire(self, worker: _Worker) -> bool:
         """From an idle worker's thread after ``IDLE_S``: whether it may end (False: a
@@ -268,8 +284,7 @@ class _Pool:
         self._lock = threading.Lock()
         self._idle = []
         self._requests = queue.SimpleQueue()
-        self._starter = None
-        self._starter_promised = False
+        self._starter_claimed = self._starter_promised = False
 
 
 @dataclass(slots=True)
@@ -282,8 +297,11 @@ class _Request:
     error: BaseException | None = None
 
 
-def _nothing() -> None:
-    return None
+def _quit() -> None:
+    raise AssertionError("_QUIT is a marker, never called")
+
+
+_QUIT: Callable[[], None] = _quit
 
 
 def _max_idle() -> int:
@@ -321,8 +339,6 @@ class LoadThreads:
         self._queue: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
         self._workers: list[_Worker] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
-        self._serving = 0
-        self._all_back: anyio.Event | None = None
 
     @property
     def count(self) -> int:
@@ -331,9 +347,7 @@ class LoadThreads:
 
     async def __aenter__(self) -> LoadThreads:
         self._token = anyio.lowlevel.current_token()
-        self._all_back = anyio.Event()
         self._workers = await _POOL.take(self._count)
-        self._serving = len(self._workers)
         for i, worker in enumerate(self._workers):
             worker.thread.name = f"{self._name}-{i}"
             worker.inbox.put(self._serve)
@@ -345,14 +359,16 @@ class LoadThreads:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # Every call has returned (``run_sync`` waits for its call, also when cancelled):
+        # what is left in the queue are these ends, one per thread. The threads go back
+        # to the pool at once, without a round trip through the loop; one that a next
+        # lender takes before it has read its end serves that lender right after.
         for _ in self._workers:
             self._queue.put(None)
-        assert self._all_back is not None
-        with anyio.CancelScope(shield=True):
-            await self._all_back.wait()
+        _POOL.give_back(self._workers)
         self._workers = []
 
-    def _serve(self) -> Callable[[], None]:
+    def _serve(self) -> None:
         while (call := self._queue.get()) is not None:
             _running.call = call  # what ``call_soon`` from this thread reports to
             try:
@@ -365,13 +381,6 @@ class LoadThreads:
             # Scheduled, not waited for: the thread goes on to the next call at once.
             # After every ``call_soon`` of the call: the loop runs them in order.
             self._on_loop(call.done.set)
-        return partial(self._on_loop, self._one_back)
-
-    def _one_back(self) -> None:
-        self._serving -= 1
-        if self._serving == 0:
-            assert self._all_back is not None
-            self._all_back.set()
 
     def _on_loop(self, fn: Callable[[], object]) -> None:
         token = self._token

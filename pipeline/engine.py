@@ -33,6 +33,7 @@ import os
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import anyio
@@ -48,7 +49,7 @@ from aiogguf.errors import (
     from_os_error,
 )
 from aiogguf.events import ProgressHub, Stage
-from aiogguf.images import DeviceImage
+from aiogguf.images import DeviceImage, Image
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile
@@ -61,13 +62,15 @@ from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import (
     Allocation,
     TensorSpans,
+    allocate_host_images,
+    close_images,
     job_bytes,
     layout_buffers,
     split_jobs,
     tensor_slots,
 )
 from aiogguf.stages.index import open_index, read_whole_model
-from aiogguf.stages.plan import make_plan
+from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import (
     ByteSwap,
     Reader,
@@ -174,8 +177,8 @@ class _Load:
     def __init__(
         self,
         index: WeightIndex,
-        plan: Plan,
-        devices: Sequence[Device],
+        prepared: _Prepared,
+        images: list[Image | None],
         config: Config,
         hub: ProgressHub,
         *,
@@ -186,23 +189,19 @@ class _Load:
         self.threads = threads  # the load's thread for its one-off blocking calls
         self.files = files  # open, one per file of the model
         self.index = index
-        self.plan = plan
-        self.devices = {d.name: d for d in devices}
+        self.plan = plan = prepared.plan
+        self.devices = {d.name: d for d in prepared.devices}
         self.config = config
         self.hub = hub
         self.mode = plan.mode
         self.alignment = config.pipeline.alignment
-        self.layouts = layout_buffers(plan, self.alignment)
-        self.slots: dict[str, TensorSlot] = tensor_slots(index, self.layouts)
-        self.spans = TensorSpans(index, self.layouts)
+        self.layouts = prepared.layouts
+        self.slots = prepared.slots
+        self.spans = prepared.spans
         self.swap = needs_swap(index.byte_order)
+        # Host images exist already (``images``); device ones are allocated by ``run``.
         self.allocation = Allocation(
-            self.layouts,
-            mapped=self.mode in ("mmap", "mlock"),
-            writable=self.swap,
-            alignment=self.alignment,
-            prefetch=config.load.prefetch,
-            clock=hub.elapsed,
+            self.layouts, images, clock=hub.elapsed, host_times=prepared.host_times
         )
         self.images = self.allocation.images
         self.warnings: list[str] = list(plan.warnings)
@@ -219,7 +218,6 @@ class _Load:
         files = self.files
         for warning in direct_refusals(files, self.mode):
             self._warn(warning)
-        stack.push_async_callback(_free_images, self.allocation, self.threads)
         limiters, disks = disk_limiters(files, self.config)
         threads = await stack.enter_async_context(
             LoadThreads(int(sum(lim.total_tokens for lim in set(limiters))))
@@ -317,7 +315,7 @@ class _Load:
                 self.alignment,
                 # With checks on, a mapped tensor is checked once its job has landed:
                 # the reads' own size lets the checks start sooner.
-                mapped=self.mode in ("mmap", "mlock") and not self.config.load.check_tensors,
+                mapped=self.mode in MAPPED_MODES and not self.config.load.check_tensors,
             ),
             slot_bytes=uploader.slot_bytes if uploader is not None else None,
             aligned=self.mode == "direct",
@@ -330,12 +328,8 @@ class _Load:
         # loop iteration per tensor.
         ready_send, ready_recv = anyio.create_memory_object_stream[list[str]](pipeline.queue_depth)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                self.allocation.run,
-                files,
-                uploader.allocate if uploader is not None else None,
-                self.threads,
-            )
+            if uploader is not None:
+                tg.start_soon(self.allocation.run, uploader.allocate)
             if device_jobs:
                 assert uploader is not None
                 tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
@@ -465,11 +459,11 @@ async def _batches(stream: MemoryObjectReceiveStream[list[str]]) -> AsyncIterato
         yield batch
 
 
-async def _free_images(allocation: Allocation, threads: LoadThreads) -> None:
+async def _free_images(images: list[Image | None], threads: LoadThreads) -> None:
     """Free the images the model did not take (a failed load); no thread call when
     there are none (a load that succeeded)."""
-    if allocation.owns_images:
-        await threads.run_sync(allocation.close)
+    if any(image is not None for image in images):
+        await threads.run_sync(close_images, images)
 
 
 def _check_unchanged(files: Sequence[DataFile]) -> None:
@@ -478,20 +472,57 @@ def _check_unchanged(files: Sequence[DataFile]) -> None:
         f.check_unchanged()
 
 
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What the blocking front of a load hands the loop: devices, plan, buffer layouts,
+    where each tensor sits, and when the host images (already allocated) were made."""
+
+    devices: tuple[Device, ...]
+    plan: Plan
+    planned: float  # on the load's clock
+    layouts: tuple[BufferLayout, ...]
+    slots: dict[str, TensorSlot]
+    spans: TensorSpans
+    host_times: StageTimes
+
+
 def _plan_and_open(
     index: WeightIndex,
     files: OpenFiles,
     config: Config,
     devices: Sequence[Device] | None,
+    clock: Callable[[], float],
     into: list[DataFile],
-) -> tuple[tuple[Device, ...], Plan]:
+    images: list[Image | None],
+) -> _Prepared:
     """Blocking: the load's devices (the first discovery imports CuPy and starts CUDA)
     and its plan (placement rules are matched against every tensor name); then the
-    files to read, opened into ``into`` in the plan's mode."""
+    files to read, opened into ``into`` in the plan's mode, the buffers laid out, and
+    the host images allocated into ``images``."""
     found = tuple(devices) if devices is not None else enumerate_devices(config)
     plan = make_plan(index, found, config)
-    open_data_files(index, files, mode=plan.mode, alignment=config.pipeline.alignment, into=into)
-    return found, plan
+    alignment = config.pipeline.alignment
+    open_data_files(index, files, mode=plan.mode, alignment=alignment, into=into)
+    planned = clock()
+    layouts = layout_buffers(plan, alignment)
+    slots = tensor_slots(index, layouts)
+    spans = TensorSpans(index, layouts)
+    began = clock()
+    allocate_host_images(
+        layouts,
+        into,
+        images,
+        mapped=plan.mode in MAPPED_MODES,
+        writable=needs_swap(index.byte_order),
+        alignment=alignment,
+        prefetch=config.load.prefetch,
+    )
+    hosted = [lay for lay in layouts if lay.plan.host]
+    ended = clock()
+    host_times = StageTimes(
+        began, ended, ended - began, len(hosted), sum(lay.nbytes for lay in hosted)
+    )
+    return _Prepared(found, plan, planned, layouts, slots, spans, host_times)
 
 
 def _parse_and_plan(
@@ -501,17 +532,19 @@ def _parse_and_plan(
     devices: Sequence[Device] | None,
     clock: Callable[[], float],
     into: list[DataFile],
-) -> tuple[ParsedFile, tuple[WeightIndex, float, tuple[Device, ...], Plan] | None]:
-    """Blocking: a single-file model parsed, indexed, planned and opened for reading
-    (into ``into``) in one call: each call is a round trip through the loop, and in a
-    fresh process the round trips cost as much as the work. Returns the header and
-    (index, when it was indexed, devices, plan); for a split set only the first file's
-    header, and nothing is opened."""
+    images: list[Image | None],
+) -> tuple[ParsedFile, tuple[WeightIndex, float, _Prepared] | None]:
+    """Blocking: a single-file model parsed, indexed, planned, opened for reading (into
+    ``into``) and its host images allocated (into ``images``) in one call: each call is
+    a round trip through the loop, and in a fresh process the round trips cost as much
+    as the work. Returns the header and (index, when it was indexed, the rest); for a
+    split set only the first file's header, and nothing is opened."""
     first, index = read_whole_model(path, files)
     if index is None:
         return first, None
     indexed = clock()
-    return first, (index, indexed, *_plan_and_open(index, files, config, devices, into))
+    prepared = _plan_and_open(index, files, config, devices, clock, into, images)
+    return first, (index, indexed, prepared)
 
 
 def _close_all(files: Sequence[DataFile]) -> None:
@@ -560,25 +593,29 @@ async def run_load(
         # Transfer threads are started when the plan asks for them.
         reserve_threads(load_thread_count(config, uploads=False) - 1)
         # The files to read, opened (duplicates of the parsed descriptors) by the same
-        # call that plans a single-file model; closed with the stack.
+        # call that plans a single-file model, and the host images it allocates; both
+        # freed with the stack unless the model takes the images.
         files: list[DataFile] = []
         stack.callback(_close_all, files)
+        images: list[Image | None] = []
+        stack.push_async_callback(_free_images, images, threads)
         first, whole = await threads.run_sync(
-            _parse_and_plan, os.fspath(path), opened, config, devices, hub.elapsed, files
+            _parse_and_plan, os.fspath(path), opened, config, devices, hub.elapsed, files, images
         )
         if whole is not None:
-            index, t1, found, plan = whole
+            index, t1, prepared = whole
         else:
             index = await open_index(path, threads=threads, files=opened, first=first)
             t1 = hub.elapsed()
-            found, plan = await threads.run_sync(
-                _plan_and_open, index, opened, config, devices, files
+            prepared = await threads.run_sync(
+                _plan_and_open, index, opened, config, devices, hub.elapsed, files, images
             )
-        t2 = hub.elapsed()
+        t2 = prepared.planned
+        plan = prepared.plan
         load = _Load(
             index,
-            plan,
-            found,
+            prepared,
+            images,
             config,
             hub,
             threads=threads,

@@ -21,7 +21,6 @@ from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
 from aiogguf.io.devices.base import DeviceBuffer
 from aiogguf.io.files import DataFile, align_down, align_up
 from aiogguf.io.mapping import FileMapping, MapAdvice, numa_nodes
-from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import BufferLayout, RangeSlot, ReadJob, StageMeter, StageTimes, TensorSlot
 from aiogguf.records import Plan, WeightIndex
 
@@ -30,7 +29,9 @@ __all__ = [
     "TensorSpans",
     "advise",
     "allocate_host",
+    "allocate_host_images",
     "allocate_mapped",
+    "close_images",
     "job_bytes",
     "layout_buffers",
     "load_order",
@@ -232,72 +233,85 @@ def allocate_mapped(
     return MappedImage(layout, mappings)
 
 
-class Allocation:
-    """The images of one load, allocated in load order, device-bound first; whoever
-    needs buffer ``k`` awaits ``ready(k)``, so readers of a buffer start as soon as it
-    exists while later ones are still being allocated. ``images`` (indexed by buffer)
-    owns them until ``take()``; ``close()`` frees what is left (a failed load)."""
+def allocate_host_images(
+    layouts: Sequence[BufferLayout],
+    files: Sequence[DataFile],
+    into: list[Image | None],
+    *,
+    mapped: bool,
+    writable: bool,
+    alignment: int,
+    prefetch: bool,
+) -> None:
+    """Blocking: every host buffer's image, put in ``into`` (indexed by buffer, as long as
+    ``layouts``) as soon as it exists, so that the caller frees it if a later one fails.
 
-    def __init__(
-        self,
-        layouts: Sequence[BufferLayout],
-        *,
-        mapped: bool,
-        writable: bool,
-        alignment: int,
-        prefetch: bool,
-        clock: Callable[[], float],
-    ) -> None:
-        """``mapped``: host buffers are mappings of the file (else anonymous memory,
-        aligned to ``alignment``); ``writable``: the bytes are swapped in place (such
-        buffers are copies, but for lazy ranges); ``prefetch`` asks the kernel to read
-        mapped ranges ahead."""
-        self.layouts = layouts
-        self.images: list[Image | None] = [None] * len(layouts)
-        self._ready = [anyio.Event() for _ in layouts]
-        self._mapped = mapped
-        self._writable = writable
-        self._alignment = alignment
-        self._prefetch = prefetch
-        self._meter = StageMeter(clock)
-
-    async def run(
-        self,
-        files: Sequence[DataFile],
-        allocate_device: Callable[[str, int], Awaitable[DeviceBuffer]] | None,
-        threads: LoadThreads,
-    ) -> None:
-        """Allocate every buffer; ``allocate_device(device, nbytes)`` makes device ones,
-        ``threads`` the host ones (one call each)."""
-        staged = [lay for lay in self.layouts if not lay.plan.host]
-        for layout in staged + [lay for lay in self.layouts if lay.plan.host]:
-            k = layout.index
-            with self._meter.span(items=1, nbytes=layout.nbytes):
-                if not layout.plan.host:
-                    assert allocate_device is not None, "device buffers need an uploader"
-                    buffer = await allocate_device(layout.plan.device, max(layout.nbytes, 1))
-                    self.images[k] = DeviceImage(layout, buffer)
-                else:
-                    await threads.run_sync(self._allocate_host, layout, files)
-            self._ready[k].set()
-
-    def _allocate_host(self, layout: BufferLayout, files: Sequence[DataFile]) -> None:
-        """Blocking: host buffer ``layout``, owned (in ``images``) as soon as it exists,
-        so that a load cancelled meanwhile still frees it."""
-        if self._mapped and (layout.plan.lazy or not self._writable):
+    ``mapped``: host buffers are mappings of the file (else anonymous memory, aligned to
+    ``alignment``); ``writable``: the bytes are swapped in place (such buffers are copies,
+    but for lazy ranges); ``prefetch`` asks the kernel to read mapped ranges ahead."""
+    into[:] = [None] * len(layouts)
+    for layout in layouts:
+        if not layout.plan.host:
+            continue
+        if mapped and (layout.plan.lazy or not writable):
             # Big-endian files are copied even in the mapped modes (lazy ranges stay
             # mapped: nothing reads them during the load): swapping in place writes
             # every page of a private mapping, so a mapping would save no memory, and
             # the swap's own writes would be exposed to SIGBUS if the file were cut.
-            image = allocate_mapped(layout, files, writable=self._writable)
-            self.images[layout.index] = image
-            advise(image, numa=numa_nodes() > 1, prefetch=self._prefetch)
+            image = allocate_mapped(layout, files, writable=writable)
+            into[layout.index] = image
+            advise(image, numa=numa_nodes() > 1, prefetch=prefetch)
         else:
-            self.images[layout.index] = allocate_host(layout, self._alignment)
+            into[layout.index] = allocate_host(layout, alignment)
+
+
+class Allocation:
+    """The images of one load: host ones allocated before it starts
+    (``allocate_host_images``, with the plan), device ones by ``run``; whoever needs
+    buffer ``k`` awaits ``ready(k)``, so readers of a buffer start as soon as it exists
+    while later ones are still being allocated. ``images`` (indexed by buffer, shared
+    with the engine, which frees what is left in it if the load fails: ``close_images``)
+    holds them until ``take()``."""
+
+    def __init__(
+        self,
+        layouts: Sequence[BufferLayout],
+        images: list[Image | None],
+        *,
+        clock: Callable[[], float],
+        host_times: StageTimes | None = None,
+    ) -> None:
+        """``images``: the host images, shared (the caller frees what is left in it if
+        the load fails); ``host_times``: when they were allocated."""
+        self.layouts = layouts
+        self.images = images
+        self._ready = {lay.index: anyio.Event() for lay in layouts if not lay.plan.host}
+        self._meter = StageMeter(clock)
+        if host_times is not None:
+            self._meter.add(
+                host_times.start_s,
+                host_times.end_s,
+                items=host_times.items,
+                nbytes=host_times.nbytes,
+            )
+
+    async def run(
+        self, allocate_device: Callable[[str, int], Awaitable[DeviceBuffer]] | None
+    ) -> None:
+        """Allocate every device buffer with ``allocate_device(device, nbytes)``."""
+        for layout in self.layouts:
+            if layout.plan.host:
+                continue
+            assert allocate_device is not None, "device buffers need an uploader"
+            with self._meter.span(items=1, nbytes=layout.nbytes):
+                buffer = await allocate_device(layout.plan.device, max(layout.nbytes, 1))
+                self.images[layout.index] = DeviceImage(layout, buffer)
+            self._ready[layout.index].set()
 
     async def ready(self, k: int) -> Image:
         """Buffer ``k``'s image, once it exists."""
-        await self._ready[k].wait()
+        if (event := self._ready.get(k)) is not None:
+            await event.wait()
         image = self.images[k]
         assert image is not None
         return image
@@ -308,20 +322,16 @@ class Allocation:
         self.images[:] = [None] * len(self.images)
         return images
 
-    @property
-    def owns_images(self) -> bool:
-        """Whether any image is still owned here (not taken, not closed)."""
-        return any(image is not None for image in self.images)
-
-    def close(self) -> None:
-        """Blocking: free every image still owned."""
-        for i, image in enumerate(self.images):
-            if image is not None:
-                image.close()
-                self.images[i] = None
-
     def times(self) -> StageTimes:
         return self._meter.times()
+
+
+def close_images(images: list[Image | None]) -> None:
+    """Blocking: free every image still in ``images`` (a failed load's)."""
+    for i, image in enumerate(images):
+        if image is not None:
+            image.close()
+            images[i] = None
 
 
 def advise(image: MappedImage, *, numa: bool, prefetch: bool) -> None:
