@@ -23,6 +23,7 @@ for a core (anyio's worker threads get every call through the loop).
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import itertools
 import os
@@ -219,18 +220,20 @@ class _Pool:
                     request.reply()
 
     def _start_starter(self) -> None:
-        """Start the starter (claimed by the caller). Not under the lock: a start waits
-        for the new thread to run, and the loop's thread may want the lock meanwhile."""
-        starter = threading.Thread(
-            target=self._start_threads, name=f"{IDLE_NAME} starter", daemon=True
-        )
-        starter.start()
+        """Start the starter (claimed by the caller), without waiting for it to run: a
+        ``threading.Thread`` start waits for the new thread to take the GIL, and the
+        first thread, which starts the starter, has a load's first call to make. The
+        starter is no ``threading.Thread``: nothing joins it, and it never ends."""
+        _thread.start_new_thread(self._start_threads, ())
 
     def _unclaim_starter(self) -> None:
         with self._lock:
             self._starter_claimed = False
 
     def _start_threads(self) -> None:
+        # Registered with ``threading`` (as a dummy thread) under the idle name: it
+        # works for no load.
+        threading.current_thread().name = f"{IDLE_NAME} starter"
         while True:
             request = self._requests.get()
             reserving = request.reply is None

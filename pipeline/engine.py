@@ -208,6 +208,7 @@ class _Load:
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
         self.progress = _Progress(hub, plan, self.layouts, self.spans, index)
         self._prefault_threads: LoadThreads | None = None  # direct mode: backs pages ahead
+        self._staged_files: set[int] = set()  # files the transfer threads read from
 
     # --- the whole load ---------------------------------------------------------------
 
@@ -282,8 +283,11 @@ class _Load:
         uploads = uploader.stats if uploader is not None else ()
         # A file truncated, rewritten, replaced or deleted while it was read makes a
         # model whose bytes no longer match its file (and, mapped, one that a later
-        # read of a cut-off page would kill): the load fails instead.
-        await self.threads.run_sync(_check_unchanged, files)
+        # read of a cut-off page would kill): the load fails instead. The readers
+        # checked the files that only they read; those the transfer threads read too
+        # are checked here.
+        if staged := [files[i] for i in sorted(self._staged_files)]:
+            await self.threads.run_sync(_check_unchanged, staged)
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
                 self._warn(f"{f.path}: {f.direct_refusal}; the rest was read with mode 'none'")
@@ -320,6 +324,7 @@ class _Load:
             slot_bytes=uploader.slot_bytes if uploader is not None else None,
             aligned=self.mode == "direct",
         )
+        self._staged_files = {job.file_index for job in device_jobs}
         # Room for every host job: reader threads hand over landed jobs without waiting.
         landed_send, landed_recv = anyio.create_memory_object_stream[ReadJob](
             max(1, sum(len(file_jobs) for file_jobs in jobs))
@@ -342,6 +347,11 @@ class _Load:
                         self.allocation.ready,
                         landed_send.clone(),
                         prefault=self._prefault_threads,
+                        verify=(
+                            None
+                            if file_index in self._staged_files
+                            else files[file_index].check_unchanged
+                        ),
                     )
                 )
             landed_send.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -222,9 +223,12 @@ class Reader:
         landed: MemoryObjectSendStream[ReadJob],
         *,
         prefault: LoadThreads | None = None,
+        verify: Callable[[], None] | None = None,
     ) -> None:
         """Read one file's ``jobs`` and send each to ``landed`` once its bytes are there
-        (and checked, for checks apart).
+        (and checked, for checks apart). ``verify`` runs on the reader thread that
+        finishes last, after every job has been read (the check that the file did not
+        change meanwhile: no extra trip through the loop for it).
 
         The file's disk allows ``readers`` at once: that many of the load's threads each
         take the next job, read it and take the next, with no loop round trip between
@@ -235,8 +239,8 @@ class Reader:
         page faults. It never holds a job back: a reader that catches up faults its own
         pages (two readers then back memory side by side, faster than the one helper).
         """
-        feed = _Feed()
         readers = int(self._limiters[file_index].total_tokens)
+        feed = _Feed(readers)
         async with landed, anyio.create_task_group() as tg:
             if self.checks_apart(file_index):
                 # Checked on the check threads while the readers go on: the landed jobs
@@ -259,23 +263,34 @@ class Reader:
             async def serve() -> None:
                 async with self._limiters[file_index]:
                     await self._threads.run_sync(
-                        self._serve_feed, feed, on_landed, on_cancel=feed.stop
+                        self._serve_feed, feed, on_landed, verify, on_cancel=feed.stop
                     )
 
             async with out, anyio.create_task_group() as readers_tg:
                 for _ in range(readers):
                     readers_tg.start_soon(serve)
                 await _hand_out(jobs, feed, image_of, prefault)
-                feed.close(readers)
+                feed.close()
 
-    def _serve_feed(self, feed: _Feed, on_landed: Callable[[ReadJob, float, float], None]) -> None:
-        """Blocking, one reader thread: read jobs from ``feed`` until it ends."""
-        while (job := feed.get()) is not None:
-            image = self._images[job.buffer_index]
-            assert isinstance(image, HostImage | MappedImage)
-            start = self._clock()
-            self._host_read(job, image)
-            self._threads.call_soon(on_landed, job, start, self._clock())
+    def _serve_feed(
+        self,
+        feed: _Feed,
+        on_landed: Callable[[ReadJob, float, float], None],
+        verify: Callable[[], None] | None,
+    ) -> None:
+        """Blocking, one reader thread: read jobs from ``feed`` until it ends; the last
+        reader to leave a feed that was not stopped runs ``verify``."""
+        try:
+            while (job := feed.get()) is not None:
+                image = self._images[job.buffer_index]
+                assert isinstance(image, HostImage | MappedImage)
+                start = self._clock()
+                self._host_read(job, image)
+                self._threads.call_soon(on_landed, job, start, self._clock())
+        finally:
+            last = feed.leave()
+        if last and verify is not None and not feed.stopped:
+            verify()
 
     async def _check_apart(
         self, jobs: MemoryObjectReceiveStream[ReadJob], landed: MemoryObjectSendStream[ReadJob]
@@ -394,29 +409,38 @@ class Reader:
 
 
 class _Feed:
-    """One file's jobs, from the loop to its reader threads. ``None`` ends a reader;
+    """One file's jobs, from the loop to its ``readers`` threads. ``None`` ends a reader;
     ``stop`` ends them all after the job each is reading (cancellation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, readers: int) -> None:
         self._queue: queue.SimpleQueue[ReadJob | None] = queue.SimpleQueue()
-        self._stopped = False
+        self._readers = readers
+        self._left = 0
+        self._lock = threading.Lock()
+        self.stopped = False
 
     def put(self, job: ReadJob) -> None:
         self._queue.put(job)
 
     def get(self) -> ReadJob | None:
         job = self._queue.get()
-        return None if self._stopped else job
+        return None if self.stopped else job
 
-    def close(self, readers: int) -> None:
-        """No more jobs: each of ``readers`` ends once the queue is empty."""
-        for _ in range(readers):
+    def close(self) -> None:
+        """No more jobs: each reader ends once the queue is empty."""
+        for _ in range(self._readers):
             self._queue.put(None)
 
     def stop(self) -> None:
         """From the loop (one reader's cancellation): every reader ends after its job."""
-        self._stopped = True
+        self.stopped = True
         self._queue.put(None)
+
+    def leave(self) -> bool:
+        """A reader is done with the feed: whether it is the last of them."""
+        with self._lock:
+            self._left += 1
+            return self._left == self._readers
 
 
 async def _hand_out(
@@ -426,11 +450,14 @@ async def _hand_out(
     prefault: LoadThreads | None,
 ) -> None:
     """Put one file's jobs on ``feed`` in load order, each once its buffer exists."""
-    handed = 0  # jobs handed out so far
+    if prefault is None:
+        await _put_jobs(jobs, feed, image_of)
+        return
+    handed = [0]  # jobs handed out so far
 
     async def prefault_ahead(threads: LoadThreads) -> None:
         i = 0
-        while (i := max(i, handed)) < len(jobs):
+        while (i := max(i, handed[0])) < len(jobs):
             job = jobs[i]
             image = await image_of(job.buffer_index)
             if isinstance(image, HostImage):
@@ -438,15 +465,25 @@ async def _hand_out(
             i += 1
 
     async with anyio.create_task_group() as tg:
-        if prefault is not None:
-            tg.start_soon(prefault_ahead, prefault)
-        allocated: set[int] = set()
-        for job in jobs:
-            # Awaited once per buffer, not per job: an await passes through the loop,
-            # and the readers must not wait for the loop between jobs.
-            if job.buffer_index not in allocated:
-                await image_of(job.buffer_index)
-                allocated.add(job.buffer_index)
-            feed.put(job)
-            handed += 1
+        tg.start_soon(prefault_ahead, prefault)
+        await _put_jobs(jobs, feed, image_of, handed)
         tg.cancel_scope.cancel()  # nothing is left to back ahead of the readers
+
+
+async def _put_jobs(
+    jobs: Sequence[ReadJob],
+    feed: _Feed,
+    image_of: Callable[[int], Awaitable[Image]],
+    handed: list[int] | None = None,
+) -> None:
+    """Put ``jobs`` on ``feed``, counting them in ``handed[0]``."""
+    allocated: set[int] = set()
+    for i, job in enumerate(jobs):
+        # Awaited once per buffer, not per job: an await passes through the loop,
+        # and the readers must not wait for the loop between jobs.
+        if job.buffer_index not in allocated:
+            await image_of(job.buffer_index)
+            allocated.add(job.buffer_index)
+        feed.put(job)
+        if handed is not None:
+            handed[0] = i + 1
