@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import functools
 import itertools
 import os
 import queue
@@ -307,6 +308,7 @@ def _quit() -> None:
 _QUIT: Callable[[], None] = _quit
 
 
+@functools.cache
 def _max_idle() -> int:
     # Enough for the busiest load a machine runs (readers, transfers and checks).
     return 4 * (os.cpu_count() or 1) + 8

@@ -252,6 +252,8 @@ class PipelineConfig(_Section):
 
     def path_limit(self, path: str | os.PathLike[str]) -> PathLimit | None:
         """The ``[[pipeline.path]]`` entry with the longest prefix holding ``path``."""
+        if not self.path:
+            return None  # nothing to resolve the path for
         p = _resolve(path)
         best: PathLimit | None = None
         best_len = -1
