@@ -2,9 +2,10 @@
 
 Each planned buffer becomes an image of the file ranges it holds (design §2.1). Host
 buffers are page-aligned anonymous memory (``none``, ``direct``) or mappings of exactly
-the group's ranges (``mmap``, ``mlock``); device buffers come from the device backend.
-Work is emitted in load order: device-bound buffers first, ranges holding the biggest
-tensors first; host buffers after, in file order (sequential reads are the fastest).
+the group's ranges (``mmap``, ``mlock``), allocated in one blocking call with the plan
+(``allocate_host_images``); device buffers come from the device backend (``Allocation``).
+Work is emitted in load order: device-bound ranges first, those holding the biggest
+tensors first; host ranges after, in file order (sequential reads are the fastest).
 The stage also owns the advice its mappings get (``advise``); in mode ``mlock`` the read
 stage locks them as it makes them resident.
 """

@@ -84,3 +84,43 @@ def test_an_error_in_the_loops_share_of_a_landed_job_fails_the_load(
         aiogguf.load_sync(model.path, mode="none", n_gpu_layers=0, readers=1, chunk_size="256KiB"),
     ):
         pass
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap"])
+def test_the_last_reader_checks_the_file_once_after_every_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """A file that only readers read is checked for changes by the reader that finishes
+    last, after every job of the file (not by a call of its own through the loop)."""
+    from aiogguf.io.files import DataFile
+    from aiogguf.stages.read import Reader
+
+    model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="8MiB", seed=5, n_layer=4)
+    lock = threading.Lock()
+    reads = 0
+    checks: list[tuple[str, int]] = []
+    host_read = Reader._host_read
+    check_unchanged = DataFile.check_unchanged
+
+    def counted_read(self: Reader, *args: Any) -> None:
+        nonlocal reads
+        host_read(self, *args)
+        with lock:
+            reads += 1
+
+    def recorded_check(self: DataFile) -> None:
+        with lock:
+            checks.append((threading.current_thread().name, reads))
+        check_unchanged(self)
+
+    monkeypatch.setattr(Reader, "_host_read", counted_read)
+    monkeypatch.setattr(DataFile, "check_unchanged", recorded_check)
+    with aiogguf.load_sync(
+        model.path, mode=mode, n_gpu_layers=0, check_tensors=False, readers=3, chunk_size="1MiB"
+    ) as loaded:
+        jobs = loaded.report.stage("read").items
+    assert jobs >= 3, jobs
+    assert len(checks) == 1, checks
+    thread, done = checks[0]
+    assert thread.startswith("aiogguf-reader"), thread
+    assert done == jobs
