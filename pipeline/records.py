@@ -6,14 +6,16 @@ The streaming stages' records (read jobs, chunks) live with the engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import struct
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import TypeAlias
+from typing import TypeAlias, overload
 
 import numpy as np
 import numpy.typing as npt
 
+from aiogguf.errors import GGUFFormatError
 from aiogguf.io.byteswap import ByteOrder
 from aiogguf.io.ggml_types import GGMLType
 
@@ -29,6 +31,7 @@ __all__ = [
     "MovedSummary",
     "ParsedFile",
     "Plan",
+    "StringItems",
     "TensorClass",
     "TensorEntry",
     "TensorInfo",
@@ -62,13 +65,92 @@ class ValueType(IntEnum):
         return self.name.lower()
 
 
+class StringItems(Sequence[str]):
+    """The strings of a long metadata array (a vocabulary, its merges), decoded on first
+    use: a load needs none of them, and decoding 10^5 of them one by one costs tens of
+    milliseconds. The parse stage has walked every length already, so the items are
+    known to be where they are; only their UTF-8 is checked on first use, which raises
+    ``GGUFFormatError`` naming the item's offset. Compares equal to the tuple of its
+    items."""
+
+    __slots__ = ("_count", "_decoded", "_field", "_path", "_raw", "_start", "_unpack")
+
+    def __init__(
+        self, raw: bytes, count: int, *, byte_order: str, path: str, start: int, field: str
+    ) -> None:
+        """``raw``: the array's items as in the file (8-byte length, then the bytes),
+        ``count`` of them, in byte order ``byte_order`` (``"<"`` or ``">"``); ``start``:
+        the file offset of ``raw``, ``field`` the array's name (for messages)."""
+        self._raw = raw
+        self._count = count
+        self._unpack = struct.Struct(byte_order + "Q").unpack_from
+        self._path = path
+        self._start = start
+        self._field = field
+        self._decoded: tuple[str, ...] | None = None
+
+    def _items(self) -> tuple[str, ...]:
+        if self._decoded is None:
+            self._decoded = self._decode()
+        return self._decoded
+
+    def _decode(self) -> tuple[str, ...]:
+        raw, unpack = self._raw, self._unpack
+        items: list[str] = []
+        append = items.append
+        p = 0
+        try:
+            for _ in range(self._count):
+                (length,) = unpack(raw, p)
+                end = p + 8 + length
+                append(raw[p + 8 : end].decode())
+                p = end
+        except UnicodeDecodeError as exc:
+            raise GGUFFormatError(
+                self._path,
+                self._start + p + 8 + exc.start,
+                f"{self._field}[{len(items)}]",
+                f"not valid UTF-8 ({exc.reason})",
+            ) from exc
+        return tuple(items)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> str | tuple[str, ...]:
+        return self._items()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringItems):
+            return self._items() == other._items()
+        if isinstance(other, tuple):
+            return self._items() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._items())
+
+    def __repr__(self) -> str:
+        return f"<StringItems: {self._count} strings, {len(self._raw)} bytes>"
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFArray:
     """A metadata array. Numeric items are a read-only numpy array in native byte order;
-    strings are a tuple of ``str``; nested arrays a tuple of ``GGUFArray``."""
+    strings are a tuple of ``str`` (long arrays: ``StringItems``, decoded on first use);
+    nested arrays a tuple of ``GGUFArray``."""
 
     item_type: ValueType
-    values: npt.NDArray[np.generic] | tuple[str, ...] | tuple[GGUFArray, ...]
+    values: npt.NDArray[np.generic] | tuple[str, ...] | StringItems | tuple[GGUFArray, ...]
 
     def __len__(self) -> int:
         return len(self.values)
@@ -76,6 +158,8 @@ class GGUFArray:
     def __repr__(self) -> str:
         # Short on purpose: vocabularies hold 10^5 items, and asyncio.run (3.11) reprs the
         # main task's result on its way out, which cost a tenth of a second per parse.
+        if isinstance(self.values, StringItems):
+            return f"GGUFArray({self.item_type.name}, {len(self)} items, not decoded yet)"
         first = self.values[:3]
         items = first.tolist() if isinstance(first, np.ndarray) else first
         more = ", ..." if len(self) > 3 else ""

@@ -33,6 +33,7 @@ from aiogguf.records import (
     MetadataEntry,
     MetadataValue,
     ParsedFile,
+    StringItems,
     TensorInfo,
     ValueType,
 )
@@ -72,6 +73,8 @@ _OTHER_MAGICS: Final = frozenset({b"GGML", b"GGMF", b"GGJT", b"FUGG", b"lmgg", b
 # memory (page faults); bigger headers grow it ``GROWTH_FACTOR`` times per read.
 FIRST_READ_BYTES: Final = 64 << 10
 GROWTH_FACTOR: Final = 4
+# String arrays at least this long are decoded on first use (``StringItems``).
+LAZY_STRINGS_FROM: Final = 256
 
 # value type → (struct code, numpy code, bytes). STRING and ARRAY are not fixed-size.
 _FIXED: Final[dict[ValueType, tuple[str, str, int]]] = {
@@ -137,6 +140,8 @@ class _HeaderParser:
         self.loadable = True
         # string array data offset → (items decoded so far, offset of the next one)
         self.partial: dict[int, tuple[list[str], int]] = {}
+        # long string array data offset → (items walked so far, offset of the next one)
+        self.walked: dict[int, tuple[int, int]] = {}
         self._set_order("<")
 
     def _set_order(self, order: str) -> None:
@@ -333,10 +338,12 @@ class _HeaderParser:
         return GGUFArray(ValueType.ARRAY, tuple(items)), pos
 
     def string_array(self, pos: int, count: int, field: str) -> tuple[GGUFArray, int]:
-        # The hot loop of the parser (150k-token vocabularies): one unpack, one slice and
-        # one decode per item. A length prefix past the buffer (struct.error) or a string
-        # that is too long or ends past the buffer leaves the loop for the careful path in
-        # ``string``, which raises the precise error or NeedMoreBytes.
+        if count >= LAZY_STRINGS_FROM:
+            return self.lazy_string_array(pos, count, field)
+        # One unpack, one slice and one decode per item. A length prefix past the buffer
+        # (struct.error) or a string that is too long or ends past the buffer leaves the
+        # loop for the careful path in ``string``, which raises the precise error or
+        # NeedMoreBytes.
         items, p = self.partial.pop(pos, ([], pos))
         buf, n, u64, limit = self.buf, self.n, self.u64, MAX_STRING_BYTES
         append = items.append
@@ -359,6 +366,37 @@ class _HeaderParser:
             ) from exc
         self.partial[pos] = (items, start)
         self.string(start, f"{field}[{len(items)}]")  # raises: the loop stops only on trouble
+        raise AssertionError("unreachable: string() accepted what the loop refused")
+
+    def lazy_string_array(self, pos: int, count: int, field: str) -> tuple[GGUFArray, int]:
+        """The hot loop of the parser (10^5-token vocabularies, their merges): only the
+        lengths are walked, to find where the array ends; the items are decoded on first
+        use (``StringItems``). Trouble leaves the loop as in ``string_array``."""
+        done, p = self.walked.pop(pos, (0, pos))
+        buf, n, u64, limit = self.buf, self.n, self.u64, MAX_STRING_BYTES
+        start = p
+        try:
+            for i in range(done, count):
+                start = p
+                (length,) = u64(buf, start)
+                p = start + 8 + length
+                if p > n or length > limit:
+                    done = i
+                    break
+            else:
+                items = StringItems(
+                    buf[pos:p],
+                    count,
+                    byte_order=self.order,
+                    path=self.path,
+                    start=pos,
+                    field=field,
+                )
+                return GGUFArray(ValueType.STRING, items), p
+        except struct.error:
+            done = i  # the length of the string at ``start`` is not in the buffer
+        self.walked[pos] = (done, start)
+        self.string(start, f"{field}[{done}]")  # raises: the loop stops only on trouble
         raise AssertionError("unreachable: string() accepted what the loop refused")
 
     def resolve_alignment(self) -> None:

@@ -23,10 +23,11 @@ from hypothesis import strategies as st
 
 from aiogguf.cli.inspect import inspect_json
 from aiogguf.errors import GGUFError, GGUFFormatError, SplitError
-from aiogguf.records import ParsedFile, WeightIndex
+from aiogguf.records import GGUFArray, ParsedFile, WeightIndex
 from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import (
     FIRST_READ_BYTES,
+    LAZY_STRINGS_FROM,
     NeedMoreBytes,
     parse_file,
     parse_header,
@@ -559,3 +560,71 @@ def test_short_buffer_asks_for_more() -> None:
         parse_header(SMALL[:50], "x.gguf", len(SMALL))
     assert 50 < info.value.end <= len(SMALL)
     assert parse_header(memoryview(SMALL), "x.gguf", len(SMALL)).tensors[1].offset == 32
+
+
+# --- long string arrays: walked at parse, decoded on first use -------------------------
+
+
+def _vocab(count: int, bad: int | None = None) -> tuple[bytes, list[bytes]]:
+    words = [f"t{i}".encode() for i in range(count)]
+    if bad is not None:
+        words[bad] = b"x\xc3("  # a two-byte sequence cut short
+    return kv_array(b"tokenizer.ggml.tokens", STRING, count, b"".join(map(gstr, words))), words
+
+
+def test_a_long_string_array_is_decoded_on_first_use_and_equals_its_items() -> None:
+    entry, words = _vocab(LAZY_STRINGS_FROM + 5)
+    parsed = parse_header(model(kvs=[entry]), "vocab.gguf", len(model(kvs=[entry])))
+    tokens = parsed.get("tokenizer.ggml.tokens")
+    assert isinstance(tokens, GGUFArray)
+    assert len(tokens) == len(words)
+    assert "not decoded yet" in repr(tokens)
+    assert tokens.values == tuple(w.decode() for w in words)
+    assert tokens.values[3] == "t3"
+    assert list(tokens.values)[-1] == words[-1].decode()
+    assert tokens.to_python() == [w.decode() for w in words]
+
+
+def test_invalid_utf8_in_a_long_string_array_is_named_when_it_is_used() -> None:
+    """A load needs no vocabulary: invalid UTF-8 in a long one is not a parse error, but
+    reading the items raises one that names the item and its offset."""
+    bad = LAZY_STRINGS_FROM + 2
+    entry, _ = _vocab(LAZY_STRINGS_FROM + 9, bad=bad)
+    data = model(kvs=[entry])
+    parsed = parse_header(data, "vocab.gguf", len(data))
+    tokens = parsed.get("tokenizer.ggml.tokens")
+    assert isinstance(tokens, GGUFArray)
+    with pytest.raises(GGUFFormatError, match=rf"tokenizer\.ggml\.tokens'\[{bad}\]") as caught:
+        tokens.values[0]
+    # The offset of the bad byte: after the item's 8-byte length and its "x".
+    assert caught.value.offset == data.index(b"x\xc3(") + 1
+    # A short array is decoded at once: the same item fails the parse.
+    short, _ = _vocab(LAZY_STRINGS_FROM - 1, bad=3)
+    with pytest.raises(GGUFFormatError, match=r"not valid UTF-8"):
+        parse_header(model(kvs=[short]), "vocab.gguf", len(model(kvs=[short])))
+
+
+def test_a_long_string_array_cut_short_names_its_item() -> None:
+    entry, _ = _vocab(LAZY_STRINGS_FROM + 40)
+    data = model(kvs=[entry])
+    cut = data.index(b"t290")  # inside the array
+    with pytest.raises(GGUFFormatError, match=r"tokenizer\.ggml\.tokens'\[290\]: string length"):
+        parse_header(data[:cut], "vocab.gguf", cut)
+
+
+@given(cut=st.integers(min_value=40, max_value=4000))
+@settings(max_examples=examples(default=40, ci=100), deadline=None)
+def test_a_long_string_array_parses_the_same_across_any_split_of_reads(cut: int) -> None:
+    """The walk resumes where a short buffer stopped it (``NeedMoreBytes``)."""
+    entry, words = _vocab(LAZY_STRINGS_FROM + 60)
+    data = model(kvs=[entry])
+    from aiogguf.stages.parse import _HeaderParser
+
+    parser = _HeaderParser("vocab.gguf", len(data))
+    try:
+        parsed = parser.parse(data[:cut])
+    except NeedMoreBytes:
+        parsed = parser.parse(data)
+    tokens = parsed.get("tokenizer.ggml.tokens")
+    assert isinstance(tokens, GGUFArray)
+    assert tokens.values == tuple(w.decode() for w in words)
