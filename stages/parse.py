@@ -149,6 +149,8 @@ class _HeaderParser:
         self.u32 = struct.Struct(order + "I").unpack_from
         self.u64 = struct.Struct(order + "Q").unpack_from
         self.scalars = {vt: struct.Struct(order + code) for vt, (code, _, _) in _FIXED.items()}
+        # A tensor's dims, by how many there are.
+        self.dims = [struct.Struct(f"{order}{k}Q").unpack_from for k in range(MAX_DIMS + 1)]
         self.dtypes = {vt: np.dtype(order + npc) for vt, (_, npc, _) in _FIXED.items()}
 
     # --- helpers ---------------------------------------------------------------------
@@ -420,77 +422,97 @@ class _HeaderParser:
         self.alignment = alignment
 
     def parse_tensor_info(self) -> None:
+        # Once per tensor (10^3 of them in a big model): messages and field names are
+        # made only on trouble, each bounds check is one comparison when all is well.
         index = len(self.tensors)
         start = self.pos
-        name, pos = self.string(start, f"tensor #{index} name")
-        name_bytes = pos - start - 8
-        if name_bytes > MAX_NAME_BYTES:
+        buf, n = self.buf, self.n
+        if start + 8 <= n and (length := self.u64(buf, start)[0]) <= MAX_NAME_BYTES:
+            pos = start + 8 + length
+            try:
+                name = buf[start + 8 : pos].decode() if pos <= n else None
+            except UnicodeDecodeError:
+                name = None
+        else:
+            name = None
+        if name is None:  # the careful path words what is wrong
+            name, pos = self.string(start, f"tensor #{index} name")
+            name_bytes = pos - start - 8
             raise self.error(
                 start,
                 f"tensor #{index} name",
                 f"'{name[:80]}' is {name_bytes} bytes; the limit is {MAX_NAME_BYTES}",
             )
-        field = f"tensor '{name}'"
         if name in self.names:
             raise self.error(
-                start, field, f"duplicate tensor name (first at offset {self.names[name]})"
+                start,
+                f"tensor '{name}'",
+                f"duplicate tensor name (first at offset {self.names[name]})",
             )
-        self.need(pos, 4, field + " n_dims")
-        (n_dims,) = self.u32(self.buf, pos)
+        if pos + 4 > n:
+            self.need(pos, 4, f"tensor '{name}' n_dims")
+        (n_dims,) = self.u32(buf, pos)
         if n_dims > MAX_DIMS:
-            raise self.error(pos, field + " n_dims", f"{n_dims} dimensions; at most {MAX_DIMS}")
+            raise self.error(
+                pos, f"tensor '{name}' n_dims", f"{n_dims} dimensions; at most {MAX_DIMS}"
+            )
         pos += 4
-        self.need(pos, 8 * n_dims, field + " dims")
-        shape = struct.unpack_from(f"{self.order}{n_dims}Q", self.buf, pos)
-        for k, dim in enumerate(shape):
-            if dim >= INT64_LIMIT:
-                raise self.error(pos + 8 * k, field + f" ne[{k}]", f"{dim} is negative as int64")
-        # ggml's guard: with every dim > 0, each running product stays below INT64_MAX.
-        if all(shape):
-            product = 1
-            for dim in shape:
-                product *= dim
-                if product >= INT64_LIMIT - 1:
-                    raise self.error(
-                        pos, field + " dims", f"element count of {list(shape)} overflows int64"
-                    )
+        if pos + 8 * n_dims > n:
+            self.need(pos, 8 * n_dims, f"tensor '{name}' dims")
+        shape = self.dims[n_dims](buf, pos)
+        if shape and max(shape) >= INT64_LIMIT:
+            k = next(k for k, dim in enumerate(shape) if dim >= INT64_LIMIT)
+            raise self.error(
+                pos + 8 * k, f"tensor '{name}' ne[{k}]", f"{shape[k]} is negative as int64"
+            )
+        n_elements = math.prod(shape)
+        # ggml's guard: with every dim > 0, each running product stays below INT64_MAX
+        # (the dims are positive, so the last product is the largest).
+        if n_elements >= INT64_LIMIT - 1 and all(shape):
+            raise self.error(
+                pos, f"tensor '{name}' dims", f"element count of {list(shape)} overflows int64"
+            )
         pos += 8 * n_dims
-        self.need(pos, 4, field + " type")
-        (type_id,) = self.u32(self.buf, pos)
+        if pos + 12 > n:
+            self.need(pos, 4, f"tensor '{name}' type")
+        (type_id,) = self.u32(buf, pos)
+        gtype = GGML_TYPES[type_id] if type_id < GGML_TYPE_COUNT else None
+        ne0 = shape[0] if shape else 1
+        if gtype is None or not gtype.valid or ne0 % gtype.block_elems:
+            self.bad_type(name, pos, type_id, ne0)
+        assert gtype is not None
+        nbytes = n_elements // gtype.block_elems * gtype.block_bytes
+        if nbytes >= U64_LIMIT:
+            raise self.error(pos, f"tensor '{name}'", f"{nbytes} bytes do not fit in 64 bits")
+        pos += 4
+        self.need(pos, 8, f"tensor '{name}' offset")
+        (offset,) = self.u64(buf, pos)
+        self.tensors.append(TensorInfo(name, gtype, shape, offset, nbytes, n_elements, start))
+        self.names[name] = start
+        self.pos = pos + 8
+
+    def bad_type(self, name: str, pos: int, type_id: int, ne0: int) -> None:
+        """Raise the error for a tensor's type id that is unknown, removed, or whose block
+        does not divide ``ne[0]``."""
+        field = f"tensor '{name}' type"
         if type_id >= GGML_TYPE_COUNT:
             raise self.error(
-                pos,
-                field + " type",
-                f"unknown ggml type id {type_id} (expected 0..{GGML_TYPE_COUNT - 1})",
+                pos, field, f"unknown ggml type id {type_id} (expected 0..{GGML_TYPE_COUNT - 1})"
             )
         gtype = GGML_TYPES[type_id]
         if not gtype.valid:
             raise self.error(
                 pos,
-                field + " type",
+                field,
                 f"ggml type id {type_id} ({gtype.name}) was removed from ggml; "
                 "files using it cannot be loaded",
             )
-        ne0 = shape[0] if shape else 1
-        if ne0 % gtype.block_elems:
-            raise self.error(
-                pos,
-                field + " type",
-                f"ne[0] = {ne0} is not a multiple of {gtype.name}'s block of "
-                f"{gtype.block_elems} elements",
-            )
-        n_elements = math.prod(shape)
-        nbytes = n_elements // gtype.block_elems * gtype.block_bytes
-        if nbytes >= U64_LIMIT:
-            raise self.error(pos, field, f"{nbytes} bytes do not fit in 64 bits")
-        pos += 4
-        self.need(pos, 8, field + " offset")
-        (offset,) = self.u64(self.buf, pos)
-        self.tensors.append(
-            TensorInfo(name, gtype, tuple(shape), offset, nbytes, n_elements, start)
+        raise self.error(
+            pos,
+            field,
+            f"ne[0] = {ne0} is not a multiple of {gtype.name}'s block of "
+            f"{gtype.block_elems} elements",
         )
-        self.names[name] = start
-        self.pos = pos + 8
 
     def finish(self) -> ParsedFile:
         end_of_infos = self.pos
