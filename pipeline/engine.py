@@ -73,9 +73,11 @@ from aiogguf.stages.index import open_index, read_whole_model
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import (
     ByteSwap,
+    Disks,
     Reader,
     direct_refusals,
     disk_limiters,
+    find_disks,
     open_data_files,
 )
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
@@ -188,6 +190,7 @@ class _Load:
     ) -> None:
         self.threads = threads  # the load's thread for its one-off blocking calls
         self.files = files  # open, one per file of the model
+        self.prepared = prepared
         self.index = index
         self.plan = plan = prepared.plan
         self.devices = {d.name: d for d in prepared.devices}
@@ -219,16 +222,15 @@ class _Load:
         files = self.files
         for warning in direct_refusals(files, self.mode):
             self._warn(warning)
-        limiters, disks = disk_limiters(files, self.config)
-        threads = await stack.enter_async_context(
-            LoadThreads(int(sum(lim.total_tokens for lim in set(limiters))))
-        )
+        disks = self.prepared.disks
+        limiters = disk_limiters(disks)
+        threads = await stack.enter_async_context(LoadThreads(disks.total_readers))
         uploader: Uploader | None = None
         if any(not lay.plan.host for lay in self.layouts):
             # Transfer threads: as many as the busiest disk allows readers (a transfer
             # thread reads as much as it copies).
             transfer_threads = await stack.enter_async_context(
-                LoadThreads(int(max(lim.total_tokens for lim in limiters)), name="aiogguf-transfer")
+                LoadThreads(disks.busiest, name="aiogguf-transfer")
             )
             uploader = await stack.enter_async_context(
                 Uploader(self.devices, self.config, threads=transfer_threads)
@@ -295,7 +297,7 @@ class _Load:
         if failures and not self.config.load.keep_invalid:
             raise TensorValidationError(failures, self.index.files[0].path)
         self.progress.emit(Stage.DONE)
-        report = _report(self, reader, disks, uploads, validation)
+        report = _report(self, reader, disks.names, uploads, validation)
         images = self.allocation.take()  # the model owns them now
         return Model(self.index, self.plan, images, self.slots, report, failures=failures)
 
@@ -308,22 +310,9 @@ class _Load:
     ) -> None:
         """The streaming half: allocate, read, upload and validate, all at once."""
         pipeline = self.config.pipeline
-        jobs, device_jobs = split_jobs(
-            self.index,
-            self.layouts,
-            pipeline.chunk_size,
-            host_bytes=job_bytes(
-                pipeline.chunk_size,
-                self.layouts,
-                reader.threads,
-                self.alignment,
-                # With checks on, a mapped tensor is checked once its job has landed:
-                # the reads' own size lets the checks start sooner.
-                mapped=self.mode in MAPPED_MODES and not self.config.load.check_tensors,
-            ),
-            slot_bytes=uploader.slot_bytes if uploader is not None else None,
-            aligned=self.mode == "direct",
-        )
+        jobs, device_jobs = self.prepared.jobs, self.prepared.device_jobs
+        if uploader is not None:
+            assert uploader.slot_bytes == pipeline.staging_bytes(), "device jobs fill a slot each"
         self._staged_files = {job.file_index for job in device_jobs}
         # Room for every host job: reader threads hand over landed jobs without waiting.
         landed_send, landed_recv = anyio.create_memory_object_stream[ReadJob](
@@ -494,6 +483,9 @@ class _Prepared:
     slots: dict[str, TensorSlot]
     spans: TensorSpans
     host_times: StageTimes
+    disks: Disks
+    jobs: list[list[ReadJob]]  # host jobs, per file
+    device_jobs: list[ReadJob]
 
 
 def _plan_and_open(
@@ -532,7 +524,29 @@ def _plan_and_open(
     host_times = StageTimes(
         began, ended, ended - began, len(hosted), sum(lay.nbytes for lay in hosted)
     )
-    return _Prepared(found, plan, planned, layouts, slots, spans, host_times)
+    disks = find_disks(into, config)
+    # One job per read call or staging slot: a model of hundreds of GiB has 10^4 of
+    # them, too many to cut on the loop's thread.
+    pipeline = config.pipeline
+    jobs, device_jobs = split_jobs(
+        index,
+        layouts,
+        pipeline.chunk_size,
+        host_bytes=job_bytes(
+            pipeline.chunk_size,
+            layouts,
+            disks.total_readers,
+            alignment,
+            # With checks on, a mapped tensor is checked once its job has landed: the
+            # reads' own size lets the checks start sooner.
+            mapped=plan.mode in MAPPED_MODES and not config.load.check_tensors,
+        ),
+        slot_bytes=pipeline.staging_bytes() if len(hosted) < len(layouts) else None,
+        aligned=plan.mode == "direct",
+    )
+    return _Prepared(
+        found, plan, planned, layouts, slots, spans, host_times, disks, jobs, device_jobs
+    )
 
 
 def _parse_and_plan(

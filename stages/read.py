@@ -14,8 +14,8 @@ Per mode (design §1.5):
   upload stage's transfer threads run (this stage knows nothing of devices).
 
 The stage owns the load's descriptors (``open_data_files``), the reader limit of each
-disk (``disk_limiters``) and the byte order of what lands (``ByteSwap``). Every call of
-``Reader`` blocks and runs on one of the load's threads.
+disk (``find_disks``, ``disk_limiters``) and the byte order of what lands
+(``ByteSwap``). Every call of ``Reader`` blocks and runs on one of the load's threads.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ from aiogguf.records import Plan, WeightIndex
 
 __all__ = [
     "ByteSwap",
+    "Disks",
     "FileStats",
     "Reader",
     "direct_refusals",
     "disk_limiters",
+    "find_disks",
     "open_data_files",
 ]
 
@@ -96,23 +98,43 @@ def disk_of(file: DataFile, config: Config) -> str:
     return f"dev {os.major(dev)}:{os.minor(dev)}"
 
 
-def disk_limiters(
-    files: Sequence[DataFile], config: Config
-) -> tuple[list[anyio.CapacityLimiter], list[str]]:
-    """Per file: the reader limiter of its disk (one per disk, shared by the files on
-    it) and the disk's name."""
-    by_disk: dict[str, anyio.CapacityLimiter] = {}
-    limiters: list[anyio.CapacityLimiter] = []
-    disks: list[str] = []
+@dataclass(frozen=True, slots=True)
+class Disks:
+    """Per file of a load: the disk it is read from (``disk_of``) and that disk's reader
+    limit (``[[pipeline.path]]``'s, else ``readers``; the disk's first file decides)."""
+
+    names: tuple[str, ...]
+    readers: tuple[int, ...]
+
+    @property
+    def total_readers(self) -> int:
+        """Readers over every disk."""
+        return sum(dict(zip(self.names, self.readers, strict=True)).values())
+
+    @property
+    def busiest(self) -> int:
+        """The most readers one disk allows."""
+        return max(self.readers, default=1)
+
+
+def find_disks(files: Sequence[DataFile], config: Config) -> Disks:
+    """Blocking (a ``stat`` per file): the disk of each file and its reader limit."""
+    limits: dict[str, int] = {}
+    names: list[str] = []
     for f in files:
         disk = disk_of(f, config)
-        if disk not in by_disk:
-            by_disk[disk] = anyio.CapacityLimiter(
-                config.pipeline.readers_for(f.path, direct=f.direct_ok)
-            )
-        limiters.append(by_disk[disk])
-        disks.append(disk)
-    return limiters, disks
+        if disk not in limits:
+            limits[disk] = config.pipeline.readers_for(f.path, direct=f.direct_ok)
+        names.append(disk)
+    return Disks(tuple(names), tuple(limits[name] for name in names))
+
+
+def disk_limiters(disks: Disks) -> list[anyio.CapacityLimiter]:
+    """Per file: the reader limiter of its disk, one per disk, shared by its files."""
+    by_disk: dict[str, anyio.CapacityLimiter] = {}
+    for name, readers in zip(disks.names, disks.readers, strict=True):
+        by_disk.setdefault(name, anyio.CapacityLimiter(readers))
+    return [by_disk[name] for name in disks.names]
 
 
 class ByteSwap:
@@ -204,11 +226,6 @@ class Reader:
         self._threads = threads
         self._check_threads = check_threads
         self.stats = [FileStats() for _ in files]
-
-    @property
-    def threads(self) -> int:
-        """How many threads read, over all disks."""
-        return self._threads.count
 
     @property
     def direct(self) -> Sequence[bool]:

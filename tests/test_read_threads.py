@@ -124,3 +124,36 @@ def test_the_last_reader_checks_the_file_once_after_every_read(
     thread, done = checks[0]
     assert thread.startswith("aiogguf-reader"), thread
     assert done == jobs
+
+
+def test_the_blocking_front_of_a_load_runs_off_the_loops_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Work that grows with the model (parsing, indexing, planning, laying out buffers,
+    cutting jobs: 10^4 of them in a model of hundreds of GiB) and the ``stat`` of each
+    file run on the load's thread, never on the loop's."""
+    import aiogguf.engine as engine
+
+    model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="4MiB", seed=6, n_layer=2)
+    ran_on: dict[str, set[str]] = {}
+    for name in (
+        "read_whole_model",
+        "make_plan",
+        "layout_buffers",
+        "tensor_slots",
+        "allocate_host_images",
+        "find_disks",
+        "split_jobs",
+    ):
+        original = getattr(engine, name)
+
+        def recorded(*args: Any, __name: str = name, __fn: Any = original, **kw: Any) -> Any:
+            ran_on.setdefault(__name, set()).add(threading.current_thread().name)
+            return __fn(*args, **kw)
+
+        monkeypatch.setattr(engine, name, recorded)
+    with aiogguf.load_sync(model.path, mode="none", n_gpu_layers=0) as loaded:
+        assert loaded.report.nbytes > 0
+    assert len(ran_on) == 7, ran_on
+    for name, threads in ran_on.items():
+        assert threads == {"aiogguf-load-0"}, (name, threads)
