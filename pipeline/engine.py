@@ -11,9 +11,11 @@
 Device-bound jobs go to the upload stage as one list: its transfer threads read, copy
 and check them without a trip through the event loop per job, and tell the loop only
 what has landed. Host jobs likewise: each reader thread takes its file's next job as
-soon as it is done with the last. Parsing, index building, planning, device discovery
-(CuPy's import, CUDA's start-up) and opening the files run in the load's own thread,
-for a single-file model in one call: the loop's thread only awaits.
+soon as it is done with the last, and the one that finishes a file last checks that
+the file did not change. Parsing, index building, device discovery (CuPy's import,
+CUDA's start-up), planning, opening the files, laying out the buffers, allocating the
+host ones and cutting the jobs run on the load's own thread, for a single-file model in
+one call (``_parse_and_plan``): the loop's thread only awaits.
 
 The engine only wires. Each stage's own work lives in its module: descriptors, disk
 limits, byte order and locks in ``read``; images and mapping advice in ``allocate``;
@@ -211,7 +213,8 @@ class _Load:
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
         self.progress = _Progress(hub, plan, self.layouts, self.spans, index)
         self._prefault_threads: LoadThreads | None = None  # direct mode: backs pages ahead
-        self._staged_files: set[int] = set()  # files the transfer threads read from
+        # Files the transfer threads read from (the rest only the readers read).
+        self._staged_files = {job.file_index for job in prepared.device_jobs}
 
     # --- the whole load ---------------------------------------------------------------
 
@@ -313,7 +316,6 @@ class _Load:
         jobs, device_jobs = self.prepared.jobs, self.prepared.device_jobs
         if uploader is not None:
             assert uploader.slot_bytes == pipeline.staging_bytes(), "device jobs fill a slot each"
-        self._staged_files = {job.file_index for job in device_jobs}
         # Room for every host job: reader threads hand over landed jobs without waiting.
         landed_send, landed_recv = anyio.create_memory_object_stream[ReadJob](
             max(1, sum(len(file_jobs) for file_jobs in jobs))
@@ -499,20 +501,35 @@ def _plan_and_open(
 ) -> _Prepared:
     """Blocking: the load's devices (the first discovery imports CuPy and starts CUDA)
     and its plan (placement rules are matched against every tensor name); then the
-    files to read, opened into ``into`` in the plan's mode, the buffers laid out, and
-    the host images allocated into ``images``."""
+    files to read, opened into ``into`` in the plan's mode, and the rest of what the
+    streaming half needs (``_prepare``)."""
     found = tuple(devices) if devices is not None else enumerate_devices(config)
     plan = make_plan(index, found, config)
+    open_data_files(index, files, mode=plan.mode, alignment=config.pipeline.alignment, into=into)
+    return _prepare(index, found, plan, config, clock(), into, images, clock)
+
+
+def _prepare(
+    index: WeightIndex,
+    devices: tuple[Device, ...],
+    plan: Plan,
+    config: Config,
+    planned: float,
+    files: Sequence[DataFile],
+    images: list[Image | None],
+    clock: Callable[[], float],
+) -> _Prepared:
+    """Blocking: the buffers of ``plan`` laid out, its host images allocated into
+    ``images``, each file's disk found (a ``stat``) and the read jobs cut: work that
+    grows with the model (a model of hundreds of GiB has 10^4 jobs), off the loop."""
     alignment = config.pipeline.alignment
-    open_data_files(index, files, mode=plan.mode, alignment=alignment, into=into)
-    planned = clock()
     layouts = layout_buffers(plan, alignment)
     slots = tensor_slots(index, layouts)
     spans = TensorSpans(index, layouts)
     began = clock()
     allocate_host_images(
         layouts,
-        into,
+        files,
         images,
         mapped=plan.mode in MAPPED_MODES,
         writable=needs_swap(index.byte_order),
@@ -524,9 +541,7 @@ def _plan_and_open(
     host_times = StageTimes(
         began, ended, ended - began, len(hosted), sum(lay.nbytes for lay in hosted)
     )
-    disks = find_disks(into, config)
-    # One job per read call or staging slot: a model of hundreds of GiB has 10^4 of
-    # them, too many to cut on the loop's thread.
+    disks = find_disks(files, config)
     pipeline = config.pipeline
     jobs, device_jobs = split_jobs(
         index,
@@ -545,7 +560,7 @@ def _plan_and_open(
         aligned=plan.mode == "direct",
     )
     return _Prepared(
-        found, plan, planned, layouts, slots, spans, host_times, disks, jobs, device_jobs
+        devices, plan, planned, layouts, slots, spans, host_times, disks, jobs, device_jobs
     )
 
 
