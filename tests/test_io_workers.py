@@ -246,3 +246,36 @@ async def test_what_a_call_soon_callback_raises_fails_its_call() -> None:
             await threads.run_sync(work, threads)
         # The lane goes on: the next call is not marked.
         assert await threads.run_sync(lambda: "next") == "next"
+
+
+@pytest.mark.asyncio
+async def test_a_lender_leaves_without_waiting_for_its_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Leaving ``LoadThreads`` hands its threads back to the pool at once: a thread still
+    on its way out of one lender's lane serves the next lender's calls after that."""
+    leaving = threading.Event()
+    order: list[str] = []
+    serve = LoadThreads._serve
+
+    def slow_to_leave(self: LoadThreads) -> None:
+        serve(self)
+        if self._name == "aiogguf-slow":
+            leaving.wait(10)
+            order.append("slow lane left")
+
+    monkeypatch.setattr(LoadThreads, "_serve", slow_to_leave)
+    async with LoadThreads(1, name="aiogguf-slow") as slow:
+        ident = await slow.run_sync(threading.get_ident)
+    assert order == []  # left, while its thread is still in the lane
+    assert idle_threads() >= 1
+
+    def ran() -> int:
+        order.append("next call ran")
+        return threading.get_ident()
+
+    async with LoadThreads(1, name="aiogguf-next") as following:
+        # The pool lends its most recently used thread: the one still leaving.
+        leaving.set()
+        assert await following.run_sync(ran) == ident
+    assert order == ["slow lane left", "next call ran"]
