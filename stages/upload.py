@@ -11,8 +11,8 @@ loop on its own (design §1.6):
    until the event recorded behind the slot's last copy has completed — the *only*
    wait on the device: it sits before a slot is reused, never after a copy is issued;
 3. run the caller's ``fill`` on the slot (it reads the file straight into it, in read
-   calls far smaller than the slot; the engine's checks each piece as it lands), then
-   the caller's ``check``, if any, while the bytes are still in the CPU cache;
+   calls far smaller than the slot, and checks each piece as it lands, while the bytes
+   are still in the CPU cache);
 4. queue one async host-to-device copy into the device image at the job's buffer offset
    on the thread's own stream, record the slot's event behind it, and tell the loop,
    without waiting for it, that the job landed.
@@ -52,13 +52,11 @@ from aiogguf.io.devices.pool import PooledSlot, SlotLease, StagingPool, staging_
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import ReadJob
 
-__all__ = ["Check", "DeviceUploadStats", "Fill", "Landed", "Uploader", "UploaderState"]
+__all__ = ["DeviceUploadStats", "Fill", "Landed", "Uploader", "UploaderState"]
 
 Fill = Callable[[ReadJob, memoryview], None]
-"""Writes a job's ``nbytes`` into the view it is given (runs on a transfer thread)."""
-
-Check = Callable[[ReadJob, memoryview], None]
-"""Checks a job's bytes in its filled slot (runs on a transfer thread)."""
+"""Writes a job's ``nbytes`` into the view it is given, and checks them (runs on a
+transfer thread)."""
 
 Landed = Callable[[ReadJob], None]
 """Told on the loop's thread that a job's copy was queued."""
@@ -169,8 +167,8 @@ class _Lane:
         self.wait_s += time.perf_counter() - start
         return pooled
 
-    def stage(self, job: ReadJob, dest: DeviceBuffer, fill: Fill, check: Check | None) -> None:
-        """Wait for a slot, fill it, check it, issue its copy."""
+    def stage(self, job: ReadJob, dest: DeviceBuffer, fill: Fill) -> None:
+        """Wait for a slot, fill it, issue its copy."""
         pooled = self._next_slot()
         slot = pooled.slot
         slot.begin_write()
@@ -190,16 +188,6 @@ class _Lane:
             with contextlib.suppress(BufferError):
                 part.release()
         self.fill_s += time.perf_counter() - start
-        if check is not None:
-            # Before the copy is queued, while the bytes are in the CPU's cache: the
-            # copy of the thread's other slot runs meanwhile. (Checked after, the scan
-            # would compete with this copy's own driver work, and gain nothing.)
-            view = slot.view()[: job.nbytes]
-            try:
-                check(job, view)
-            finally:
-                with contextlib.suppress(BufferError):
-                    view.release()
         if self.asynchronous:
             self.stream.copy_async(dest, job.buffer_offset, slot, job.nbytes)
             pooled.event.record(self.stream)
@@ -332,14 +320,13 @@ class Uploader:
         jobs: Sequence[tuple[ReadJob, DeviceBuffer]],
         fill: Fill,
         *,
-        check: Check | None = None,
         landed: Landed | None = None,
     ) -> None:
-        """Fill, copy and check every ``(job, destination)``, in order of the sequence as
-        far as threads take jobs; returns once every copy has completed.
+        """Fill and copy every ``(job, destination)``, in order of the sequence as far as
+        threads take jobs; returns once every copy has completed.
 
         Raises ``ValueError`` for a job larger than ``slot_bytes`` or outside its
-        destination, whatever ``fill`` or ``check`` raise, ``LoadError`` when a device
+        destination, whatever ``fill`` raises, ``LoadError`` when a device
         fails, and the simulated device's ``RingViolation`` when the ring is broken."""
         self._check_open()
         for job, dest in jobs:
@@ -350,7 +337,7 @@ class Uploader:
             return
         stop = threading.Event()
         failures: list[Exception] = []
-        work = partial(self._work, queue, fill, check, landed, stop)
+        work = partial(self._work, queue, fill, landed, stop)
 
         async def run_thread() -> None:
             try:
@@ -394,7 +381,6 @@ class Uploader:
         self,
         queue: deque[tuple[ReadJob, DeviceBuffer]],
         fill: Fill,
-        check: Check | None,
         landed: Landed | None,
         stop: threading.Event,
     ) -> None:
@@ -421,7 +407,7 @@ class Uploader:
                     if lane is None:
                         break  # stopped while waiting for a slot
                     lanes[dest.device] = lane
-                lane.stage(job, dest, fill, check)
+                lane.stage(job, dest, fill)
                 if landed is not None:
                     self._threads.call_soon(landed, job)
         except BaseException:
