@@ -15,7 +15,7 @@ soon as it is done with the last, and the one that finishes a file last checks t
 the file did not change. Parsing, index building, device discovery (CuPy's import,
 CUDA's start-up), planning, opening the files, laying out the buffers, allocating the
 host ones and cutting the jobs run on the load's own thread, for a single-file model in
-one call (``_parse_and_plan``): the loop's thread only awaits.
+one call (``_Front``): the loop's thread only awaits.
 
 The engine only wires. Each stage's own work lives in its module: descriptors, disk
 limits, byte order and locks in ``read``; images and mapping advice in ``allocate``;
@@ -35,7 +35,7 @@ import os
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import anyio
@@ -199,7 +199,6 @@ class _Load:
         self.config = config
         self.hub = hub
         self.mode = plan.mode
-        self.alignment = config.pipeline.alignment
         self.layouts = prepared.layouts
         self.slots = prepared.slots
         self.spans = prepared.spans
@@ -490,100 +489,95 @@ class _Prepared:
     device_jobs: list[ReadJob]
 
 
-def _plan_and_open(
-    index: WeightIndex,
-    files: OpenFiles,
-    config: Config,
-    devices: Sequence[Device] | None,
-    clock: Callable[[], float],
-    into: list[DataFile],
-    images: list[Image | None],
-) -> _Prepared:
-    """Blocking: the load's devices (the first discovery imports CuPy and starts CUDA)
-    and its plan (placement rules are matched against every tensor name); then the
-    files to read, opened into ``into`` in the plan's mode, and the rest of what the
-    streaming half needs (``_prepare``)."""
-    found = tuple(devices) if devices is not None else enumerate_devices(config)
-    plan = make_plan(index, found, config)
-    open_data_files(index, files, mode=plan.mode, alignment=config.pipeline.alignment, into=into)
-    return _prepare(index, found, plan, config, clock(), into, images, clock)
+@dataclass(frozen=True, slots=True)
+class _Front:
+    """The blocking front of one load, run on the load's thread: it reads through
+    ``opened``, plans with ``config`` for ``devices`` (None: discover them) and times
+    itself with ``clock``; the files it opens and the host images it allocates go into
+    ``files`` and ``images`` as they are made, for the caller to free if the load
+    fails."""
 
+    opened: OpenFiles
+    config: Config
+    devices: Sequence[Device] | None
+    clock: Callable[[], float]
+    files: list[DataFile] = field(default_factory=list)
+    images: list[Image | None] = field(default_factory=list)
 
-def _prepare(
-    index: WeightIndex,
-    devices: tuple[Device, ...],
-    plan: Plan,
-    config: Config,
-    planned: float,
-    files: Sequence[DataFile],
-    images: list[Image | None],
-    clock: Callable[[], float],
-) -> _Prepared:
-    """Blocking: the buffers of ``plan`` laid out, its host images allocated into
-    ``images``, each file's disk found (a ``stat``) and the read jobs cut: work that
-    grows with the model (a model of hundreds of GiB has 10^4 jobs), off the loop."""
-    alignment = config.pipeline.alignment
-    layouts = layout_buffers(plan, alignment)
-    slots = tensor_slots(index, layouts)
-    spans = TensorSpans(index, layouts)
-    began = clock()
-    allocate_host_images(
-        layouts,
-        files,
-        images,
-        mapped=plan.mode in MAPPED_MODES,
-        writable=needs_swap(index.byte_order),
-        alignment=alignment,
-        prefetch=config.load.prefetch,
-    )
-    hosted = [lay for lay in layouts if lay.plan.host]
-    ended = clock()
-    host_times = StageTimes(
-        began, ended, ended - began, len(hosted), sum(lay.nbytes for lay in hosted)
-    )
-    disks = find_disks(files, config)
-    pipeline = config.pipeline
-    jobs, device_jobs = split_jobs(
-        index,
-        layouts,
-        pipeline.chunk_size,
-        host_bytes=job_bytes(
-            pipeline.chunk_size,
+    def parse_and_plan(
+        self, path: str
+    ) -> tuple[ParsedFile, tuple[WeightIndex, float, _Prepared] | None]:
+        """Blocking: a single-file model parsed, indexed and ``plan_and_open``-ed in one
+        call: each call is a round trip through the loop, and in a fresh process the
+        round trips cost as much as the work. Returns the header and (index, when it was
+        indexed, the rest); for a split set only the first file's header, and nothing is
+        opened."""
+        first, index = read_whole_model(path, self.opened)
+        if index is None:
+            return first, None
+        indexed = self.clock()
+        return first, (index, indexed, self.plan_and_open(index))
+
+    def plan_and_open(self, index: WeightIndex) -> _Prepared:
+        """Blocking: the load's devices (the first discovery imports CuPy and starts
+        CUDA) and its plan (placement rules are matched against every tensor name); then
+        the files to read, opened in the plan's mode, and the rest of what the streaming
+        half needs (``_prepare``)."""
+        config = self.config
+        found = tuple(self.devices) if self.devices is not None else enumerate_devices(config)
+        plan = make_plan(index, found, config)
+        open_data_files(
+            index, self.opened, mode=plan.mode, alignment=config.pipeline.alignment, into=self.files
+        )
+        return self._prepare(index, found, plan, self.clock())
+
+    def _prepare(
+        self, index: WeightIndex, devices: tuple[Device, ...], plan: Plan, planned: float
+    ) -> _Prepared:
+        """Blocking: the buffers of ``plan`` laid out, its host images allocated, each
+        file's disk found (a ``stat``) and the read jobs cut: work that grows with the
+        model (a model of hundreds of GiB has 10^4 jobs), off the loop."""
+        config, files, clock = self.config, self.files, self.clock
+        alignment = config.pipeline.alignment
+        layouts = layout_buffers(plan, alignment)
+        slots = tensor_slots(index, layouts)
+        spans = TensorSpans(index, layouts)
+        began = clock()
+        allocate_host_images(
             layouts,
-            disks.total_readers,
-            alignment,
-            # With checks on, a mapped tensor is checked once its job has landed: the
-            # reads' own size lets the checks start sooner.
-            mapped=plan.mode in MAPPED_MODES and not config.load.check_tensors,
-        ),
-        slot_bytes=pipeline.staging_bytes() if len(hosted) < len(layouts) else None,
-        aligned=plan.mode == "direct",
-    )
-    return _Prepared(
-        devices, plan, planned, layouts, slots, spans, host_times, disks, jobs, device_jobs
-    )
-
-
-def _parse_and_plan(
-    path: str,
-    files: OpenFiles,
-    config: Config,
-    devices: Sequence[Device] | None,
-    clock: Callable[[], float],
-    into: list[DataFile],
-    images: list[Image | None],
-) -> tuple[ParsedFile, tuple[WeightIndex, float, _Prepared] | None]:
-    """Blocking: a single-file model parsed, indexed, planned, opened for reading (into
-    ``into``) and its host images allocated (into ``images``) in one call: each call is
-    a round trip through the loop, and in a fresh process the round trips cost as much
-    as the work. Returns the header and (index, when it was indexed, the rest); for a
-    split set only the first file's header, and nothing is opened."""
-    first, index = read_whole_model(path, files)
-    if index is None:
-        return first, None
-    indexed = clock()
-    prepared = _plan_and_open(index, files, config, devices, clock, into, images)
-    return first, (index, indexed, prepared)
+            files,
+            self.images,
+            mapped=plan.mode in MAPPED_MODES,
+            writable=needs_swap(index.byte_order),
+            alignment=alignment,
+            prefetch=config.load.prefetch,
+        )
+        hosted = [lay for lay in layouts if lay.plan.host]
+        ended = clock()
+        host_times = StageTimes(
+            began, ended, ended - began, len(hosted), sum(lay.nbytes for lay in hosted)
+        )
+        disks = find_disks(files, config)
+        pipeline = config.pipeline
+        jobs, device_jobs = split_jobs(
+            index,
+            layouts,
+            pipeline.chunk_size,
+            host_bytes=job_bytes(
+                pipeline.chunk_size,
+                layouts,
+                disks.total_readers,
+                alignment,
+                # With checks on, a mapped tensor is checked once its job has landed: the
+                # reads' own size lets the checks start sooner.
+                mapped=plan.mode in MAPPED_MODES and not config.load.check_tensors,
+            ),
+            slot_bytes=pipeline.staging_bytes() if len(hosted) < len(layouts) else None,
+            aligned=plan.mode == "direct",
+        )
+        return _Prepared(
+            devices, plan, planned, layouts, slots, spans, host_times, disks, jobs, device_jobs
+        )
 
 
 def _close_all(files: Sequence[DataFile]) -> None:
@@ -634,31 +628,26 @@ async def run_load(
         # The files to read, opened (duplicates of the parsed descriptors) by the same
         # call that plans a single-file model, and the host images it allocates; both
         # freed with the stack unless the model takes the images.
-        files: list[DataFile] = []
-        stack.callback(_close_all, files)
-        images: list[Image | None] = []
-        stack.push_async_callback(_free_images, images, threads)
-        first, whole = await threads.run_sync(
-            _parse_and_plan, os.fspath(path), opened, config, devices, hub.elapsed, files, images
-        )
+        front = _Front(opened, config, devices, hub.elapsed)
+        stack.callback(_close_all, front.files)
+        stack.push_async_callback(_free_images, front.images, threads)
+        first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
             index, t1, prepared = whole
         else:
             index = await open_index(path, threads=threads, files=opened, first=first)
             t1 = hub.elapsed()
-            prepared = await threads.run_sync(
-                _plan_and_open, index, opened, config, devices, hub.elapsed, files, images
-            )
+            prepared = await threads.run_sync(front.plan_and_open, index)
         t2 = prepared.planned
         plan = prepared.plan
         load = _Load(
             index,
             prepared,
-            images,
+            front.images,
             config,
             hub,
             threads=threads,
-            files=files,
+            files=front.files,
             metadata_stages=[
                 ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),
                 ("plan", StageTimes(t1, t2, t2 - t1, len(plan.tensors), 0)),
