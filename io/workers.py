@@ -82,8 +82,8 @@ class _Worker:
 
     def __init__(self, pool: _Pool, number: int) -> None:
         self._pool = pool
-        # Lanes to serve, in order; ``_QUIT`` ends the thread.
-        self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # Lanes to serve, in order; None ends the thread.
+        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=self.idle_name(number), daemon=True)
         self.number = number
 
@@ -101,7 +101,7 @@ class _Worker:
                 if self._pool.retire(self):
                     return
                 continue  # taken just now: its lane is on the way
-            if serve is _QUIT:
+            if serve is None:
                 return
             serve()
 
@@ -268,7 +268,7 @@ class _Pool:
                 if len(self._idle) < _max_idle():
                     self._idle.append(worker)
                 else:
-                    worker.inbox.put(_QUIT)
+                    worker.inbox.put(None)
 
     def retire(self, worker: _Worker) -> bool:
         """From an idle worker's thread after ``IDLE_S``: whether it may end (False: a
@@ -299,13 +299,6 @@ class _Request:
     reply: Callable[[], None] | None = None
     started: list[_Worker] = field(default_factory=list)
     error: BaseException | None = None
-
-
-def _quit() -> None:
-    raise AssertionError("_QUIT is a marker, never called")
-
-
-_QUIT: Callable[[], None] = _quit
 
 
 @functools.cache
