@@ -296,14 +296,11 @@ class Allocation:
                 nbytes=host_times.nbytes,
             )
 
-    async def run(
-        self, allocate_device: Callable[[str, int], Awaitable[DeviceBuffer]] | None
-    ) -> None:
+    async def run(self, allocate_device: Callable[[str, int], Awaitable[DeviceBuffer]]) -> None:
         """Allocate every device buffer with ``allocate_device(device, nbytes)``."""
         for layout in self.layouts:
             if layout.plan.host:
                 continue
-            assert allocate_device is not None, "device buffers need an uploader"
             with self._meter.span(items=1, nbytes=layout.nbytes):
                 buffer = await allocate_device(layout.plan.device, max(layout.nbytes, 1))
                 self.images[layout.index] = DeviceImage(layout, buffer)

@@ -1090,7 +1090,7 @@ class Validation:
         finishing = [check for name in names if (check := self._pieces.get(name)) is not None]
         if finishing:
             # Their pieces were checked as they landed: only the units that straddled
-            # two pieces are left.
+            # two jobs are left.
             failures = await self._threads.run_sync(self._finish_all, finishing)
             self._piece_failures.extend(failures)
         if not self.enabled:
