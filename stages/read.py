@@ -435,9 +435,11 @@ class _Feed:
         self._left = 0
         self._lock = threading.Lock()
         self.stopped = False
+        self.handed = 0  # jobs put so far
 
     def put(self, job: ReadJob) -> None:
         self._queue.put(job)
+        self.handed += 1
 
     def get(self) -> ReadJob | None:
         job = self._queue.get()
@@ -470,11 +472,10 @@ async def _hand_out(
     if prefault is None:
         await _put_jobs(jobs, feed, image_of)
         return
-    handed = [0]  # jobs handed out so far
 
     async def prefault_ahead(threads: LoadThreads) -> None:
         i = 0
-        while (i := max(i, handed[0])) < len(jobs):
+        while (i := max(i, feed.handed)) < len(jobs):
             job = jobs[i]
             image = await image_of(job.buffer_index)
             if isinstance(image, HostImage):
@@ -483,7 +484,7 @@ async def _hand_out(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(prefault_ahead, prefault)
-        await _put_jobs(jobs, feed, image_of, handed)
+        await _put_jobs(jobs, feed, image_of)
         tg.cancel_scope.cancel()  # nothing is left to back ahead of the readers
 
 
@@ -491,16 +492,13 @@ async def _put_jobs(
     jobs: Sequence[ReadJob],
     feed: _Feed,
     image_of: Callable[[int], Awaitable[Image]],
-    handed: list[int] | None = None,
 ) -> None:
-    """Put ``jobs`` on ``feed``, counting them in ``handed[0]``."""
+    """Put ``jobs`` on ``feed``, each once its buffer exists."""
     allocated: set[int] = set()
-    for i, job in enumerate(jobs):
+    for job in jobs:
         # Awaited once per buffer, not per job: an await passes through the loop,
         # and the readers must not wait for the loop between jobs.
         if job.buffer_index not in allocated:
             await image_of(job.buffer_index)
             allocated.add(job.buffer_index)
         feed.put(job)
-        if handed is not None:
-            handed[0] = i + 1
