@@ -13,7 +13,8 @@ reading, checking, uploading and closing. ``LoadThreads(n)`` lends a load ``n`` 
 for as long as its ``async with`` lasts. The threads themselves come from a process-wide
 pool and go back to it afterwards, so a load in a process that has loaded before starts
 no thread; a thread idle for ``IDLE_S`` ends. New threads are started by the pool's own
-starter thread, never by the loop's (``reserve_threads`` asks for them ahead).
+starter thread, never by the loop's (``reserve_threads`` asks for them ahead), and no
+lender waits for one to start: its calls wait in the queue the new thread will serve.
 
 A thread takes its next call from a queue as soon as it is free, and hands its result to
 the loop without waiting for the loop to take it: with more calls submitted than threads,
@@ -33,7 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -74,196 +75,173 @@ class _Call(Generic[T]):
     error: BaseException | None = None
 
 
+class _Lane(Protocol):
+    """What a worker serves: a lender's calls (``LoadThreads``)."""
+
+    def _serve(self) -> None: ...
+
+    def _refuse(self, error: BaseException) -> None: ...
+
+
 class _Worker:
-    """One pooled OS thread. Between loads it waits on its inbox for the next lane to
-    serve (a ``LoadThreads``' queue), then for ``IDLE_S`` at most. A lane's owner hands
-    the worker back to the pool when it leaves: the worker may still be on its way out
-    of that lane, and serves the next one from its inbox after it."""
+    """One pooled OS thread. A lender offers it a lane, which it serves until the lane
+    ends; between lanes it waits on its inbox, for ``IDLE_S`` at most.
+
+    A worker exists before its thread runs: the pool's starter starts the thread, and a
+    lane offered meanwhile waits in the inbox, so no lender waits for a start. A thread
+    that cannot be started refuses every lane offered to it (their calls fail with the
+    reason instead of waiting for ever). A lender hands the worker back to the pool when
+    it leaves: the worker may still be on its way out of that lane, and serves the next
+    one from its inbox after it."""
 
     def __init__(self, pool: _Pool, number: int) -> None:
         self._pool = pool
-        # Lanes to serve, in order; None ends the thread.
-        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name=self.idle_name(number), daemon=True)
         self.number = number
+        # Lanes to serve, in order; None ends the thread.
+        self.inbox: queue.SimpleQueue[_Lane | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=self.idle_name(number), daemon=True)
+        self._lock = threading.Lock()
+        self.refusal: BaseException | None = None  # why its thread could not start
 
     @staticmethod
     def idle_name(number: int) -> str:
         return f"{IDLE_NAME} {number}"
 
+    def offer(self, lane: _Lane) -> None:
+        """Have the thread serve ``lane`` next (or refuse it, if it cannot start)."""
+        with self._lock:
+            refusal = self.refusal
+            if refusal is None:
+                self.inbox.put(lane)
+                return
+        lane._refuse(refusal)
+
+    def start(self) -> bool:
+        """From the starter: start the thread; if that fails, refuse the lanes offered
+        so far and from now on. Whether it started."""
+        try:
+            self.thread.start()
+        except Exception as exc:  # "can't start new thread": out of threads or memory
+            self.refuse(exc)
+            return False
+        return True
+
+    def refuse(self, error: BaseException) -> None:
+        """The thread will not run: fail the lanes offered so far and from now on."""
+        with self._lock:
+            self.refusal = error
+            offered = _drain(self.inbox)
+        for lane in offered:
+            if lane is not None:
+                lane._refuse(error)
+
     def _run(self) -> None:
         at_load_priority()
-        self._pool.start_promised_starter()
         while True:
             try:
-                serve = self.inbox.get(timeout=IDLE_S)
+                lane = self.inbox.get(timeout=IDLE_S)
             except queue.Empty:
                 if self._pool.retire(self):
                     return
                 continue  # taken just now: its lane is on the way
-            if serve is None:
+            if lane is None:
                 return
-            serve()
+            lane._serve()
 
 
 class _Pool:
     """The process's idle load threads, most recently used last, and the one thread
     that starts new ones.
 
-    Starting a thread blocks its starter until the new thread runs, which on a busy
-    machine takes milliseconds: the loop's thread never does it. A load that needs more
-    threads than are idle asks the starter and awaits them; ``reserve`` asks it ahead
-    of time, without waiting. A caller starts one thread per process: the first load's
-    first thread, which starts the starter.
+    Starting a ``threading.Thread`` blocks its caller until the new thread runs, which
+    on a busy machine takes a millisecond: no lender does it. A lender takes idle
+    workers and new ones at once, without waiting; the starter (itself started without
+    a wait, once per process) starts the new ones' threads, which then find their lanes
+    and calls queued. ``reserve`` adds new workers to the idle ones ahead of time.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Taken from the end. A reserved worker is idle before its thread runs.
         self._idle: list[_Worker] = []
         self._numbers = itertools.count()
-        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
-        # Someone has taken on starting the starter (or started it); False again if
-        # that failed, so that the next request tries.
-        self._starter_claimed = False
-        self._starter_promised = False  # the first thread will start it
+        self._to_start: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._starter_started = False
 
-    async def take(self, count: int) -> list[_Worker]:
-        """``count`` threads, idle ones first; the rest are started for the caller."""
-        reused = self._take_idle(count)
-        if len(reused) == count:
-            return reused
-        if self._first_start():
-            # A process's first load: its first thread is started here, the one thread
-            # start the caller ever does, and that thread starts the starter (see
-            # ``_Worker._run``), so the load waits for one start, not two and a reply.
-            first = _Worker(self, next(self._numbers))
-            try:
-                first.thread.start()
-            except BaseException:
-                with self._lock:
-                    # The next caller starts the starter.
-                    self._starter_claimed = self._starter_promised = False
-                raise
-            reused.append(first)
-            if len(reused) == count:
-                return reused
-        try:
-            return reused + await self._started(count - len(reused))
-        except BaseException:
-            self.give_back(reused)
-            raise
-
-    def _take_idle(self, count: int) -> list[_Worker]:
+    def take(self, count: int) -> list[_Worker]:
+        """``count`` workers, idle ones first; the threads of the rest start soon. Raises
+        what keeps the starter from starting (a process out of threads)."""
         with self._lock:
             taken = self._idle[len(self._idle) - min(count, len(self._idle)) :]
             del self._idle[len(self._idle) - len(taken) :]
-        return taken
-
-    async def _started(self, count: int) -> list[_Worker]:
-        token = anyio.lowlevel.current_token()
-        done = anyio.Event()
-        request = _Request(count)
-        request.reply = lambda: _run_sync_soon(token, done.set, ())
-        self._ask(request)
-        # Shielded: threads started for a caller that left would be lost to the pool.
-        with anyio.CancelScope(shield=True):
-            await done.wait()
-        if request.error is not None:
-            raise request.error
-        return request.started
+            new = [self._new() for _ in range(count - len(taken))]
+        try:
+            self._start(new)
+        except BaseException:
+            self.give_back(taken)
+            raise
+        return taken + new
 
     def reserve(self, count: int) -> None:
-        """Have ``count`` threads idle soon, starting what is missing; returns at once."""
-        self._ask(_Request(count))
-
-    def _ask(self, request: _Request) -> None:
-        self._requests.put(request)  # served once the starter runs
+        """Have ``count`` workers idle (up to the pool's cap), adding what is missing;
+        returns at once. A hint: what keeps it from starting them is not raised."""
         with self._lock:
-            if self._starter_claimed:
+            new = [self._new() for _ in range(min(count, _max_idle()) - len(self._idle))]
+            self._idle.extend(new)
+        with contextlib.suppress(Exception):
+            self._start(new)
+
+    def _new(self) -> _Worker:
+        return _Worker(self, next(self._numbers))
+
+    def _start(self, workers: Sequence[_Worker]) -> None:
+        """Have the starter start ``workers``' threads, starting the starter first if
+        this is the process's first start."""
+        for worker in workers:
+            self._to_start.put(worker)
+        with self._lock:
+            if self._starter_started or not workers:
                 return
-            self._starter_claimed = True
-        try:
-            self._start_starter()
-        except BaseException:
-            self._unclaim_starter()
-            raise
-
-    def _first_start(self) -> bool:
-        """Whether the caller is to start the process's first thread itself (nothing
-        was ever started); that thread then starts the starter."""
-        with self._lock:
-            if self._starter_claimed:
-                return False
-            self._starter_claimed = self._starter_promised = True
-            return True
-
-    def start_promised_starter(self) -> None:
-        """From a new thread: start the starter if the first ``take`` promised it. If it
-        cannot be started, the requests waiting for it fail with the reason (a caller
-        would wait for ever), and the next request starts it on its caller's thread."""
-        with self._lock:
-            if not self._starter_promised:
-                return
-            self._starter_promised = False
+            self._starter_started = True
         try:
             self._start_starter()
         except Exception as exc:
-            # Unclaimed first: a request that comes after the queue is emptied starts
-            # the starter on its caller's thread.
-            self._unclaim_starter()
-            while True:
-                try:
-                    request = self._requests.get_nowait()
-                except queue.Empty:
-                    break
-                if request.reply is not None:
-                    request.error = exc
-                    request.reply()
+            with self._lock:
+                self._starter_started = False  # the next start tries again
+            # No one starts the workers queued so far (these and maybe others'): each
+            # refuses its lanes, and leaves the idle ones.
+            for worker in _drain(self._to_start):
+                worker.refuse(exc)
+                self._discard(worker)
+            raise
 
     def _start_starter(self) -> None:
-        """Start the starter (claimed by the caller), without waiting for it to run: a
-        ``threading.Thread`` start waits for the new thread to take the GIL, and the
-        first thread, which starts the starter, has a load's first call to make. The
-        starter is no ``threading.Thread``: nothing joins it, and it never ends."""
+        """Start the starter: with ``_thread``, which does not wait for the new thread
+        to run. The starter is no ``threading.Thread``: nothing joins it, and it never
+        ends."""
         _thread.start_new_thread(self._start_threads, ())
-
-    def _unclaim_starter(self) -> None:
-        with self._lock:
-            self._starter_claimed = False
 
     def _start_threads(self) -> None:
         # Registered with ``threading`` (as a dummy thread) under the idle name: it
         # works for no load.
         threading.current_thread().name = f"{IDLE_NAME} starter"
         while True:
-            request = self._requests.get()
-            reserving = request.reply is None
-            if reserving:
-                count = min(request.count, _max_idle()) - self.idle()
-            else:
-                # Threads a reservation started while this request waited are idle now.
-                request.started = self._take_idle(request.count)
-                count = request.count - len(request.started)
-            try:
-                for _ in range(count):
-                    worker = _Worker(self, next(self._numbers))
-                    worker.thread.start()
-                    if reserving:
-                        self.give_back([worker])
-                    else:
-                        request.started.append(worker)
-            except BaseException as exc:  # handed to the caller (a reservation is a hint)
-                request.error = exc
-                self.give_back(request.started)
-                request.started = []
-            if request.reply is not None:
-                request.reply()
+            worker = self._to_start.get()
+            if not worker.start():
+                self._discard(worker)
+
+    def _discard(self, worker: _Worker) -> None:
+        with self._lock:
+            if worker in self._idle:
+                self._idle.remove(worker)
 
     def give_back(self, workers: Sequence[_Worker]) -> None:
         """Workers whose lane has ended (or was never served) back into the pool,
         idle-named; past the pool's cap they end instead."""
         with self._lock:
             for worker in workers:
+                if worker.refusal is not None:
+                    continue  # never ran
                 worker.thread.name = worker.idle_name(worker.number)
                 if len(self._idle) < _max_idle():
                     self._idle.append(worker)
@@ -287,18 +265,18 @@ class _Pool:
         """In a forked child: the parent's threads do not exist there."""
         self._lock = threading.Lock()
         self._idle = []
-        self._requests = queue.SimpleQueue()
-        self._starter_claimed = self._starter_promised = False
+        self._to_start = queue.SimpleQueue()
+        self._starter_started = False
 
 
-@dataclass(slots=True)
-class _Request:
-    """Threads asked of the starter: for a caller (``reply`` set), or a reservation."""
-
-    count: int
-    reply: Callable[[], None] | None = None
-    started: list[_Worker] = field(default_factory=list)
-    error: BaseException | None = None
+def _drain(q: queue.SimpleQueue[T]) -> list[T]:
+    """What ``q`` holds now, taken off it."""
+    items: list[T] = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
 
 
 @functools.cache
@@ -337,6 +315,7 @@ class LoadThreads:
         self._queue: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
         self._workers: list[_Worker] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
+        self._refusal: BaseException | None = None  # a thread of the lane could not start
 
     @property
     def count(self) -> int:
@@ -345,10 +324,10 @@ class LoadThreads:
 
     async def __aenter__(self) -> LoadThreads:
         self._token = anyio.lowlevel.current_token()
-        self._workers = await _POOL.take(self._count)
+        self._workers = _POOL.take(self._count)
         for i, worker in enumerate(self._workers):
             worker.thread.name = f"{self._name}-{i}"
-            worker.inbox.put(self._serve)
+            worker.offer(self)
         return self
 
     async def __aexit__(
@@ -380,6 +359,24 @@ class LoadThreads:
             # After every ``call_soon`` of the call: the loop runs them in order.
             self._on_loop(call.done.set)
 
+    def _refuse(self, error: BaseException) -> None:
+        """From the starter: a thread of this lane could not start. Every call fails
+        with ``error``: those queued now (a live thread may take one first) and those to
+        come; none waits for a thread that will not come."""
+        self._refusal = error
+        self._fail_queued(error)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        ends = 0
+        for call in _drain(self._queue):
+            if call is None:
+                ends += 1  # a live thread's end: put back
+                continue
+            call.error = error
+            self._on_loop(call.done.set)
+        for _ in range(ends):
+            self._queue.put(None)
+
     def _on_loop(self, fn: Callable[[], object]) -> None:
         token = self._token
         assert token is not None
@@ -394,6 +391,8 @@ class LoadThreads:
         runs, to ask a long-running ``fn`` to return early (it is still waited for)."""
         call: _Call[T] = _Call(lambda: fn(*args))
         self._queue.put(call)
+        if self._refusal is not None:  # after the put: ``_refuse`` may run meanwhile
+            self._fail_queued(self._refusal)
         if on_cancel is None:
             with anyio.CancelScope(shield=True):
                 await call.done.wait()

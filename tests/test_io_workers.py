@@ -27,6 +27,10 @@ def _names() -> set[str]:
 async def test_results_errors_and_priority() -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
     async with LoadThreads(2) as threads:
+        both = threading.Barrier(2, timeout=10)  # both threads run (they start soon)
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(threads.run_sync, both.wait)
         assert len(_names()) == 2
         assert await threads.run_sync(lambda a, b: a + b, 2, 3) == 5
         with pytest.raises(ZeroDivisionError):
@@ -175,10 +179,10 @@ print(",".join(loop_starts))
 """
 
 
-def test_the_first_load_of_a_process_starts_one_thread_on_the_loop(tmp_path: Path) -> None:
-    """Starting a thread blocks until the thread runs (milliseconds on a busy machine):
-    the loop's thread starts one, once per process: the first load's first thread, which
-    starts the pool's starter; the starter starts every other load thread."""
+def test_no_load_waits_for_a_thread_to_start_on_the_loop(tmp_path: Path) -> None:
+    """Starting a ``threading.Thread`` blocks until the thread runs (a millisecond on a
+    busy machine): the loop's thread starts none, not even in a process's first load.
+    The pool's starter (started without a wait) starts every load thread."""
     model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="2MiB", seed=1, n_layer=2)
     out = subprocess.run(
         [sys.executable, "-c", FIRST_LOAD, str(model.path)],
@@ -187,7 +191,7 @@ def test_the_first_load_of_a_process_starts_one_thread_on_the_loop(tmp_path: Pat
         timeout=120,
         check=True,
     )
-    assert out.stdout.strip() == f"{IDLE_NAME} 0"
+    assert out.stdout.strip() == ""
 
 
 STARTER_REFUSED = """
@@ -195,30 +199,31 @@ import anyio
 from aiogguf.io import workers
 
 pool = workers._Pool()
+workers._POOL = pool
 
 def refuse():
     raise RuntimeError("can't start new thread")
 
-pool._start_starter = refuse
-
 async def main():
+    async with workers.LoadThreads(1) as threads:  # the starter starts its thread
+        await threads.run_sync(lambda: None)
+    pool._start_starter = refuse
+    pool._starter_started = False  # as in a process whose starter never started
     try:
-        await pool.take(2)
+        async with workers.LoadThreads(3):
+            pass
     except RuntimeError as exc:
         print("raised:", exc)
-    # The one thread that did start goes back to the pool.
-    while pool.idle() != 1:
-        await anyio.sleep(0.01)
+    # The one thread that was lent before goes back to the pool; no other is left.
     print("idle:", pool.idle())
 
 anyio.run(main)
 """
 
 
-def test_a_starter_that_cannot_start_fails_the_waiting_load_instead_of_hanging() -> None:
-    """A process's first thread starts the starter; if that fails (no threads left),
-    the load waiting for more threads gets the error rather than waiting for ever (the
-    wait is shielded from cancellation, hence a child process with a timeout)."""
+def test_a_starter_that_cannot_start_fails_the_lender() -> None:
+    """If the starter cannot start (no threads left), the lender gets the error, and
+    the idle thread it took goes back to the pool."""
     out = subprocess.run(
         [sys.executable, "-c", STARTER_REFUSED],
         capture_output=True,
@@ -227,6 +232,51 @@ def test_a_starter_that_cannot_start_fails_the_waiting_load_instead_of_hanging()
         check=True,
     )
     assert out.stdout.split("\n")[:2] == ["raised: can't start new thread", "idle: 1"]
+
+
+THREAD_REFUSED = """
+import threading
+import anyio
+from aiogguf.io import workers
+
+workers._POOL = workers._Pool()
+
+def refuse(self):
+    raise RuntimeError("can't start new thread")
+
+threading.Thread.start = refuse
+
+async def main():
+    async with workers.LoadThreads(2) as threads:
+        for n in range(2):
+            try:
+                await threads.run_sync(lambda: n)
+            except RuntimeError as exc:
+                print("raised:", exc)
+    workers.reserve_threads(3)
+    async with workers.LoadThreads(1) as threads:
+        try:
+            await threads.run_sync(lambda: 0)
+        except RuntimeError as exc:
+            print("raised:", exc)
+    print("idle:", workers.idle_threads())
+
+anyio.run(main)
+"""
+
+
+def test_a_thread_that_cannot_start_fails_its_calls_instead_of_hanging() -> None:
+    """A lender does not wait for its threads to start: if one cannot, every call of
+    the lane fails with the reason, also for a lender that took a reserved thread
+    (the waits are shielded from cancellation, hence a child process with a timeout)."""
+    out = subprocess.run(
+        [sys.executable, "-c", THREAD_REFUSED],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.split("\n")[:4] == ["raised: can't start new thread"] * 3 + ["idle: 0"]
 
 
 @pytest.mark.asyncio
