@@ -43,6 +43,7 @@ __all__ = [
     "IDLE_NAME",
     "IDLE_S",
     "LOAD_NICE",
+    "Call",
     "LoadThreads",
     "at_load_priority",
     "idle_threads",
@@ -68,7 +69,10 @@ def at_load_priority() -> None:
 
 
 @dataclass(slots=True)
-class _Call(Generic[T]):
+class Call(Generic[T]):
+    """A call submitted to ``LoadThreads``: its function, and once it has run, its value
+    or error (``LoadThreads.wait`` hands them over)."""
+
     fn: Callable[[], T]
     done: anyio.Event = field(default_factory=anyio.Event)
     value: T | None = None
@@ -312,7 +316,7 @@ class LoadThreads:
     def __init__(self, count: int, *, name: str = "aiogguf-reader") -> None:
         self._count = max(count, 1)
         self._name = name
-        self._queue: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Call[Any] | None] = queue.SimpleQueue()
         self._workers: list[_Worker] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._refusal: BaseException | None = None  # a thread of the lane could not start
@@ -323,12 +327,7 @@ class LoadThreads:
         return self._count
 
     async def __aenter__(self) -> LoadThreads:
-        self._token = anyio.lowlevel.current_token()
-        self._workers = _POOL.take(self._count)
-        for i, worker in enumerate(self._workers):
-            worker.thread.name = f"{self._name}-{i}"
-            worker.offer(self)
-        return self
+        return self.enter(anyio.lowlevel.current_token())
 
     async def __aexit__(
         self,
@@ -336,8 +335,21 @@ class LoadThreads:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # Every call has returned (``run_sync`` waits for its call, also when cancelled):
-        # what is left in the queue are these ends, one per thread. The threads go back
+        self.leave()
+
+    def enter(self, token: anyio.lowlevel.EventLoopToken) -> LoadThreads:
+        """``async with`` without the loop: take the threads (from any thread) for calls
+        awaited on the loop of ``token``; ``leave`` gives them back."""
+        self._token = token
+        self._workers = _POOL.take(self._count)
+        for i, worker in enumerate(self._workers):
+            worker.thread.name = f"{self._name}-{i}"
+            worker.offer(self)
+        return self
+
+    def leave(self) -> None:
+        """Give the threads back, once every call submitted has returned."""
+        # What is left in the queue are these ends, one per thread. The threads go back
         # to the pool at once, without a round trip through the loop; one that a next
         # lender takes before it has read its end serves that lender right after.
         for _ in self._workers:
@@ -389,10 +401,19 @@ class LoadThreads:
 
         ``on_cancel``: called on the loop's thread if the caller is cancelled while ``fn``
         runs, to ask a long-running ``fn`` to return early (it is still waited for)."""
-        call: _Call[T] = _Call(lambda: fn(*args))
+        return await self.wait(self.submit(fn, *args), on_cancel=on_cancel)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Call[T]:
+        """Queue ``fn(*args)`` for one of the threads and return at once (from any
+        thread); ``wait`` for it on the loop before leaving."""
+        call: Call[T] = Call(lambda: fn(*args))
         self._queue.put(call)
         if self._refusal is not None:  # after the put: ``_refuse`` may run meanwhile
             self._fail_queued(self._refusal)
+        return call
+
+    async def wait(self, call: Call[T], *, on_cancel: Callable[[], None] | None = None) -> T:
+        """``call``'s result, or its exception, once it has run (see ``run_sync``)."""
         if on_cancel is None:
             with anyio.CancelScope(shield=True):
                 await call.done.wait()
@@ -415,7 +436,7 @@ class LoadThreads:
         loop would only log, is raised by the ``run_sync`` of that call instead."""
         token = self._token
         assert token is not None
-        call: _Call[Any] | None = getattr(_running, "call", None)
+        call: Call[Any] | None = getattr(_running, "call", None)
 
         def on_loop() -> None:
             try:

@@ -36,9 +36,9 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 
 import anyio
+import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.config import Config
@@ -76,9 +76,9 @@ from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import (
     ByteSwap,
     Disks,
+    HostReads,
     Reader,
     direct_refusals,
-    disk_limiters,
     find_disks,
     open_data_files,
 )
@@ -202,7 +202,6 @@ class _Load:
         self.layouts = prepared.layouts
         self.slots = prepared.slots
         self.spans = prepared.spans
-        self.swap = needs_swap(index.byte_order)
         # Host images exist already (``images``); device ones are allocated by ``run``.
         self.allocation = Allocation(
             self.layouts, images, clock=hub.elapsed, host_times=prepared.host_times
@@ -211,22 +210,16 @@ class _Load:
         self.warnings: list[str] = list(plan.warnings)
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
         self.progress = _Progress(hub, plan, self.layouts, self.spans, index)
-        self._prefault_threads: LoadThreads | None = None  # direct mode: backs pages ahead
-        # Files the transfer threads read from (the rest only the readers read).
-        self._staged_files = {job.file_index for job in prepared.device_jobs}
 
     # --- the whole load ---------------------------------------------------------------
 
     async def run(self, stack: AsyncExitStack) -> Model:
         """Load every tensor; resources go on ``stack`` (closed by the caller on failure)."""
-        if self.swap:
-            ByteSwap.check(self.index, self.plan)
         files = self.files
         for warning in direct_refusals(files, self.mode):
             self._warn(warning)
-        disks = self.prepared.disks
-        limiters = disk_limiters(disks)
-        threads = await stack.enter_async_context(LoadThreads(disks.total_readers))
+        prepared = self.prepared
+        disks, validation, reader = prepared.disks, prepared.validation, prepared.reader
         uploader: Uploader | None = None
         if any(not lay.plan.host for lay in self.layouts):
             # Transfer threads: as many as the busiest disk allows readers (a transfer
@@ -237,48 +230,10 @@ class _Load:
             uploader = await stack.enter_async_context(
                 Uploader(self.devices, self.config, threads=transfer_threads)
             )
-        if self.mode == "direct" and self.config.load.prefetch:
-            # One thread for all files: backing pages is CPU work, not I/O.
-            self._prefault_threads = await stack.enter_async_context(
-                LoadThreads(1, name="aiogguf-prefault")
-            )
-        workers = self.config.pipeline.validate_workers
-        # With checks off nothing runs on check threads: the readers' stand in.
-        check_threads = (
-            await stack.enter_async_context(LoadThreads(workers, name="aiogguf-check"))
-            if self.config.load.check_tensors
-            else threads
-        )
-        validation = Validation(
-            self.index,
-            self.layouts,
-            self.slots,
-            self.spans,
-            self.images,
-            files,
-            mode=self.mode,
-            enabled=self.config.load.check_tensors,
-            swapped=self.swap,
-            workers=workers,
-            threads=check_threads,
-            clock=self.hub.elapsed,
-        )
-        reader = Reader(
-            files,
-            self.images,
-            limiters,
-            direct=[f.direct_ok for f in files],
-            clock=self.hub.elapsed,
-            swap=ByteSwap(self.index, self.layouts) if self.swap else None,
-            check=validation.check_piece if validation.by_pieces else None,
-            lock=self.mode == "mlock",
-            threads=threads,
-            check_threads=check_threads,
-        )
         # A stage that fails cancels the others; the caller sees its error, unwrapped.
         with one_error():
             async with validation:
-                await self._stream(files, reader, uploader, validation)
+                await self._stream(prepared.reads, reader, prepared.landed, uploader, validation)
         if reader.lock_refusal is not None:
             self._warn(
                 f"{reader.lock_refusal}; the whole load needs {self.progress.bytes_total} "
@@ -290,7 +245,7 @@ class _Load:
         # read of a cut-off page would kill): the load fails instead. The readers
         # checked the files that only they read; those the transfer threads read too
         # are checked here.
-        if staged := [files[i] for i in sorted(self._staged_files)]:
+        if staged := [files[i] for i in prepared.staged_files]:
             await self.threads.run_sync(_check_unchanged, staged)
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
@@ -305,20 +260,18 @@ class _Load:
 
     async def _stream(
         self,
-        files: Sequence[DataFile],
+        reads: HostReads,
         reader: Reader,
+        landed: MemoryObjectReceiveStream[ReadJob],
         uploader: Uploader | None,
         validation: Validation,
     ) -> None:
-        """The streaming half: allocate, read, upload and validate, all at once."""
+        """The streaming half: the host reads (started already), device buffers,
+        transfers and checks, all at once."""
         pipeline = self.config.pipeline
-        jobs, device_jobs = self.prepared.jobs, self.prepared.device_jobs
+        device_jobs = self.prepared.device_jobs
         if uploader is not None:
             assert uploader.slot_bytes == pipeline.staging_bytes(), "device jobs fill a slot each"
-        # Room for every host job: reader threads hand over landed jobs without waiting.
-        landed_send, landed_recv = anyio.create_memory_object_stream[ReadJob](
-            max(1, sum(len(file_jobs) for file_jobs in jobs))
-        )
         # Tensor names travel in lists, one per landed job: a send per tensor would be a
         # loop iteration per tensor.
         ready_send, ready_recv = anyio.create_memory_object_stream[list[str]](pipeline.queue_depth)
@@ -328,24 +281,8 @@ class _Load:
             if device_jobs:
                 assert uploader is not None
                 tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
-            for file_index, file_jobs in enumerate(jobs):
-                tg.start_soon(
-                    partial(
-                        reader.read_file,
-                        file_index,
-                        file_jobs,
-                        self.allocation.ready,
-                        landed_send.clone(),
-                        prefault=self._prefault_threads,
-                        verify=(
-                            None
-                            if file_index in self._staged_files
-                            else files[file_index].check_unchanged
-                        ),
-                    )
-                )
-            landed_send.close()
-            tg.start_soon(self._track, landed_recv, ready_send)
+            tg.start_soon(reads.finish)
+            tg.start_soon(self._track, landed, ready_send)
             tg.start_soon(self._validate_loop, ready_recv, validation)
 
     # --- read and upload --------------------------------------------------------------
@@ -475,7 +412,8 @@ def _check_unchanged(files: Sequence[DataFile]) -> None:
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     """What the blocking front of a load hands the loop: devices, plan, buffer layouts,
-    where each tensor sits, and when the host images (already allocated) were made."""
+    where each tensor sits, when the host images (already allocated) were made, the
+    jobs, and the read side of the load, its host reads already running."""
 
     devices: tuple[Device, ...]
     plan: Plan
@@ -487,22 +425,32 @@ class _Prepared:
     disks: Disks
     jobs: list[list[ReadJob]]  # host jobs, per file
     device_jobs: list[ReadJob]
+    staged_files: tuple[int, ...]  # the files the transfer threads read from too
+    validation: Validation
+    reader: Reader
+    reads: HostReads  # started
+    landed: MemoryObjectReceiveStream[ReadJob]  # the host jobs, as they land
 
 
 @dataclass(frozen=True, slots=True)
 class _Front:
-    """The blocking front of one load, run on the load's thread: it reads through
-    ``opened``, plans with ``config`` for ``devices`` (None: discover them) and times
-    itself with ``clock``; the files it opens and the host images it allocates go into
-    ``files`` and ``images`` as they are made, for the caller to free if the load
-    fails."""
+    """The blocking front of one load, run on the load's thread, up to the first byte
+    read: it reads through ``opened``, plans with ``config`` for ``devices`` (None:
+    discover them), times itself with ``clock`` and ends by starting the host reads, on
+    threads whose calls the loop of ``token`` awaits. The files it opens, the host
+    images it allocates and the threads it takes go into ``files``, ``images`` and
+    ``lent`` as they are made, and the reads it starts into ``started``: the caller
+    frees them all (``release``, ``close_images``) if the load fails."""
 
     opened: OpenFiles
     config: Config
     devices: Sequence[Device] | None
     clock: Callable[[], float]
+    token: anyio.lowlevel.EventLoopToken
     files: list[DataFile] = field(default_factory=list)
     images: list[Image | None] = field(default_factory=list)
+    lent: list[LoadThreads] = field(default_factory=list)
+    started: list[HostReads] = field(default_factory=list)
 
     def parse_and_plan(
         self, path: str
@@ -575,9 +523,93 @@ class _Front:
             slot_bytes=pipeline.staging_bytes() if len(hosted) < len(layouts) else None,
             aligned=plan.mode == "direct",
         )
-        return _Prepared(
-            devices, plan, planned, layouts, slots, spans, host_times, disks, jobs, device_jobs
+        staged = tuple(sorted({job.file_index for job in device_jobs}))
+        validation, reader, reads, landed = self._start_reads(
+            index, plan, layouts, slots, spans, disks, jobs, staged
         )
+        return _Prepared(
+            devices,
+            plan,
+            planned,
+            layouts,
+            slots,
+            spans,
+            host_times,
+            disks,
+            jobs,
+            device_jobs,
+            staged,
+            validation,
+            reader,
+            reads,
+            landed,
+        )
+
+    def _start_reads(
+        self,
+        index: WeightIndex,
+        plan: Plan,
+        layouts: tuple[BufferLayout, ...],
+        slots: dict[str, TensorSlot],
+        spans: TensorSpans,
+        disks: Disks,
+        jobs: list[list[ReadJob]],
+        staged: tuple[int, ...],
+    ) -> tuple[Validation, Reader, HostReads, MemoryObjectReceiveStream[ReadJob]]:
+        """The read side of the load (checks, reader, reader threads), and its host reads
+        started: their images exist, and the reads then run while the loop sets up the
+        rest (device buffers, transfers) instead of after it."""
+        config, files, clock = self.config, self.files, self.clock
+        swapped = needs_swap(index.byte_order)
+        if swapped:
+            ByteSwap.check(index, plan)
+        threads = self._lend(disks.total_readers, "aiogguf-reader")
+        workers = config.pipeline.validate_workers
+        # With checks off nothing runs on check threads: the readers' stand in.
+        check = config.load.check_tensors
+        check_threads = self._lend(workers, "aiogguf-check") if check else threads
+        validation = Validation(
+            index,
+            layouts,
+            slots,
+            spans,
+            self.images,
+            files,
+            mode=plan.mode,
+            enabled=check,
+            swapped=swapped,
+            workers=workers,
+            threads=check_threads,
+            clock=clock,
+        )
+        reader = Reader(
+            files,
+            self.images,
+            direct=[f.direct_ok for f in files],
+            clock=clock,
+            swap=ByteSwap(index, layouts) if swapped else None,
+            check=validation.check_piece if validation.by_pieces else None,
+            lock=plan.mode == "mlock",
+        )
+        reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)
+        self.started.append(reads)
+        # The files the transfer threads read from too are checked by the engine.
+        verify = [None if i in staged else f.check_unchanged for i, f in enumerate(files)]
+        landed = reads.start(jobs, disks, verify=verify)
+        return validation, reader, reads, landed
+
+    def _lend(self, count: int, name: str) -> LoadThreads:
+        threads = LoadThreads(count, name=name).enter(self.token)
+        self.lent.append(threads)
+        return threads
+
+    async def release(self) -> None:
+        """On the loop, as the load ends: stop the host reads and wait for them (unless
+        the load has; a failed one), then give the threads back."""
+        for reads in self.started:
+            await reads.abandon()
+        for threads in self.lent:
+            threads.leave()
 
 
 def _close_all(files: Sequence[DataFile]) -> None:
@@ -628,9 +660,11 @@ async def run_load(
         # The files to read, opened (duplicates of the parsed descriptors) by the same
         # call that plans a single-file model, and the host images it allocates; both
         # freed with the stack unless the model takes the images.
-        front = _Front(opened, config, devices, hub.elapsed)
+        front = _Front(opened, config, devices, hub.elapsed, anyio.lowlevel.current_token())
         stack.callback(_close_all, front.files)
         stack.push_async_callback(_free_images, front.images, threads)
+        # Before the images are freed: the reads that write into them end first.
+        stack.push_async_callback(front.release)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
             index, t1, prepared = whole

@@ -14,8 +14,10 @@ Per mode (design §1.5):
   upload stage's transfer threads run (this stage knows nothing of devices).
 
 The stage owns the load's descriptors (``open_data_files``), the reader limit of each
-disk (``find_disks``, ``disk_limiters``) and the byte order of what lands
-(``ByteSwap``). Every call of ``Reader`` blocks and runs on one of the load's threads.
+disk (``find_disks``) and the byte order of what lands (``ByteSwap``). ``Reader.start``
+hands every host job to the reader threads at once and returns; everything else of
+``Reader`` blocks and runs on one of the load's threads, but ``finish`` (the loop
+waits for the reads there).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -38,7 +40,7 @@ from aiogguf.io.byteswap import can_convert, to_native
 from aiogguf.io.files import MAX_CALL_BYTES, DataFile, FileAdvice, open_file
 from aiogguf.io.mapping import FileMapping
 from aiogguf.io.opener import OpenFiles
-from aiogguf.io.workers import LoadThreads
+from aiogguf.io.workers import Call, LoadThreads
 from aiogguf.jobs import BufferLayout, ReadJob, StageTimes
 from aiogguf.records import Plan, WeightIndex
 
@@ -46,9 +48,9 @@ __all__ = [
     "ByteSwap",
     "Disks",
     "FileStats",
+    "HostReads",
     "Reader",
     "direct_refusals",
-    "disk_limiters",
     "find_disks",
     "open_data_files",
 ]
@@ -129,14 +131,6 @@ def find_disks(files: Sequence[DataFile], config: Config) -> Disks:
     return Disks(tuple(names), tuple(limits[name] for name in names))
 
 
-def disk_limiters(disks: Disks) -> list[anyio.CapacityLimiter]:
-    """Per file: the reader limiter of its disk, one per disk, shared by its files."""
-    by_disk: dict[str, anyio.CapacityLimiter] = {}
-    for name, readers in zip(disks.names, disks.readers, strict=True):
-        by_disk.setdefault(name, anyio.CapacityLimiter(readers))
-    return [by_disk[name] for name in disks.names]
-
-
 class ByteSwap:
     """Big-endian files (format §1.4): converts, in place, the elements of every tensor
     a landed job carries, before anyone else sees them."""
@@ -193,133 +187,40 @@ class FileStats:
 
 
 class Reader:
-    """Executes read jobs for one load. ``swap`` (big-endian files) converts the bytes of
-    a landed job in place before anyone else sees them; ``check(job, file_offset, piece)`` validates
-    each piece of a host buffer as soon as it has landed: buffered reads on the reader's
-    own thread, while the piece is still in the CPU's cache; ``O_DIRECT`` reads (which
-    land by DMA, not through the cache) on ``check_threads`` after the read has given
-    back its slot, so that the disk gets its next read while the last one is checked."""
+    """Executes one load's read jobs, one at a time, on the calling thread (``HostReads``
+    runs the host ones; the upload stage's transfer threads call ``fill_slot``), and
+    counts what landed. ``swap`` (big-endian files) converts the bytes of a landed job in
+    place before anyone else sees them; ``check(job, file_offset, piece)`` validates each
+    piece of a host buffer as soon as it has landed: buffered reads on the reader's own
+    thread, while the piece is still in the CPU's cache; ``O_DIRECT`` reads (which land
+    by DMA, not through the cache) once landed (``check_landed``), on a check thread,
+    so that the disk gets its next read while the last one is checked."""
 
     def __init__(
         self,
         files: Sequence[DataFile],
         images: Sequence[Image | None],
-        limiters: Sequence[anyio.CapacityLimiter],
         *,
         direct: Sequence[bool],
         clock: Callable[[], float],
         swap: Callable[[ReadJob, memoryview], None] | None = None,
         check: Callable[[ReadJob, int, memoryview], None] | None = None,
         lock: bool = False,
-        threads: LoadThreads,
-        check_threads: LoadThreads,
     ) -> None:
         self._files = files
         self._images = images
-        self._limiters = limiters
         self._direct = direct
         self._clock = clock
         self._swap = swap
         self._check = check
         self._lock = lock
         self.lock_refusal: str | None = None  # the kernel's first refusal to lock
-        self._threads = threads
-        self._check_threads = check_threads
         self.stats = [FileStats() for _ in files]
 
     @property
     def direct(self) -> Sequence[bool]:
         """Per file: whether reads really bypass the page cache."""
         return self._direct
-
-    async def read_file(
-        self,
-        file_index: int,
-        jobs: Sequence[ReadJob],
-        image_of: Callable[[int], Awaitable[Image]],
-        landed: MemoryObjectSendStream[ReadJob],
-        *,
-        prefault: LoadThreads | None = None,
-        verify: Callable[[], None] | None = None,
-    ) -> None:
-        """Read one file's ``jobs`` and send each to ``landed`` once its bytes are there
-        (and checked, for checks apart). ``verify`` runs on the reader thread that
-        finishes last, after every job has been read (the check that the file did not
-        change meanwhile: no extra trip through the loop for it).
-
-        The file's disk allows ``readers`` at once: that many of the load's threads each
-        take the next job, read it and take the next, with no loop round trip between
-        jobs. The loop hands out jobs (each once its buffer exists: ``image_of``) and
-        hears of each landed one, but no thread waits for it. With ``prefault`` (mode
-        ``direct``, where the CPU waits for the disk anyway) a helper backs the
-        destination pages of the jobs not handed out yet, so that their reads take no
-        page faults. It never holds a job back: a reader that catches up faults its own
-        pages (two readers then back memory side by side, faster than the one helper).
-        """
-        readers = int(self._limiters[file_index].total_tokens)
-        feed = _Feed(readers)
-        async with landed, anyio.create_task_group() as tg:
-            if self.checks_apart(file_index):
-                # Checked on the check threads while the readers go on: the landed jobs
-                # wait for them in a stream with room for all, so no reader waits.
-                out, to_check = anyio.create_memory_object_stream[ReadJob](max(len(jobs), 1))
-                async with to_check:
-                    for _ in range(self._check_threads.count):
-                        tg.start_soon(self._check_apart, to_check.clone(), landed.clone())
-            else:
-                out = landed.clone()
-
-            def on_landed(job: ReadJob, start: float, end: float) -> None:
-                # On the loop's thread, scheduled by a reader (what it raises fails that
-                # reader's call). ``out`` has room for every job; it is broken only once
-                # the load is failing anyway.
-                self.count(job, start, end)
-                with contextlib.suppress(anyio.BrokenResourceError):
-                    out.send_nowait(job)
-
-            async def serve() -> None:
-                async with self._limiters[file_index]:
-                    await self._threads.run_sync(
-                        self._serve_feed, feed, on_landed, verify, on_cancel=feed.stop
-                    )
-
-            async with out, anyio.create_task_group() as readers_tg:
-                for _ in range(readers):
-                    readers_tg.start_soon(serve)
-                await _hand_out(jobs, feed, image_of, prefault)
-                feed.close()
-
-    def _serve_feed(
-        self,
-        feed: _Feed,
-        on_landed: Callable[[ReadJob, float, float], None],
-        verify: Callable[[], None] | None,
-    ) -> None:
-        """Blocking, one reader thread: read jobs from ``feed`` until it ends; the last
-        reader to leave a feed that was not stopped runs ``verify``."""
-        try:
-            while (job := feed.get()) is not None:
-                image = self._images[job.buffer_index]
-                assert isinstance(image, HostImage | MappedImage)
-                start = self._clock()
-                self._host_read(job, image)
-                self._threads.call_soon(on_landed, job, start, self._clock())
-        finally:
-            last = feed.leave()
-        if last and verify is not None and not feed.stopped:
-            verify()
-
-    async def _check_apart(
-        self, jobs: MemoryObjectReceiveStream[ReadJob], landed: MemoryObjectSendStream[ReadJob]
-    ) -> None:
-        """One check task of a file whose reads are checked apart (``O_DIRECT`` reads)."""
-        async with jobs, landed:
-            async for job in jobs:
-                image = self._images[job.buffer_index]
-                assert isinstance(image, HostImage)
-                dest = image.dest(job)
-                await self._check_threads.run_sync(self._check_pieces, job, dest, False)
-                await landed.send(job)
 
     def times(self, fill_s: float = 0.0) -> StageTimes:
         """The stage's times over every file; ``fill_s``: time the transfer threads
@@ -377,6 +278,19 @@ class Reader:
             self.lock_refusal = result.problem
         return result.ok
 
+    def read(self, job: ReadJob) -> None:
+        """Blocking: read host job ``job`` into its image (and check it, unless its file
+        is checked apart)."""
+        image = self._images[job.buffer_index]
+        assert isinstance(image, HostImage | MappedImage)
+        self._host_read(job, image)
+
+    def check_landed(self, job: ReadJob) -> None:
+        """Blocking: check a landed host job of a file checked apart."""
+        image = self._images[job.buffer_index]
+        assert isinstance(image, HostImage)
+        self._check_pieces(job, image.dest(job), read=False)
+
     def checks_apart(self, file_index: int) -> bool:
         """Whether the file's jobs are checked on the check threads, after the read."""
         return self._check is not None and self._direct[file_index]
@@ -425,6 +339,184 @@ class Reader:
             self._check_pieces(job, slot, read=False)
 
 
+class HostReads:
+    """The host jobs of one load, read by the load's reader threads (``threads``), each
+    job by ``reader``; ``check_threads`` check the files checked apart.
+
+    ``start`` hands every job to the threads at once; ``finish`` waits for them on the
+    loop; ``abandon`` stops and waits for them, for a load that fails before ``finish``.
+    """
+
+    def __init__(
+        self,
+        reader: Reader,
+        *,
+        clock: Callable[[], float],
+        threads: LoadThreads,
+        check_threads: LoadThreads,
+    ) -> None:
+        self._reader = reader
+        self._clock = clock
+        self._threads = threads
+        self._check_threads = check_threads
+        # What ``start`` started, for ``finish`` (and ``abandon``) to wait for.
+        self._calls: list[Call[None]] = []
+        self._feeds: list[_Feed] = []
+        self._landed: MemoryObjectSendStream[ReadJob] | None = None
+        # Files checked apart: their landed jobs, on the way to the check threads.
+        self._to_check: dict[
+            int, tuple[MemoryObjectSendStream[ReadJob], MemoryObjectReceiveStream[ReadJob]]
+        ] = {}
+        self._waited = False
+        self._receivers: list[MemoryObjectReceiveStream[ReadJob]] = []  # closed by abandon
+
+    def start(
+        self,
+        jobs: Sequence[Sequence[ReadJob]],
+        disks: Disks,
+        *,
+        verify: Sequence[Callable[[], None] | None],
+    ) -> MemoryObjectReceiveStream[ReadJob]:
+        """Hand every host job (``jobs``, per file) to the reader threads and return:
+        the reads start at once, while the loop goes on setting up the rest of the load;
+        ``finish`` waits for them.
+
+        Each disk allows ``disks.readers`` at once: that many threads each read the
+        disk's files in order, taking a file's next job as soon as they are done with
+        the last, with no loop round trip between jobs. Returns the stream each job goes
+        to once its bytes are there (and checked, for checks apart): it has room for all.
+        ``verify[i]`` runs on the thread that leaves file ``i`` last, after every job of
+        it was read (the check that the file did not change meanwhile: no extra trip
+        through the loop for it).
+        """
+        assert self._landed is None, "host reads start once"
+        self._landed, landed = anyio.create_memory_object_stream[ReadJob](
+            max(1, sum(len(file_jobs) for file_jobs in jobs))
+        )
+        self._receivers.append(landed)
+        by_disk: dict[str, list[int]] = {}
+        for file_index, disk in enumerate(disks.names):
+            by_disk.setdefault(disk, []).append(file_index)
+        for file_indices in by_disk.values():
+            readers = disks.readers[file_indices[0]]
+            feeds: list[tuple[_Feed, Callable[[], None] | None]] = []
+            for i in file_indices:
+                feed = _Feed(readers)
+                for job in jobs[i]:
+                    feed.put(job)
+                feed.close()
+                self._feeds.append(feed)
+                feeds.append((feed, verify[i]))
+                if self._reader.checks_apart(i):
+                    # Checked on the check threads while the readers go on: the landed
+                    # jobs wait for them in a stream with room for all, so no reader
+                    # waits.
+                    self._to_check[i] = anyio.create_memory_object_stream[ReadJob](
+                        max(len(jobs[i]), 1)
+                    )
+            for _ in range(readers):
+                self._calls.append(self._threads.submit(self._serve_disk, feeds))
+        return landed
+
+    async def finish(self) -> None:
+        """Wait for every read ``start`` started and for the checks apart, then close
+        ``landed``. A failure or cancellation stops the reads (each thread ends after the
+        job it is reading) and still waits for them: they write into the load's memory."""
+        landed = self._landed
+        assert landed is not None, "finish() before start()"
+        async with landed, anyio.create_task_group() as tg:
+            for _, to_check in self._to_check.values():
+                async with to_check:
+                    for _ in range(self._check_threads.count):
+                        tg.start_soon(self._check_apart, to_check.clone(), landed.clone())
+            try:
+                await self._wait_reads()
+            finally:
+                for out, _ in self._to_check.values():
+                    out.close()  # the check tasks end once they have checked the rest
+
+    def _serve_disk(self, feeds: Sequence[tuple[_Feed, Callable[[], None] | None]]) -> None:
+        """Blocking, one reader thread of a disk: read the jobs of each of its files in
+        turn; the last reader to leave a file's feed runs the file's ``verify``. A
+        failure stops every feed of the load: the other readers end after their job."""
+        try:
+            for feed, verify in feeds:
+                self._serve_feed(feed, verify)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _serve_feed(self, feed: _Feed, verify: Callable[[], None] | None) -> None:
+        reader, clock = self._reader, self._clock
+        try:
+            while (job := feed.get()) is not None:
+                start = clock()
+                reader.read(job)
+                self._threads.call_soon(self._on_landed, job, start, clock())
+        finally:
+            last = feed.leave()
+        if last and verify is not None and not feed.stopped:
+            verify()
+
+    def _on_landed(self, job: ReadJob, start: float, end: float) -> None:
+        """On the loop's thread, scheduled by a reader (what it raises fails that
+        reader's call). The streams have room for every job; they are broken only once
+        the load is failing anyway."""
+        self._reader.count(job, start, end)
+        apart = self._to_check.get(job.file_index)
+        out = apart[0] if apart is not None else self._landed
+        assert out is not None
+        with contextlib.suppress(anyio.BrokenResourceError):
+            out.send_nowait(job)
+
+    def stop(self) -> None:
+        """From any thread: every reader ends after the job it is reading."""
+        for feed in self._feeds:
+            feed.stop()
+
+    async def _wait_reads(self) -> None:
+        try:
+            for call in self._calls:
+                await self._threads.wait(call, on_cancel=self.stop)
+        except BaseException:
+            await self._stop_and_wait()
+            raise
+        self._waited = True
+
+    async def abandon(self) -> None:
+        """Stop the reads ``start`` started and wait for them, unless ``finish`` already
+        has (for a load that fails before it gets there), and close the streams. Raises
+        nothing of theirs."""
+        await self._stop_and_wait()
+        # Whoever did not get to close them: the load ended before its streaming half.
+        for send, receive in self._to_check.values():
+            send.close()
+            receive.close()
+        if self._landed is not None:
+            self._landed.close()
+        for receive in self._receivers:
+            receive.close()
+
+    async def _stop_and_wait(self) -> None:
+        if self._waited:
+            return
+        self._waited = True
+        self.stop()
+        with anyio.CancelScope(shield=True):
+            for call in self._calls:
+                with contextlib.suppress(Exception):
+                    await self._threads.wait(call)
+
+    async def _check_apart(
+        self, jobs: MemoryObjectReceiveStream[ReadJob], landed: MemoryObjectSendStream[ReadJob]
+    ) -> None:
+        """One check task of a file whose reads are checked apart (``O_DIRECT`` reads)."""
+        async with jobs, landed:
+            async for job in jobs:
+                await self._check_threads.run_sync(self._reader.check_landed, job)
+                await landed.send(job)
+
+
 class _Feed:
     """One file's jobs, from the loop to its ``readers`` threads. ``None`` ends a reader;
     ``stop`` ends them all after the job each is reading (cancellation)."""
@@ -435,11 +527,9 @@ class _Feed:
         self._left = 0
         self._lock = threading.Lock()
         self.stopped = False
-        self.handed = 0  # jobs put so far
 
     def put(self, job: ReadJob) -> None:
         self._queue.put(job)
-        self.handed += 1
 
     def get(self) -> ReadJob | None:
         job = self._queue.get()
@@ -460,45 +550,3 @@ class _Feed:
         with self._lock:
             self._left += 1
             return self._left == self._readers
-
-
-async def _hand_out(
-    jobs: Sequence[ReadJob],
-    feed: _Feed,
-    image_of: Callable[[int], Awaitable[Image]],
-    prefault: LoadThreads | None,
-) -> None:
-    """Put one file's jobs on ``feed`` in load order, each once its buffer exists."""
-    if prefault is None:
-        await _put_jobs(jobs, feed, image_of)
-        return
-
-    async def prefault_ahead(threads: LoadThreads) -> None:
-        i = 0
-        while (i := max(i, feed.handed)) < len(jobs):
-            job = jobs[i]
-            image = await image_of(job.buffer_index)
-            if isinstance(image, HostImage):
-                await threads.run_sync(image.prefault, job)
-            i += 1
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(prefault_ahead, prefault)
-        await _put_jobs(jobs, feed, image_of)
-        tg.cancel_scope.cancel()  # nothing is left to back ahead of the readers
-
-
-async def _put_jobs(
-    jobs: Sequence[ReadJob],
-    feed: _Feed,
-    image_of: Callable[[int], Awaitable[Image]],
-) -> None:
-    """Put ``jobs`` on ``feed``, each once its buffer exists."""
-    allocated: set[int] = set()
-    for job in jobs:
-        # Awaited once per buffer, not per job: an await passes through the loop,
-        # and the readers must not wait for the loop between jobs.
-        if job.buffer_index not in allocated:
-            await image_of(job.buffer_index)
-            allocated.add(job.buffer_index)
-        feed.put(job)
