@@ -282,7 +282,7 @@ class _Load:
                 assert uploader is not None
                 tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
             tg.start_soon(reads.finish)
-            tg.start_soon(self._track, landed, ready_send)
+            tg.start_soon(self._track, landed, ready_send, validation.enabled)
             tg.start_soon(self._validate_loop, ready_recv, validation)
 
     # --- read and upload --------------------------------------------------------------
@@ -324,12 +324,23 @@ class _Load:
         self,
         landed: MemoryObjectReceiveStream[ReadJob],
         ready: MemoryObjectSendStream[list[str]],
+        checked: bool,
     ) -> None:
-        """Turn landed host jobs into ready tensors."""
+        """Turn landed host jobs into ready tensors: those that came meanwhile at each
+        wake-up, in one list (a wake-up per job would be a loop iteration per job). With
+        nothing to check (``checked`` False) they are done at once."""
         async with landed, ready:
             async for job in landed:
-                if names := self.progress.landed(job):
+                names = self.progress.landed(job)
+                with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
+                    while True:
+                        names += self.progress.landed(landed.receive_nowait())
+                if not names:
+                    continue
+                if checked:
                     await ready.send(names)
+                else:
+                    self.progress.tensors_checked(len(names))
 
     async def _validate_loop(
         self, ready: MemoryObjectReceiveStream[list[str]], validation: Validation
