@@ -219,6 +219,44 @@ async def test_failed_load_releases_everything(model: SynthModel, tmp_path: Path
     assert mappings_of([first]) == []
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["none", "mmap"])
+async def test_a_load_failing_after_its_reads_started_stops_them(
+    model: SynthModel, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host reads start before the loop sets up the uploads: a load that fails
+    there stops the reads and waits for them before it frees their memory, and leaves
+    nothing behind."""
+    from aiogguf.stages.read import Reader
+    from aiogguf.stages.upload import Uploader
+
+    started = threading.Event()
+    read = Reader.read
+
+    def noted(self: Reader, job: Any) -> None:
+        started.set()
+        read(self, job)
+
+    async def refused(self: Uploader) -> Uploader:
+        # The reads are under way (or done) by now: the front started them.
+        assert await anyio.to_thread.run_sync(started.wait, 10)
+        raise RuntimeError("no uploads today")
+
+    monkeypatch.setattr(Reader, "read", noted)
+    monkeypatch.setattr(Uploader, "__aenter__", refused)
+    fds_before = open_fds()
+    with pytest.raises(RuntimeError, match="no uploads today"):
+        async with aiogguf.load(
+            model.path, mode=mode, sim_gpus=["1GiB"], n_gpu_layers=2, chunk_size="256KiB"
+        ):
+            pass
+    await _settle()
+    assert open_fds() == fds_before
+    assert mappings_of(list(model.paths)) == []
+    assert threads_in_our_code() == []
+    assert our_threads() == []
+
+
 def test_cancel_while_parsing(model: SynthModel) -> None:
     """Cancelled during the header reads (a few loop turns from the start): the header
     file is closed at once, with no ResourceWarning from an abandoned file object."""

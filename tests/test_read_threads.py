@@ -130,8 +130,8 @@ def test_the_blocking_front_of_a_load_runs_off_the_loops_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Work that grows with the model (parsing, indexing, planning, laying out buffers,
-    cutting jobs: 10^4 of them in a model of hundreds of GiB) and the ``stat`` of each
-    file run on the load's thread, never on the loop's."""
+    cutting jobs: 10^4 of them in a model of hundreds of GiB), the ``stat`` of each file
+    and the start of the host reads run on the load's thread, never on the loop's."""
     import aiogguf.engine as engine
 
     model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="4MiB", seed=6, n_layer=2)
@@ -144,6 +144,7 @@ def test_the_blocking_front_of_a_load_runs_off_the_loops_thread(
         "allocate_host_images",
         "find_disks",
         "split_jobs",
+        "HostReads",
     ):
         original = getattr(engine, name)
 
@@ -154,6 +155,69 @@ def test_the_blocking_front_of_a_load_runs_off_the_loops_thread(
         monkeypatch.setattr(engine, name, recorded)
     with aiogguf.load_sync(model.path, mode="none", n_gpu_layers=0) as loaded:
         assert loaded.report.nbytes > 0
-    assert len(ran_on) == 7, ran_on
+    assert len(ran_on) == 8, ran_on
     for name, threads in ran_on.items():
         assert threads == {"aiogguf-load-0"}, (name, threads)
+
+
+@pytest.mark.parametrize("limits", [None, "each"])
+def test_the_files_of_a_disk_share_its_readers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limits: str | None
+) -> None:
+    """A disk's reader limit holds for all its files together: three files on one disk
+    with ``readers = 2`` are read by two threads at most, and each file is checked for
+    changes once, after its last read; with a limit of one reader per file's directory
+    (a disk each), each file is read by one thread at a time."""
+    from aiogguf.config import Config
+    from aiogguf.io.files import DataFile
+    from aiogguf.stages.read import Reader
+
+    dirs = [tmp_path / f"d{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    model = write_synthetic_model(dirs[0] / "m.gguf", size_bytes="12MiB", split_count=3)
+    for shard, d in zip(model.paths[1:], dirs[1:], strict=True):
+        shard.rename(d / shard.name)
+        shard.symlink_to(d / shard.name)
+    settings: dict[str, Any] = {"chunk_size": "512KiB", "readers": 2}
+    if limits == "each":
+        settings["path"] = [{"prefix": str(d), "readers": 1} for d in dirs]
+    config = Config.from_mapping({"load": {"mode": "none"}, "pipeline": settings})
+    lock = threading.Lock()
+    running: dict[int, int] = {}  # per file: reads now
+    peak: dict[int, int] = {}
+    total = [0, 0]  # reads now, most at once
+    checked: list[str] = []
+    read = Reader.read
+    check_unchanged = DataFile.check_unchanged
+
+    def counted(self: Reader, job: Any) -> None:
+        with lock:
+            running[job.file_index] = running.get(job.file_index, 0) + 1
+            peak[job.file_index] = max(peak.get(job.file_index, 0), running[job.file_index])
+            total[0] += 1
+            total[1] = max(total)
+        time.sleep(0.002)  # long enough for the other threads to be reading too
+        try:
+            read(self, job)
+        finally:
+            with lock:
+                running[job.file_index] -= 1
+                total[0] -= 1
+
+    def recorded(self: DataFile) -> None:
+        with lock:
+            checked.append(self.path)
+        check_unchanged(self)
+
+    monkeypatch.setattr(Reader, "read", counted)
+    monkeypatch.setattr(DataFile, "check_unchanged", recorded)
+    with aiogguf.load_sync(model.path, config, n_gpu_layers=0, check_tensors=False) as loaded:
+        assert loaded.report.nbytes > 0
+    assert sorted(peak) == [0, 1, 2]
+    if limits is None:
+        assert total[1] == 2, total  # both of the disk's readers, and no third
+    else:
+        assert max(peak.values()) == 1, peak  # one reader per disk
+        assert total[1] >= 2, total  # the disks are read at the same time
+    assert sorted(checked) == sorted(str(p) for p in model.paths)
