@@ -14,8 +14,9 @@ what has landed. Host jobs likewise: each reader thread takes its file's next jo
 soon as it is done with the last, and the one that finishes a file last checks that
 the file did not change. Parsing, index building, device discovery (CuPy's import,
 CUDA's start-up), planning, opening the files, laying out the buffers, allocating the
-host ones and cutting the jobs run on the load's own thread, for a single-file model in
-one call (``_Front``): the loop's thread only awaits.
+host ones, cutting the jobs and starting the host reads run on the load's own thread,
+for a single-file model in one call (``_Front``): the loop's thread only awaits, and
+the reads run while it sets up the rest.
 
 The engine only wires. Each stage's own work lives in its module: descriptors, disk
 limits, byte order and locks in ``read``; images and mapping advice in ``allocate``;

@@ -31,10 +31,6 @@ class HostImage:
         """Where ``job``'s bytes land."""
         return self.buffer.memoryview[job.buffer_offset : job.buffer_offset + job.nbytes]
 
-    def prefault(self, job: ReadJob) -> None:
-        """Blocking: back ``job``'s destination with memory before the read comes."""
-        self.buffer.prefault(job.buffer_offset, job.buffer_offset + job.nbytes)
-
     def tensor_bytes(self, slot: TensorSlot) -> memoryview:
         return self.buffer.memoryview[slot.buffer_offset : slot.buffer_offset + slot.nbytes]
 
