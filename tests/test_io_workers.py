@@ -160,6 +160,19 @@ async def test_many_lenders_at_once_each_get_their_own_threads() -> None:
         tg.start_soon(lend, "b")
 
 
+def _run(script: str, *args: str) -> str:
+    """``script`` in a fresh interpreter (a process's first threads; waits that are
+    shielded from cancellation, bounded here by a timeout): its output."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return out.stdout
+
+
 FIRST_LOAD = """
 import sys, threading
 import aiogguf
@@ -184,14 +197,7 @@ def test_no_load_waits_for_a_thread_to_start_on_the_loop(tmp_path: Path) -> None
     busy machine): the loop's thread starts none, not even in a process's first load.
     The pool's starter (started without a wait) starts every load thread."""
     model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="2MiB", seed=1, n_layer=2)
-    out = subprocess.run(
-        [sys.executable, "-c", FIRST_LOAD, str(model.path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert out.stdout.strip() == ""
+    assert _run(FIRST_LOAD, str(model.path)).strip() == ""
 
 
 STARTER_REFUSED = """
@@ -224,14 +230,7 @@ anyio.run(main)
 def test_a_starter_that_cannot_start_fails_the_lender() -> None:
     """If the starter cannot start (no threads left), the lender gets the error, and
     the idle thread it took goes back to the pool."""
-    out = subprocess.run(
-        [sys.executable, "-c", STARTER_REFUSED],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert out.stdout.split("\n")[:2] == ["raised: can't start new thread", "idle: 1"]
+    assert _run(STARTER_REFUSED).split("\n")[:2] == ["raised: can't start new thread", "idle: 1"]
 
 
 THREAD_REFUSED = """
@@ -268,15 +267,9 @@ anyio.run(main)
 def test_a_thread_that_cannot_start_fails_its_calls_instead_of_hanging() -> None:
     """A lender does not wait for its threads to start: if one cannot, every call of
     the lane fails with the reason, also for a lender that took a reserved thread
-    (the waits are shielded from cancellation, hence a child process with a timeout)."""
-    out = subprocess.run(
-        [sys.executable, "-c", THREAD_REFUSED],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert out.stdout.split("\n")[:4] == ["raised: can't start new thread"] * 3 + ["idle: 0"]
+    (in a child process: see ``_run``)."""
+    refused = "raised: can't start new thread"
+    assert _run(THREAD_REFUSED).split("\n")[:4] == [refused] * 3 + ["idle: 0"]
 
 
 @pytest.mark.asyncio
