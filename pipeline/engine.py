@@ -3,7 +3,7 @@
 ::
 
     parse+index ─▶ plan ─▶ allocate ─┬▶ jobs[file 0] ─▶ readers ─┐
-                                     ├▶ jobs[file 1] ─▶ readers ─┼▶ landed ─▶ tracker ─┐
+                                     ├▶ jobs[file 1] ─▶ readers ─┼▶ landed (callback) ─┐
                                      ├▶ …                         ┘                    │
                                      └▶ device jobs ─▶ transfer threads ─▶ (copied) ──┤
                                             validate ◀─ ready (tensor names) ◀────────┘
@@ -263,7 +263,7 @@ class _Load:
         self,
         reads: HostReads,
         reader: Reader,
-        landed: MemoryObjectReceiveStream[ReadJob],
+        landed: _Landed,
         uploader: Uploader | None,
         validation: Validation,
     ) -> None:
@@ -273,18 +273,39 @@ class _Load:
         device_jobs = self.prepared.device_jobs
         if uploader is not None:
             assert uploader.slot_bytes == pipeline.staging_bytes(), "device jobs fill a slot each"
-        # Tensor names travel in lists, one per landed job: a send per tensor would be a
-        # loop iteration per tensor.
-        ready_send, ready_recv = anyio.create_memory_object_stream[list[str]](pipeline.queue_depth)
+        # Tensor names travel in lists, one per landed host job and one for the device
+        # tensors (a send per tensor would be a loop iteration per tensor), with room for
+        # all: host jobs put theirs from a loop callback, which cannot wait.
+        ready_send, ready_recv = anyio.create_memory_object_stream[list[str]](
+            sum(len(file_jobs) for file_jobs in self.prepared.jobs) + 1
+        )
+        checked = validation.enabled
+
+        def host_landed(job: ReadJob) -> None:
+            names = self.progress.landed(job)
+            if not names:
+                return
+            if not checked:
+                self.progress.tensors_checked(len(names))
+                return
+            # Broken only once the load is failing anyway.
+            with contextlib.suppress(anyio.BrokenResourceError):
+                ready_send.send_nowait(names)
+
+        landed.attach(host_landed)
         async with anyio.create_task_group() as tg:
             if uploader is not None:
                 tg.start_soon(self.allocation.run, uploader.allocate)
             if device_jobs:
                 assert uploader is not None
                 tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
-            tg.start_soon(reads.finish)
-            tg.start_soon(self._track, landed, ready_send, validation.enabled)
+            tg.start_soon(self._host, reads, ready_send)
             tg.start_soon(self._validate_loop, ready_recv, validation)
+
+    @staticmethod
+    async def _host(reads: HostReads, ready: MemoryObjectSendStream[list[str]]) -> None:
+        async with ready:
+            await reads.finish()
 
     # --- read and upload --------------------------------------------------------------
 
@@ -320,28 +341,6 @@ class _Load:
                 await ready.send(list(self.progress.device_landed))
 
     # --- completion and validation ----------------------------------------------------
-
-    async def _track(
-        self,
-        landed: MemoryObjectReceiveStream[ReadJob],
-        ready: MemoryObjectSendStream[list[str]],
-        checked: bool,
-    ) -> None:
-        """Turn landed host jobs into ready tensors: those that came meanwhile at each
-        wake-up, in one list (a wake-up per job would be a loop iteration per job). With
-        nothing to check (``checked`` False) they are done at once."""
-        async with landed, ready:
-            async for job in landed:
-                names = self.progress.landed(job)
-                with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
-                    while True:
-                        names += self.progress.landed(landed.receive_nowait())
-                if not names:
-                    continue
-                if checked:
-                    await ready.send(names)
-                else:
-                    self.progress.tensors_checked(len(names))
 
     async def _validate_loop(
         self, ready: MemoryObjectReceiveStream[list[str]], validation: Validation
@@ -421,6 +420,28 @@ def _check_unchanged(files: Sequence[DataFile]) -> None:
         f.check_unchanged()
 
 
+class _Landed:
+    """Where the host reads hand each landed job, on the loop's thread: kept until the
+    loop has set up the load (the reads start before it does), then passed on."""
+
+    def __init__(self) -> None:
+        self._early: list[ReadJob] = []
+        self._sink: Callable[[ReadJob], None] | None = None
+
+    def __call__(self, job: ReadJob) -> None:
+        if self._sink is None:
+            self._early.append(job)
+        else:
+            self._sink(job)
+
+    def attach(self, sink: Callable[[ReadJob], None]) -> None:
+        """From now on each landed job goes to ``sink``, those that came before first."""
+        self._sink = sink
+        early, self._early = self._early, []
+        for job in early:
+            sink(job)
+
+
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     """What the blocking front of a load hands the loop: devices, plan, buffer layouts,
@@ -441,7 +462,7 @@ class _Prepared:
     validation: Validation
     reader: Reader
     reads: HostReads  # started
-    landed: MemoryObjectReceiveStream[ReadJob]  # the host jobs, as they land
+    landed: _Landed  # the host jobs, as they land
 
 
 @dataclass(frozen=True, slots=True)
@@ -567,7 +588,7 @@ class _Front:
         disks: Disks,
         jobs: list[list[ReadJob]],
         staged: tuple[int, ...],
-    ) -> tuple[Validation, Reader, HostReads, MemoryObjectReceiveStream[ReadJob]]:
+    ) -> tuple[Validation, Reader, HostReads, _Landed]:
         """The read side of the load (checks, reader, reader threads), and its host reads
         started: their images exist, and the reads then run while the loop sets up the
         rest (device buffers, transfers) instead of after it."""
@@ -607,7 +628,8 @@ class _Front:
         self.started.append(reads)
         # The files the transfer threads read from too are checked by the engine.
         verify = [None if i in staged else f.check_unchanged for i, f in enumerate(files)]
-        landed = reads.start(jobs, disks, verify=verify)
+        landed = _Landed()
+        reads.start(jobs, disks, verify=verify, landed=landed)
         return validation, reader, reads, landed
 
     def _lend(self, count: int, name: str) -> LoadThreads:

@@ -362,13 +362,12 @@ class HostReads:
         # What ``start`` started, for ``finish`` (and ``abandon``) to wait for.
         self._calls: list[Call[None]] = []
         self._feeds: list[_Feed] = []
-        self._landed: MemoryObjectSendStream[ReadJob] | None = None
+        self._landed: Callable[[ReadJob], None] | None = None
         # Files checked apart: their landed jobs, on the way to the check threads.
         self._to_check: dict[
             int, tuple[MemoryObjectSendStream[ReadJob], MemoryObjectReceiveStream[ReadJob]]
         ] = {}
         self._waited = False
-        self._receivers: list[MemoryObjectReceiveStream[ReadJob]] = []  # closed by abandon
 
     def start(
         self,
@@ -376,24 +375,23 @@ class HostReads:
         disks: Disks,
         *,
         verify: Sequence[Callable[[], None] | None],
-    ) -> MemoryObjectReceiveStream[ReadJob]:
+        landed: Callable[[ReadJob], None],
+    ) -> None:
         """Hand every host job (``jobs``, per file) to the reader threads and return:
         the reads start at once, while the loop goes on setting up the rest of the load;
         ``finish`` waits for them.
 
         Each disk allows ``disks.readers`` at once: that many threads each read the
         disk's files in order, taking a file's next job as soon as they are done with
-        the last, with no loop round trip between jobs. Returns the stream each job goes
-        to once its bytes are there (and checked, for checks apart): it has room for all.
+        the last, with no loop round trip between jobs. ``landed(job)`` runs on the
+        loop's thread once the job's bytes are there (and checked, for checks apart): a
+        callback, not a stream with a task of its own, as it is a step of every job.
         ``verify[i]`` runs on the thread that leaves file ``i`` last, after every job of
         it was read (the check that the file did not change meanwhile: no extra trip
         through the loop for it).
         """
         assert self._landed is None, "host reads start once"
-        self._landed, landed = anyio.create_memory_object_stream[ReadJob](
-            max(1, sum(len(file_jobs) for file_jobs in jobs))
-        )
-        self._receivers.append(landed)
+        self._landed = landed
         by_disk: dict[str, list[int]] = {}
         for file_index, disk in enumerate(disks.names):
             by_disk.setdefault(disk, []).append(file_index)
@@ -416,19 +414,21 @@ class HostReads:
                     )
             for _ in range(readers):
                 self._calls.append(self._threads.submit(self._serve_disk, feeds))
-        return landed
 
     async def finish(self) -> None:
-        """Wait for every read ``start`` started and for the checks apart, then close
-        ``landed``. A failure or cancellation stops the reads (each thread ends after the
-        job it is reading) and still waits for them: they write into the load's memory."""
-        landed = self._landed
-        assert landed is not None, "finish() before start()"
-        async with landed, anyio.create_task_group() as tg:
+        """Wait for every read ``start`` started and for the checks apart: every job has
+        been handed to ``landed`` when it returns. A failure or cancellation stops the
+        reads (each thread ends after the job it is reading) and still waits for them:
+        they write into the load's memory."""
+        assert self._landed is not None, "finish() before start()"
+        if not self._to_check:
+            await self._wait_reads()
+            return
+        async with anyio.create_task_group() as tg:
             for _, to_check in self._to_check.values():
                 async with to_check:
                     for _ in range(self._check_threads.count):
-                        tg.start_soon(self._check_apart, to_check.clone(), landed.clone())
+                        tg.start_soon(self._check_apart, to_check.clone())
             try:
                 await self._wait_reads()
             finally:
@@ -460,14 +460,17 @@ class HostReads:
 
     def _on_landed(self, job: ReadJob, start: float, end: float) -> None:
         """On the loop's thread, scheduled by a reader (what it raises fails that
-        reader's call). The streams have room for every job; they are broken only once
-        the load is failing anyway."""
+        reader's call)."""
         self._reader.count(job, start, end)
         apart = self._to_check.get(job.file_index)
-        out = apart[0] if apart is not None else self._landed
-        assert out is not None
+        if apart is None:
+            assert self._landed is not None
+            self._landed(job)
+            return
+        # The stream has room for every job of the file; it is broken only once the load
+        # is failing anyway.
         with contextlib.suppress(anyio.BrokenResourceError):
-            out.send_nowait(job)
+            apart[0].send_nowait(job)
 
     def stop(self) -> None:
         """From any thread: every reader ends after the job it is reading."""
@@ -492,10 +495,6 @@ class HostReads:
         for send, receive in self._to_check.values():
             send.close()
             receive.close()
-        if self._landed is not None:
-            self._landed.close()
-        for receive in self._receivers:
-            receive.close()
 
     async def _stop_and_wait(self) -> None:
         if self._waited:
@@ -507,14 +506,13 @@ class HostReads:
                 with contextlib.suppress(Exception):
                     await self._threads.wait(call)
 
-    async def _check_apart(
-        self, jobs: MemoryObjectReceiveStream[ReadJob], landed: MemoryObjectSendStream[ReadJob]
-    ) -> None:
+    async def _check_apart(self, jobs: MemoryObjectReceiveStream[ReadJob]) -> None:
         """One check task of a file whose reads are checked apart (``O_DIRECT`` reads)."""
-        async with jobs, landed:
+        assert self._landed is not None
+        async with jobs:
             async for job in jobs:
                 await self._check_threads.run_sync(self._reader.check_landed, job)
-                await landed.send(job)
+                self._landed(job)
 
 
 class _Feed:
