@@ -130,7 +130,6 @@ class _Progress:
         plan: Plan,
         layouts: Sequence[BufferLayout],
         spans: TensorSpans,
-        index: WeightIndex,
     ) -> None:
         self._hub = hub
         self._layouts = layouts
@@ -141,7 +140,7 @@ class _Progress:
         self.bytes_done = 0
         self.tensors_done = 0
         # Bytes of each tensor still to land.
-        self._remaining = {name: index[name].nbytes for name in spans.names()}
+        self._remaining = spans.sizes()
         self.device_landed: list[str] = []  # device tensors whose bytes all landed
 
     def landed(self, job: ReadJob) -> list[str]:
@@ -210,7 +209,7 @@ class _Load:
         self.images = self.allocation.images
         self.warnings: list[str] = list(plan.warnings)
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
-        self.progress = _Progress(hub, plan, self.layouts, self.spans, index)
+        self.progress = _Progress(hub, plan, self.layouts, self.spans)
 
     # --- the whole load ---------------------------------------------------------------
 

@@ -90,8 +90,9 @@ class TensorSpans:
         for spans in self._spans.values():
             spans.sort()
 
-    def names(self) -> Iterator[str]:
-        return (name for spans in self._spans.values() for _, _, name in spans)
+    def sizes(self) -> dict[str, int]:
+        """Each loaded tensor's bytes, by name."""
+        return {name: end - start for spans in self._spans.values() for start, end, name in spans}
 
     def overlapping(
         self, buffer_index: int, file_index: int, start: int, end: int

@@ -1058,7 +1058,8 @@ class Validation:
         return bool(self._pieces)
 
     async def __aenter__(self) -> Validation:
-        await self._collector.__aenter__()
+        if self.enabled:  # with checks off nothing is ever submitted
+            await self._collector.__aenter__()
         return self
 
     async def __aexit__(
@@ -1067,6 +1068,8 @@ class Validation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        if not self.enabled:
+            return None
         return await self._collector.__aexit__(exc_type, exc, tb)
 
     def check_piece(self, job: ReadJob, file_offset: int, piece: memoryview) -> None:
@@ -1138,8 +1141,10 @@ class Validation:
     @property
     def failures(self) -> tuple[TensorFailure, ...]:
         """Every bad tensor, whichever way it was checked, in index order."""
-        order = {t.name: i for i, t in enumerate(self._index.tensors)}
         found = [*self._collector.failures, *self._piece_failures]
+        if not found:
+            return ()
+        order = {t.name: i for i, t in enumerate(self._index.tensors)}
         return tuple(sorted(found, key=lambda f: order[f.name]))
 
     def times(self) -> StageTimes:
