@@ -275,9 +275,10 @@ class _Load:
         # Tensor names travel in lists, one per landed host job and one for the device
         # tensors (a send per tensor would be a loop iteration per tensor), with room for
         # all: host jobs put theirs from a loop callback, which cannot wait.
-        ready_send, ready_recv = anyio.create_memory_object_stream[list[str]](
+        ready: _Names = anyio.create_memory_object_stream(
             sum(len(file_jobs) for file_jobs in self.prepared.jobs) + 1
         )
+        ready_send, ready_recv = ready
         checked = validation.enabled
 
         def host_landed(job: ReadJob) -> None:
@@ -417,6 +418,11 @@ def _check_unchanged(files: Sequence[DataFile]) -> None:
     """Blocking: raise ``LoadError`` for the first file that changed during the load."""
     for f in files:
         f.check_unchanged()
+
+
+# Not ``create_memory_object_stream[list[str]]``: a subscript is built at run time, and
+# the first one in a process costs as much as the rest of a small load's setup.
+_Names = tuple[MemoryObjectSendStream[list[str]], MemoryObjectReceiveStream[list[str]]]
 
 
 class _Landed:

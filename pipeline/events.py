@@ -106,7 +106,7 @@ class ProgressHub:
     def __init__(self, callback: ProgressCallback | None = None, interval_s: float = 0.05) -> None:
         self._callback = callback
         self._interval_s = interval_s
-        self._fan = FanOut[Progress]()
+        self._fan: FanOut[Progress] = FanOut()
         self._started = time.perf_counter()
         self._last_emit = -math.inf
         self.last: Progress | None = None

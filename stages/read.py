@@ -409,9 +409,7 @@ class HostReads:
                     # Checked on the check threads while the readers go on: the landed
                     # jobs wait for them in a stream with room for all, so no reader
                     # waits.
-                    self._to_check[i] = anyio.create_memory_object_stream[ReadJob](
-                        max(len(jobs[i]), 1)
-                    )
+                    self._to_check[i] = anyio.create_memory_object_stream(max(len(jobs[i]), 1))
             for _ in range(readers):
                 self._calls.append(self._threads.submit(self._serve_disk, feeds))
 
