@@ -690,12 +690,14 @@ async def run_load(
         # Each file is opened once, by the parse stage; the engine reads through the same
         # descriptors (its DataFiles hold duplicates), so the table closes with the stack.
         opened = stack.enter_context(OpenFiles(opener))
-        # One thread of the load's own for its one-off blocking calls (parse, index, plan,
-        # open, allocate, close): a process that has loaded before has it ready.
+        # The load's threads, ready for it (a process that has loaded before has them),
+        # or started now, in order (transfer threads are started when the plan asks for
+        # them). Its own thread, for its one-off blocking calls (parse, index, plan,
+        # open, allocate, close), is taken last, so that it is the last to start: the
+        # front is pure Python, and while it runs, a thread that waits to start waits
+        # for the GIL too.
+        reserve_threads(load_thread_count(config, uploads=False))
         threads = await stack.enter_async_context(LoadThreads(1, name="aiogguf-load"))
-        # The rest of the load's threads are started meanwhile (a process's first load).
-        # Transfer threads are started when the plan asks for them.
-        reserve_threads(load_thread_count(config, uploads=False) - 1)
         # The files to read, opened (duplicates of the parsed descriptors) by the same
         # call that plans a single-file model, and the host images it allocates; both
         # freed with the stack unless the model takes the images.
