@@ -14,10 +14,10 @@ Per mode (design §1.5):
   upload stage's transfer threads run (this stage knows nothing of devices).
 
 The stage owns the load's descriptors (``open_data_files``), the reader limit of each
-disk (``find_disks``) and the byte order of what lands (``ByteSwap``). ``Reader.start``
-hands every host job to the reader threads at once and returns; everything else of
-``Reader`` blocks and runs on one of the load's threads, but ``finish`` (the loop
-waits for the reads there).
+disk (``find_disks``) and the byte order of what lands (``ByteSwap``). ``Reader`` reads
+one job at a time and blocks (it runs on the load's threads); ``HostReads`` runs the
+host jobs on the reader threads: ``start`` hands them all out at once and returns, and
+the loop awaits them in ``finish``.
 """
 
 from __future__ import annotations
