@@ -250,7 +250,10 @@ class Reader:
         stats = self.stats[file_index]
         stats.first_start = when if stats.first_start is None else min(stats.first_start, when)
 
-    def _host_read(self, job: ReadJob, image: HostImage | MappedImage) -> None:
+    def read(self, job: ReadJob) -> None:
+        """Blocking: read host job ``job`` into its image (and check it, unless its file
+        is checked apart)."""
+        image = self._images[job.buffer_index]
         if isinstance(image, MappedImage):
             mapping = image.mapping_at(job.file_index, job.useful_start)
             if not self._resident_locked(mapping, job, image):
@@ -258,6 +261,7 @@ class Reader:
             if self._swap is not None:
                 self._swap(job, mapping.view(job.file_offset, job.nbytes))
             return
+        assert isinstance(image, HostImage)
         dest = image.dest(job)
         if self._check is not None and not self._direct[job.file_index]:
             self._check_pieces(job, dest, read=True)
@@ -268,23 +272,6 @@ class Reader:
         if self._check is not None and not self.checks_apart(job.file_index):
             self._check_pieces(job, dest, read=False)
 
-    def _resident_locked(self, mapping: FileMapping, job: ReadJob, image: MappedImage) -> bool:
-        """Mode ``mlock``: lock the job's pages, which reads them in; False when they
-        are not locked (another mode, a lazy range, or the kernel refused)."""
-        if not self._lock or self.lock_refusal is not None or image.layout.plan.lazy:
-            return False
-        result = mapping.lock(job.useful_start, job.useful_end)
-        if not result.ok and self.lock_refusal is None:
-            self.lock_refusal = result.problem
-        return result.ok
-
-    def read(self, job: ReadJob) -> None:
-        """Blocking: read host job ``job`` into its image (and check it, unless its file
-        is checked apart)."""
-        image = self._images[job.buffer_index]
-        assert isinstance(image, HostImage | MappedImage)
-        self._host_read(job, image)
-
     def check_landed(self, job: ReadJob) -> None:
         """Blocking: check a landed host job of a file checked apart."""
         image = self._images[job.buffer_index]
@@ -294,6 +281,16 @@ class Reader:
     def checks_apart(self, file_index: int) -> bool:
         """Whether the file's jobs are checked on the check threads, after the read."""
         return self._check is not None and self._direct[file_index]
+
+    def _resident_locked(self, mapping: FileMapping, job: ReadJob, image: MappedImage) -> bool:
+        """Mode ``mlock``: lock the job's pages, which reads them in; False when they
+        are not locked (another mode, a lazy range, or the kernel refused)."""
+        if not self._lock or self.lock_refusal is not None or image.layout.plan.lazy:
+            return False
+        result = mapping.lock(job.useful_start, job.useful_end)
+        if not result.ok and self.lock_refusal is None:
+            self.lock_refusal = result.problem
+        return result.ok
 
     def _check_pieces(self, job: ReadJob, dest: memoryview, read: bool) -> None:
         """Check ``job`` in ``dest`` (its ``nbytes`` from ``job.file_offset``) piece by

@@ -255,7 +255,7 @@ def test_an_os_error_that_escapes_a_stage_is_a_load_error(
     def broken(*args: object) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(Reader, "_host_read", broken)
+    monkeypatch.setattr(Reader, "read", broken)
     with pytest.raises(LoadError) as caught, aiogguf.load_sync(model_file.path, n_gpu_layers=0):
         pass
     assert caught.value.path == str(model_file.path)

@@ -99,7 +99,7 @@ def test_the_last_reader_checks_the_file_once_after_every_read(
     lock = threading.Lock()
     reads = 0
     checks: list[tuple[str, int]] = []
-    host_read = Reader._host_read
+    host_read = Reader.read
     check_unchanged = DataFile.check_unchanged
 
     def counted_read(self: Reader, *args: Any) -> None:
@@ -113,7 +113,7 @@ def test_the_last_reader_checks_the_file_once_after_every_read(
             checks.append((threading.current_thread().name, reads))
         check_unchanged(self)
 
-    monkeypatch.setattr(Reader, "_host_read", counted_read)
+    monkeypatch.setattr(Reader, "read", counted_read)
     monkeypatch.setattr(DataFile, "check_unchanged", recorded_check)
     with aiogguf.load_sync(
         model.path, mode=mode, n_gpu_layers=0, check_tensors=False, readers=3, chunk_size="1MiB"
