@@ -403,6 +403,23 @@ class LoadThreads:
         runs, to ask a long-running ``fn`` to return early (it is still waited for)."""
         return await self.wait(self.submit(fn, *args), on_cancel=on_cancel)
 
+    async def all_running(self) -> None:
+        """Return once every thread of the lane has run a call: the pool starts threads
+        without waiting for them, and this waits (``warm_up``, so that the first load
+        finds them running). Raises the reason a thread could not start."""
+        everyone = threading.Barrier(self._count)
+
+        async def meet() -> None:
+            try:
+                await self.run_sync(everyone.wait)
+            except BaseException:
+                everyone.abort()  # the others stop waiting for a thread that will not come
+                raise
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(self._count):
+                tg.start_soon(meet)
+
     def submit(self, fn: Callable[..., T], *args: Any) -> Call[T]:
         """Queue ``fn(*args)`` for one of the threads and return at once (from any
         thread); ``wait`` for it on the loop before leaving."""

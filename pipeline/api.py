@@ -200,8 +200,9 @@ async def warm_up(
     cannot pin memory.
     """
     resolved = load_config(config, **overrides)
-    # As many threads as such a load takes: entered and left, they wait in the pool.
+    # As many threads as such a load takes, running: left, they wait in the pool.
     async with LoadThreads(load_thread_count(resolved), name="aiogguf-warm-up") as threads:
+        await threads.all_running()
         return await threads.run_sync(_warm_up, resolved, devices)
 
 

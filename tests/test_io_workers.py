@@ -322,3 +322,36 @@ async def test_a_lender_leaves_without_waiting_for_its_threads(
         leaving.set()
         assert await following.run_sync(ran) == ident
     assert order == ["slow lane left", "next call ran"]
+
+
+WARMED = """
+import sys, threading
+import anyio
+import aiogguf
+
+async def main():
+    settings = dict(mode="none", n_gpu_layers=0)
+    await aiogguf.warm_up(**settings)
+    before = set(threading.enumerate())
+    async with aiogguf.load(sys.argv[1], **settings):
+        pass
+    print(len(set(threading.enumerate()) - before))
+
+anyio.run(main)
+"""
+
+
+def test_after_warm_up_a_first_load_starts_no_thread(tmp_path: Path) -> None:
+    """``warm_up`` waits until every thread a load takes runs: the pool starts threads
+    without waiting for them, and the first load then finds them all ready."""
+    model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="2MiB", seed=2, n_layer=2)
+    assert _run(WARMED, str(model.path)).strip() == "0"
+
+
+@pytest.mark.asyncio
+async def test_all_running_waits_for_every_thread() -> None:
+    async with LoadThreads(3, name="aiogguf-all") as threads:
+        await threads.all_running()
+        running = [t for t in threading.enumerate() if t.name.startswith("aiogguf-all")]
+        assert len(running) == 3
+        assert all(t.is_alive() for t in running)
