@@ -181,6 +181,9 @@ class PathLimit(_Section):
 
 
 class PipelineConfig(_Section):
+    # No longer used: every host job is handed to the readers at once, and what lands
+    # is bounded by the model's own buffers. Kept so that configurations that set it
+    # still load.
     queue_depth: Int = Field(default=8, ge=1, le=MAX_QUEUE_DEPTH)
     # "auto": one per core (up to 16) for page-cache reads, up to 4 for O_DIRECT.
     readers: Readers = "auto"

@@ -72,9 +72,9 @@ def test_default_toml_lists_every_key_with_its_default() -> None:
         Config()
     )
     data = tomllib.loads((CONFIGS / "default.toml").read_text())
-    # Keys without a TOML form for their default (unset, or arrays of tables) are shown
-    # commented out.
-    commented = {"override", "path"}
+    # Keys without a TOML form for their default (unset, or arrays of tables), and the
+    # one no longer used, are shown commented out.
+    commented = {"override", "path", "queue_depth"}
     for section, model in (
         ("load", LoadConfig),
         ("placement", PlacementConfig),
