@@ -120,21 +120,20 @@ class _Worker:
                 return
         lane._refuse(refusal)
 
-    def start(self) -> bool:
-        """From the starter: start the thread; if that fails, refuse the lanes offered
-        so far and from now on. Whether it started."""
+    def start(self) -> None:
+        """From the starter: start the thread; if that fails, ``refuse``."""
         try:
             self.thread.start()
         except Exception as exc:  # "can't start new thread": out of threads or memory
             self.refuse(exc)
-            return False
-        return True
 
     def refuse(self, error: BaseException) -> None:
-        """The thread will not run: fail the lanes offered so far and from now on."""
+        """The thread will not run: fail the lanes offered so far and from now on, and
+        leave the pool's idle workers."""
         with self._lock:
             self.refusal = error
             offered = _drain(self.inbox)
+        self._pool.discard(self)
         for lane in offered:
             if lane is not None:
                 lane._refuse(error)
@@ -216,7 +215,6 @@ class _Pool:
             # refuses its lanes, and leaves the idle ones.
             for worker in _drain(self._to_start):
                 worker.refuse(exc)
-                self._discard(worker)
             raise
 
     def _start_starter(self) -> None:
@@ -230,11 +228,10 @@ class _Pool:
         # works for no load.
         threading.current_thread().name = f"{IDLE_NAME} starter"
         while True:
-            worker = self._to_start.get()
-            if not worker.start():
-                self._discard(worker)
+            self._to_start.get().start()
 
-    def _discard(self, worker: _Worker) -> None:
+    def discard(self, worker: _Worker) -> None:
+        """A worker whose thread will not run leaves the idle ones."""
         with self._lock:
             if worker in self._idle:
                 self._idle.remove(worker)
