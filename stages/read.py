@@ -396,10 +396,7 @@ class HostReads:
             readers = disks.readers[file_indices[0]]
             feeds: list[tuple[_Feed, Callable[[], None] | None]] = []
             for i in file_indices:
-                feed = _Feed(readers)
-                for job in jobs[i]:
-                    feed.put(job)
-                feed.close()
+                feed = _Feed(jobs[i], readers)
                 self._feeds.append(feed)
                 feeds.append((feed, verify[i]))
                 if self._reader.checks_apart(i):
@@ -511,32 +508,29 @@ class HostReads:
 
 
 class _Feed:
-    """One file's jobs, from the loop to its ``readers`` threads. ``None`` ends a reader;
-    ``stop`` ends them all after the job each is reading (cancellation)."""
+    """One file's jobs for its ``readers`` threads, all queued at once, each reader's
+    end (``None``) after them. ``stop`` ends every reader after the job it is reading
+    (cancellation, a failed reader)."""
 
-    def __init__(self, readers: int) -> None:
+    def __init__(self, jobs: Sequence[ReadJob], readers: int) -> None:
         self._queue: queue.SimpleQueue[ReadJob | None] = queue.SimpleQueue()
+        for job in jobs:
+            self._queue.put(job)
+        for _ in range(readers):
+            self._queue.put(None)
         self._readers = readers
         self._left = 0
         self._lock = threading.Lock()
         self.stopped = False
 
-    def put(self, job: ReadJob) -> None:
-        self._queue.put(job)
-
     def get(self) -> ReadJob | None:
         job = self._queue.get()
         return None if self.stopped else job
 
-    def close(self) -> None:
-        """No more jobs: each reader ends once the queue is empty."""
-        for _ in range(self._readers):
-            self._queue.put(None)
-
     def stop(self) -> None:
-        """From the loop (one reader's cancellation): every reader ends after its job."""
+        """From any thread: every reader ends after its job. (No reader waits: each
+        still finds its end in the queue, queued with the jobs.)"""
         self.stopped = True
-        self._queue.put(None)
 
     def leave(self) -> bool:
         """A reader is done with the feed: whether it is the last of them."""
