@@ -521,10 +521,12 @@ class _Front:
         self, index: WeightIndex, devices: tuple[Device, ...], plan: Plan, planned: float
     ) -> _Prepared:
         """Blocking: the buffers of ``plan`` laid out, its host images allocated, each
-        file's disk found (a ``stat``) and the read jobs cut: work that grows with the
-        model (a model of hundreds of GiB has 10^4 jobs), off the loop."""
+        file's disk found (a ``stat``), the read jobs cut and the host reads started:
+        work that grows with the model (a model of hundreds of GiB has 10^4 jobs), off
+        the loop."""
         config, files, clock = self.config, self.files, self.clock
         alignment = config.pipeline.alignment
+        swapped = needs_swap(index.byte_order)
         layouts = layout_buffers(plan, alignment)
         slots = tensor_slots(index, layouts)
         spans = TensorSpans(index, layouts)
@@ -534,7 +536,7 @@ class _Front:
             files,
             self.images,
             mapped=plan.mode in MAPPED_MODES,
-            writable=needs_swap(index.byte_order),
+            writable=swapped,
             alignment=alignment,
             prefetch=config.load.prefetch,
         )
@@ -563,7 +565,7 @@ class _Front:
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
         validation, reader, reads, landed = self._start_reads(
-            index, plan, layouts, slots, spans, disks, jobs, staged
+            index, plan, layouts, slots, spans, disks, jobs, staged, swapped
         )
         return _Prepared(
             devices,
@@ -593,12 +595,13 @@ class _Front:
         disks: Disks,
         jobs: list[list[ReadJob]],
         staged: tuple[int, ...],
+        swapped: bool,
     ) -> tuple[Validation, Reader, HostReads, _Landed]:
         """The read side of the load (checks, reader, reader threads), and its host reads
         started: their images exist, and the reads then run while the loop sets up the
-        rest (device buffers, transfers) instead of after it."""
+        rest (device buffers, transfers) instead of after it. ``swapped``: the bytes are
+        big-endian and swapped as they land."""
         config, files, clock = self.config, self.files, self.clock
-        swapped = needs_swap(index.byte_order)
         if swapped:
             ByteSwap.check(index, plan)
         threads = self._lend(disks.total_readers, "aiogguf-reader")

@@ -269,9 +269,9 @@ def allocate_host_images(
 
 class Allocation:
     """The images of one load: host ones allocated before it starts
-    (``allocate_host_images``, with the plan), device ones by ``run``; whoever needs
-    buffer ``k`` awaits ``ready(k)``, so readers of a buffer start as soon as it exists
-    while later ones are still being allocated. ``images`` (indexed by buffer, shared
+    (``allocate_host_images``, with the plan), device ones by ``run``; the transfers
+    into buffer ``k`` await ``ready(k)``, so they start as soon as it exists while later
+    ones are still being allocated. ``images`` (indexed by buffer, shared
     with the engine, which frees what is left in it if the load fails: ``close_images``)
     holds them until ``take()``."""
 
