@@ -309,6 +309,9 @@ class SimDeviceConfig(_Section):
     copy_latency_us: Float = Field(default=SIM_COPY_LATENCY_US, ge=0.0)
     pin_s_per_gib: Float = Field(default=SIM_PIN_S_PER_GIB, ge=0.0)
     max_delay_ms: Float = Field(default=0.0, ge=0.0)
+    # False: copies take their modelled time but move no byte and device memory is never
+    # backed (the host pays nothing a GPU does not); reads give zeros. For benchmarks.
+    keep_bytes: Bool = True
 
     @field_validator("total")
     @classmethod
@@ -368,7 +371,15 @@ class SimDeviceConfig(_Section):
 _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 _SIM_FLAGS = {
     name: _BOOL_WORDS
-    for name in ("host_pointer", "async_copies", "events", "pinned_host", "split_buffer", "mmap")
+    for name in (
+        "host_pointer",
+        "async_copies",
+        "events",
+        "pinned_host",
+        "split_buffer",
+        "mmap",
+        "keep_bytes",
+    )
 }
 
 

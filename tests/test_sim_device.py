@@ -331,3 +331,69 @@ def test_release_staging_frees_the_cached_device_memory(tmp_path: Path) -> None:
     assert stats.cached_bytes > 0
     aiogguf.release_staging_sync()
     assert sim.memory_cache.stats().cached_bytes == 0
+
+
+def test_a_device_that_keeps_no_bytes_times_copies_and_still_checks_the_ring() -> None:
+    dev = SimDevice("g0", bandwidth=40_000, keep_bytes=False)  # 8 KiB = 200 ms
+    stream = dev.open_copy_stream(asynchronous=True)
+    dest = dev.allocate(8192)
+    slot = dev.open_staging_slot(1, 8192, 4096)
+    try:
+        assert dev.memory_cache.stats().backed == 0  # nothing was backed for it
+        _fill(slot.view(), 1)
+        began = time.perf_counter()
+        stream.copy_async(dest, 0, slot, 8192)
+        stream.synchronize()
+        assert time.perf_counter() - began >= 0.19  # the modelled copy's time
+        # Written as far as the device counts (no poison), but no byte moved.
+        assert bytes(dest.to_host(0, 8192)) == bytes(8192)
+        slot.begin_write()
+        _fill(slot.view(), 2)
+        stream.copy_async(dest, 0, slot, 8192)
+        _fill(slot.view(), 3)  # no begin_write: the modelled copy is still in flight
+        with pytest.raises(RingViolation, match=r"slot 1: copy #2 .* overwritten"):
+            stream.synchronize()
+    finally:
+        slot.close()
+        dest.close()
+        stream.close()
+
+
+def test_full_offload_to_a_device_that_keeps_no_bytes(tmp_path: Path) -> None:
+    path = write_synthetic_model(tmp_path / "m.gguf", size_bytes="2MiB", seed=5).path
+    spec = "name=gk,free=1GiB,keep_bytes=false,bandwidth=1000000000000"
+    with aiogguf.load_sync(path, n_gpu_layers=-1, sim_gpus=[spec], check_tensors=False) as model:
+        (upload,) = model.report.uploads
+        assert upload.bytes_copied > 0
+        # Every device tensor reads back as zeros: the copies were timed, not made.
+        device_names = [t.name for t in model.plan.tensors if t.device == "gk" and t.nbytes]
+        assert device_names
+        assert all(not bytes(model.raw(n)).strip(b"\0") for n in device_names)
+    (sim,) = [
+        d for d in enumerate_devices(Config().with_overrides(sim_gpus=[spec])) if d.name == "gk"
+    ]
+    assert isinstance(sim, SimDevice)
+    assert sim.keep_bytes is False
+    assert sim.memory_cache.stats().backed == 0
+
+
+def test_streams_of_one_device_share_its_bandwidth() -> None:
+    dev = SimDevice("g0", bandwidth=80_000, keep_bytes=False)  # 8 KiB = 100 ms
+    streams = [dev.open_copy_stream(asynchronous=True) for _ in range(3)]
+    dests = [dev.allocate(8192) for _ in streams]
+    slots = [dev.open_staging_slot(i, 8192, 4096) for i in range(len(streams))]
+    try:
+        began = time.perf_counter()
+        for stream, dest, slot in zip(streams, dests, slots, strict=True):
+            stream.copy_async(dest, 0, slot, 8192)
+        for stream in streams:
+            stream.synchronize()
+        # One after the other over the link, not three at once at the full rate.
+        assert time.perf_counter() - began >= 0.29
+    finally:
+        for slot in slots:
+            slot.close()
+        for dest in dests:
+            dest.close()
+        for stream in streams:
+            stream.close()

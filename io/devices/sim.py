@@ -16,17 +16,23 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
 * it carries a real GPU's costs, so that a design that is slow on a GPU is slow here
   too: pinning a staging slot sleeps ``pin_s_per_gib`` per GiB, and a copy takes
   ``copy_latency_us`` plus ``nbytes / bandwidth`` (plus a random delay up to
-  ``max_delay_ms``), or the host copy's own time where that is longer. The defaults are
+  ``max_delay_ms``), or the host copy's own time where that is longer; the copies of
+  all its streams share the one ``bandwidth``, as they share a PCIe link. The defaults are
   an NVIDIA H200 on PCIe Gen5 (see ``SIM_*`` below); the sleeps release the GIL, as the
   driver's waits do;
 * a ``SimCopyStream`` runs queued copies in order on its own thread (the copy engine);
 * ``SimEvent`` has CUDA's record / query / synchronize semantics, on any stream;
-* not modelled: backing a new allocation costs the host its page zeroing (in the
-  allocate stage, see the README's ``gpu_sim.py`` figures), which ``cudaMalloc`` does
-  not (the CuPy backend allocates with it directly, no pool); the copy engine is a host
-  thread whose memcpy takes a host core, where a GPU's DMA engine takes none; device
-  memory bandwidth, PCIe sharing between devices and ``cudaMalloc``'s own latency are
-  not modelled at all;
+* costs a GPU does not have: backing a new allocation costs the host its page zeroing
+  (in the allocate stage, see the README's ``gpu_sim.py`` figures), which ``cudaMalloc``
+  does not (the CuPy backend allocates with it directly, no pool); the copy engine is a
+  host thread whose memcpy takes a host core, where a GPU's DMA engine takes none. With
+  ``keep_bytes=False`` the device pays neither: its memory is never backed, a copy
+  takes its modelled time without moving a byte (the ring invariant is still checked),
+  and device memory reads back zeros, so nothing that reads it back can be trusted
+  (checks of units that straddle two staging pieces included). That is for benchmarks
+  of the pipeline's shape (``bench/gpu_sim.py``), never for tests of its bytes;
+* not modelled at all: device memory bandwidth, PCIe sharing between devices and
+  ``cudaMalloc``'s own latency;
 * the device checks the ring invariant itself: refilling a staging slot whose last copy
   (on whichever stream) has not completed raises ``RingViolation`` naming the slot
   (``begin_write``), and every copy fingerprints its source when it is issued and again
@@ -150,6 +156,7 @@ class SimDevice:
         max_delay_ms: float = 0.0,
         seed: int | None = None,
         memory_cache_bytes: int = SIM_MEMORY_CACHE_BYTES,
+        keep_bytes: bool = True,
     ) -> None:
         if kind == "cpu":
             raise ConfigError("device.kind", None, "a simulated device cannot be the CPU")
@@ -189,7 +196,9 @@ class SimDevice:
         self.pin_s_per_gib = pin_s_per_gib
         self.max_delay_ms = max_delay_ms
         self.seed = seed
+        self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
+        self._link_free_at = 0.0  # perf_counter time the last copy queued ends
         self._usage = SimUsage(0, 0, 0, 0)
         self._streams_opened = 0
         self.memory_cache = SimMemoryCache(name, memory_cache_bytes)
@@ -295,15 +304,19 @@ class SimDeviceBuffer:
         self.device = owner.name
         self.nbytes = nbytes
         self._owner = owner
-        block = owner.memory_cache.take(nbytes)
-        # A new array over the block's memory: its base is a memoryview, so no view of
-        # it reaches past it to the block.
-        data = numpy.frombuffer(block.data, dtype=numpy.uint8, count=nbytes)
-        # Every view handed out (array(), the copy engine's slices) has ``data`` as its
-        # base: the block goes back to the cache when the last of them dies, never while
-        # someone can still read or write it.
-        finalizer = weakref.finalize(data, owner.memory_cache.give_back, block)
-        finalizer.atexit = False
+        if owner.keep_bytes:
+            block = owner.memory_cache.take(nbytes)
+            # A new array over the block's memory: its base is a memoryview, so no view
+            # of it reaches past it to the block.
+            data = numpy.frombuffer(block.data, dtype=numpy.uint8, count=nbytes)
+            # Every view handed out (array(), the copy engine's slices) has ``data`` as
+            # its base: the block goes back to the cache when the last of them dies,
+            # never while someone can still read or write it.
+            finalizer = weakref.finalize(data, owner.memory_cache.give_back, block)
+            finalizer.atexit = False
+        else:
+            # No copy writes here: large zeroed memory costs nothing until it is read.
+            data = numpy.zeros(nbytes, dtype=numpy.uint8)
         self._data: numpy.ndarray[Any, numpy.dtype[numpy.uint8]] | None = data
         self._lock = threading.Lock()
         self._filled: list[tuple[int, int]] = []  # sorted, disjoint: written or poisoned
@@ -631,9 +644,10 @@ class SimCopyStream:
         with self._sync_lock:
             self._raise_failure()
             began = time.perf_counter()
-            sim_dest._live()[dest_offset : dest_offset + src.nbytes] = numpy.frombuffer(
-                src, dtype=numpy.uint8
-            )
+            if self._owner.keep_bytes:
+                sim_dest._live()[dest_offset : dest_offset + src.nbytes] = numpy.frombuffer(
+                    src, dtype=numpy.uint8
+                )
             sim_dest.mark_written(dest_offset, src.nbytes)
             self._sleep_rest(began, src.nbytes)
             self.copies_done += 1
@@ -683,13 +697,18 @@ class SimCopyStream:
 
     def _sleep_rest(self, began: float, nbytes: int) -> None:
         """Make a copy that began at ``began`` last as long as the modelled GPU's: the
-        host copy already took part of that time (or more)."""
+        host copy already took part of that time (or more). Its bytes cross the device's
+        one link after every copy queued before them on any of its streams: streams run
+        side by side, but share the bandwidth."""
         owner = self._owner
-        seconds = owner.copy_latency_us / 1e6
-        seconds += self._rng.uniform(0.0, owner.max_delay_ms) / 1000.0
+        ready = began + owner.copy_latency_us / 1e6
+        ready += self._rng.uniform(0.0, owner.max_delay_ms) / 1000.0
+        end = ready
         if owner.bandwidth:
-            seconds += nbytes / owner.bandwidth
-        rest = seconds - (time.perf_counter() - began)
+            with owner._lock:
+                end = max(ready, owner._link_free_at) + nbytes / owner.bandwidth
+                owner._link_free_at = end
+        rest = end - time.perf_counter()
         if rest > 0:
             time.sleep(rest)
 
@@ -731,18 +750,23 @@ class SimCopyStream:
                 return LoadError(
                     None, None, f"device {self.device}: copy #{op.seq} into a freed buffer"
                 )
-            target = data[op.dest_offset : op.dest_offset + op.nbytes]
             src = op.slot.view()[: op.nbytes]
             try:
-                # numpy lets go of the GIL while it copies: a copy that kept it would
-                # stall the event loop and the transfer threads for the whole copy,
-                # which a GPU's copy engine never does.
-                target[:] = numpy.frombuffer(src, dtype=numpy.uint8)
+                if self._owner.keep_bytes:
+                    # numpy lets go of the GIL while it copies: a copy that kept it would
+                    # stall the event loop and the transfer threads for the whole copy,
+                    # which a GPU's copy engine never does.
+                    target = data[op.dest_offset : op.dest_offset + op.nbytes]
+                    target[:] = numpy.frombuffer(src, dtype=numpy.uint8)
+                    landed = target.data
+                else:
+                    landed = src  # looked at when the modelled copy ends: still the same?
+                op.dest.mark_written(op.dest_offset, op.nbytes)
+                self._sleep_rest(began, op.nbytes)
+                changed = _fingerprint(landed) != op.crc
             finally:
                 src.release()
-            op.dest.mark_written(op.dest_offset, op.nbytes)
-            self._sleep_rest(began, op.nbytes)
-            if _fingerprint(target.data) != op.crc:
+            if changed:
                 return RingViolation(
                     self.device,
                     op.slot.index,
