@@ -680,7 +680,10 @@ def main(argv: list[str] | None = None) -> int:
     fp = run.phase("fingerprints", fingerprints)
     expected = expected_path if isinstance(fp, str) else None
 
-    result["pinned_copy"] = run.phase("pinned_copy", lambda: pinned_copy(cupy))
+    copy_bytes, copy_repeats = (64 * MiB, 2) if args.quick else (GiB, 5)
+    result["pinned_copy"] = run.phase(
+        "pinned_copy", lambda: pinned_copy(cupy, copy_bytes, copy_repeats)
+    )
     counts = thread_counts(cpus)
     result["raw_pipeline"] = run.phase(
         "raw_pipeline", lambda: raw_pipeline(cupy, path, counts, 1 if args.quick else 2, run)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from aiogguf.io.devices.cupy_backend import cupy_devices
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 
 
 def _module(name: str) -> ModuleType:
@@ -128,6 +130,43 @@ def test_gpu_check_without_a_gpu_says_so(tmp_path: Path) -> None:
     assert "needs CuPy and a CUDA device" in proc.stderr
     assert json.loads(out.read_text())["exit_status"] == 2
     assert json.loads(proc.stdout)["error"].startswith("needs CuPy and a CUDA device")
+
+
+def test_gpu_check_runs_through_on_the_cupy_stand_in(tmp_path: Path) -> None:
+    # Every phase on CuPy's names over host memory: a mistake in the script shows up
+    # here, not in the few minutes a GPU is lent for.
+    out = tmp_path / "out.json"
+    script = str(BENCH / "gpu_check.py")
+    args = ["--quick", "--size", "16MiB", "--dir", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, script, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(STAND_INS)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["errors"] == []
+    assert result["cupy"] == "0.0+stand-in"
+    assert result["pinned_copy"]["gbps"] > 0
+    assert result["raw_pipeline"]["by_threads"]
+    verified = result["verification"]
+    assert verified["ok"]
+    labels = {load["label"] for load in verified["loads"]}
+    assert {"before_warm_up", "after_warm_up"} <= labels
+    for load in verified["loads"]:
+        assert load["mismatched"] == []
+        # Every tensor but the token embeddings (kept on the CPU, as llama.cpp does).
+        assert load["tensors_on_gpu"] == load["tensors"] - 1
+    assert result["api_missing"] == []
+    # Every target is judged (on a CPU most are missed: what counts is that none is
+    # left without a figure).
+    targets = result["targets"]
+    assert targets["every verified byte matched the file"]["met"] is True
+    assert all(t["met"] is not None for t in targets.values())
+    assert all(t["value"] is not None for name, t in targets.items() if "byte" not in name)
 
 
 def test_gpu_check_thread_counts() -> None:

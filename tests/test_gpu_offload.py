@@ -3,9 +3,10 @@
 Every test body takes a ``Rig``: the placement overrides that put the model on one GPU,
 and how to read that GPU's arrays back. The ``cupy`` rig is a real CUDA device
 (``gpu``-marked, skipped without CuPy and a device); the ``sim`` rig is a simulated GPU
-and runs everywhere. Tests of issue 10's process-wide staging pool (a second load pins
-nothing, concurrent loads share the pool, a cancelled load leaves nothing pinned beyond
-it) run on both rigs.
+and the ``cupy-stand-in`` rig the CuPy backend over ``stand_ins/cupy`` (CuPy's names on
+host memory), and both run everywhere. Tests of issue 10's process-wide staging pool (a
+second load pins nothing, concurrent loads share the pool, a cancelled load leaves
+nothing pinned beyond it) run on every rig.
 
 Oracles: the file's bytes (read with plain ``open``), and ``corrupt.expected_bad`` for
 planted bad tensors (numpy's own float conversions, not the validator's bit masks).
@@ -25,11 +26,18 @@ import anyio
 import numpy as np
 import pytest
 from corrupt import expected_bad
+from stand_ins import cupy_stand_in
 
 import aiogguf
 from aiogguf.errors import TensorValidationError
 from aiogguf.events import Progress
-from aiogguf.io.devices.cupy_backend import CupyCopyStream, cupy_devices, import_cupy
+from aiogguf.io.devices import cupy_backend
+from aiogguf.io.devices.cupy_backend import (
+    CupyCopyStream,
+    cupy_devices,
+    forget_cupy_devices,
+    import_cupy,
+)
 from aiogguf.io.devices.sim import SimCopyStream
 from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model
@@ -73,11 +81,29 @@ class Rig:
 
 
 @pytest.fixture(
-    params=[pytest.param("sim", id="sim"), pytest.param("cupy", id="cupy", marks=pytest.mark.gpu)]
+    params=[
+        pytest.param("sim", id="sim"),
+        pytest.param("stand-in", id="cupy-stand-in"),
+        pytest.param("cupy", id="cupy", marks=pytest.mark.gpu),
+    ]
 )
-def rig(request: pytest.FixtureRequest) -> Rig:
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
     if request.param == "sim":
-        return Rig("sim", "g0", {"n_gpu_layers": -1, "sim_gpus": [SIM_GPU]}, SimCopyStream)
+        yield Rig("sim", "g0", {"n_gpu_layers": -1, "sim_gpus": [SIM_GPU]}, SimCopyStream)
+        return
+    if request.param == "stand-in":
+        # The CuPy backend end to end on a CPU: CuPy's names over host memory.
+        # (A patch of its own: a test's ``monkeypatch.undo()`` must not undo it.)
+        stand_in = cupy_stand_in()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cupy_backend, "import_cupy", lambda: stand_in)
+            forget_cupy_devices()
+            try:
+                yield Rig("cupy", "CUDA0", {"n_gpu_layers": -1}, CupyCopyStream, stand_in)
+            finally:
+                aiogguf.release_staging_sync()  # its pool holds the stand-in's slots
+                forget_cupy_devices()
+        return
     cupy = import_cupy()
     if cupy is None:
         pytest.skip("CuPy is not installed")
@@ -86,7 +112,7 @@ def rig(request: pytest.FixtureRequest) -> Rig:
         pytest.skip("CuPy sees no CUDA device")
     if len(found) > 1:
         pytest.skip("one CUDA device expected (every layer must land on CUDA0)")
-    return Rig("cupy", found[0].name, {"n_gpu_layers": -1}, CupyCopyStream, cupy)
+    yield Rig("cupy", found[0].name, {"n_gpu_layers": -1}, CupyCopyStream, cupy)
 
 
 def pool_api() -> dict[str, Any]:

@@ -1,0 +1,192 @@
+"""``cupy.cuda`` of the stand-in: devices, memory, streams and events over host memory."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+_current = threading.local()
+MEMORY_TOTAL = 80 * 1024**3
+
+
+def _count() -> int:
+    return int(os.environ.get("STAND_IN_CUPY_DEVICES", "1"))
+
+
+def current() -> int:
+    return int(getattr(_current, "device", 0))
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def _check_device(ordinal: int) -> int:
+    if not 0 <= ordinal < _count():
+        raise CUDARuntimeError(f"cudaErrorInvalidDevice: invalid device ordinal {ordinal}")
+    return ordinal
+
+
+class Device:
+    def __init__(self, device: int | None = None) -> None:
+        self.id = _check_device(current() if device is None else int(device))
+        self._saved: list[int] = []
+
+    @property
+    def pci_bus_id(self) -> str:
+        return runtime.deviceGetPCIBusId(self.id)
+
+    @property
+    def compute_capability(self) -> str:
+        return "90"
+
+    def use(self) -> None:
+        _current.device = self.id
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> Device:
+        self._saved.append(current())
+        _current.device = self.id
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _current.device = self._saved.pop()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return self.id
+
+
+def _host_memory(size: int) -> tuple[mmap.mmap, int]:
+    """``size`` bytes of page-aligned anonymous memory, and its address."""
+    block = mmap.mmap(-1, max(size, 1))
+    return block, ctypes.addressof(ctypes.c_char.from_buffer(block))
+
+
+class Memory:
+    """Device memory: host memory on the stand-in."""
+
+    def __init__(self, size: int) -> None:
+        self.device_id = current()
+        self.size = size
+        self._block, self.ptr = _host_memory(size)
+
+
+class MemoryPointer:
+    def __init__(self, mem: Memory, offset: int) -> None:
+        self.mem = mem
+        self.ptr = mem.ptr + offset
+        self.device_id = mem.device_id
+
+    @classmethod
+    def at(cls, mem: Memory | None, address: int) -> MemoryPointer:
+        """The pointer to ``address`` (in ``mem``, when known)."""
+        if mem is None:
+            pointer = cls.__new__(cls)
+            pointer.mem, pointer.ptr, pointer.device_id = None, address, current()
+            return pointer
+        return cls(mem, address - mem.ptr)
+
+
+class PinnedMemory:
+    """Pinned host memory: plain host memory on the stand-in (the pointer holds it)."""
+
+    def __init__(self, size: int, flags: int = 0) -> None:
+        self.size = size
+
+
+class PinnedMemoryPointer(bytearray):
+    """Exports the pinned buffer (a bytearray: its own memory, not page-aligned, so
+    callers must align themselves, as CuPy's pinned pool does not promise alignment)."""
+
+    def __init__(self, mem: PinnedMemory, offset: int) -> None:
+        super().__init__(mem.size)
+        anchor = (ctypes.c_char * max(mem.size, 1)).from_buffer(self)
+        self.ptr = ctypes.addressof(anchor) + offset
+        self.mem = mem
+        del anchor
+
+
+class Stream:
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
+        self.device_id = current()
+        self.ptr = id(self)
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: Event) -> None:
+        pass
+
+
+class Event:
+    """Complete once recorded: every stand-in copy is done when it is queued."""
+
+    def __init__(
+        self, block: bool = False, disable_timing: bool = False, interprocess: bool = False
+    ) -> None:
+        self.disable_timing = disable_timing
+        self.recorded_at: float | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.recorded_at = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return True
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two recorded events."""
+    if start.recorded_at is None or end.recorded_at is None:
+        raise CUDARuntimeError("cudaErrorInvalidResourceHandle: event not recorded")
+    return (end.recorded_at - start.recorded_at) * 1000.0
+
+
+class runtime:  # CuPy's name
+    memcpyHostToHost = 0
+    memcpyHostToDevice = 1
+    memcpyDeviceToHost = 2
+    memcpyDeviceToDevice = 3
+
+    @staticmethod
+    def getDeviceCount() -> int:
+        return _count()
+
+    @staticmethod
+    def getDeviceProperties(ordinal: int) -> dict[str, Any]:
+        _check_device(ordinal)
+        return {"name": b"stand-in GPU", "integrated": 0, "totalGlobalMem": MEMORY_TOTAL}
+
+    @staticmethod
+    def deviceGetPCIBusId(ordinal: int) -> str:
+        return f"0000:{_check_device(ordinal) + 1:02x}:00.0"
+
+    @staticmethod
+    def memGetInfo() -> tuple[int, int]:
+        return MEMORY_TOTAL, MEMORY_TOTAL
+
+    @staticmethod
+    def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+        ctypes.memmove(dst, src, size)
+
+    @staticmethod
+    def memcpy(dst: int, src: int, size: int, kind: int) -> None:
+        ctypes.memmove(dst, src, size)
