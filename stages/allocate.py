@@ -89,6 +89,9 @@ class TensorSpans:
                 spans.extend((index[n].offset, index[n].end, n) for n in rs.range.tensors)
         for spans in self._spans.values():
             spans.sort()
+        # The spans' starts apart: a bisect without a key function (a read's every
+        # piece looks its tensors up here).
+        self._starts = {key: [s[0] for s in spans] for key, spans in self._spans.items()}
 
     def sizes(self) -> dict[str, int]:
         """Each loaded tensor's bytes, by name."""
@@ -98,10 +101,16 @@ class TensorSpans:
         self, buffer_index: int, file_index: int, start: int, end: int
     ) -> Iterator[tuple[int, int, str]]:
         """``(lo, hi, name)``: the part ``[lo, hi)`` of each tensor inside ``[start, end)``."""
-        spans = self._spans.get((buffer_index, file_index), [])
-        i = max(bisect.bisect_right(spans, start, key=lambda e: e[0]) - 1, 0)
-        while i < len(spans) and spans[i][0] < end:
+        key = (buffer_index, file_index)
+        spans = self._spans.get(key)
+        if spans is None:
+            return
+        i = max(bisect.bisect_right(self._starts[key], start) - 1, 0)
+        n = len(spans)
+        while i < n:
             t_start, t_end, name = spans[i]
+            if t_start >= end:
+                return
             lo, hi = max(t_start, start), min(t_end, end)
             if lo < hi:
                 yield lo, hi, name

@@ -671,8 +671,9 @@ class PieceCheck:
     and gives the same verdict as ``check_tensor`` on the whole tensor. Host memory only.
     """
 
-    def __init__(self, name: str, type: GGMLType, nbytes: int) -> None:
-        """Prepare to check tensor ``name`` of ``type``, ``nbytes`` long (without padding).
+    def __init__(self, name: str, type: GGMLType, nbytes: int, *, offset: int = 0) -> None:
+        """Prepare to check tensor ``name`` of ``type``, ``nbytes`` long (without padding);
+        ``offset``: where its bytes start in their file (kept for the caller).
 
         Raises ``ValueError`` if ``nbytes`` is negative.
         """
@@ -681,6 +682,7 @@ class PieceCheck:
         self.name = name
         self.type = type
         self.nbytes = nbytes
+        self.offset = offset
         self._scanner = _Scanner(type, numpy, HOST_SLICE_BYTES)
         # A tensor that fails before any value is looked at needs no scan at all.
         self._scan = precheck(name, type, nbytes) is None and self._scanner.mode is not _Scan.NONE
@@ -775,11 +777,14 @@ class PieceCheck:
             return
         unit = self._scanner.unit_bytes
         scratch = _thread_scratch()
-        tally = _Tally()
+        tally: _Tally | None = None  # made only when a scan finds something
         for lo, hi in gaps:
             start = lo * unit - byte_offset
-            tally.add(self._scanner.scan(data[start : start + (hi - lo) * unit], scratch), lo)
-        if tally.count:
+            found = self._scanner.scan(data[start : start + (hi - lo) * unit], scratch)
+            if found.count:
+                tally = tally or _Tally()
+                tally.add(found, lo)
+        if tally is not None:
             with self._lock:
                 self._tally.merge(tally)
 
@@ -1043,7 +1048,7 @@ class Validation:
         self._threads = threads
         host_read = mode in ("none", "direct")
         self._pieces = {
-            name: PieceCheck(name, index[name].type, index[name].nbytes)
+            name: PieceCheck(name, index[name].type, index[name].nbytes, offset=index[name].offset)
             for layout in layouts
             if enabled and not swapped and not layout.plan.lazy
             if host_read or not layout.plan.host
@@ -1075,15 +1080,18 @@ class Validation:
     def check_piece(self, job: ReadJob, file_offset: int, piece: memoryview) -> None:
         """Blocking, on a read or transfer thread: check the tensors' bytes in
         ``piece``, the bytes of ``job``'s file from ``file_offset`` that just landed."""
-        with self._meter.span(nbytes=len(piece)):
-            data = numpy.frombuffer(piece, dtype=numpy.uint8)
-            end = file_offset + len(data)
-            for lo, hi, name in self._spans.overlapping(
-                job.buffer_index, job.file_index, file_offset, end
-            ):
-                self._pieces[name].check_piece(
-                    data[lo - file_offset : hi - file_offset], lo - self._index[name].offset
-                )
+        # Timed without a context manager: this runs once per read call.
+        clock = self._meter.clock
+        began = clock()
+        data = numpy.frombuffer(piece, dtype=numpy.uint8)
+        end = file_offset + len(data)
+        pieces = self._pieces
+        for lo, hi, name in self._spans.overlapping(
+            job.buffer_index, job.file_index, file_offset, end
+        ):
+            check = pieces[name]
+            check.check_piece(data[lo - file_offset : hi - file_offset], lo - check.offset)
+        self._meter.add(began, clock(), nbytes=len(data))
 
     async def tensors_ready(self, names: Sequence[str]) -> None:
         """Every byte of each tensor of ``names`` has landed: finish its check, or start
