@@ -205,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = {"mode": "none", "n_gpu_layers": -1, "sim_gpus": [spec]}
     host = {"mode": "none", "n_gpu_layers": 0}
     errors: list[str] = []
-    kinds = KINDS
-    samples: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    samples: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
     pairs: list[list[dict[str, Any]]] = []  # the offload processes' two loads
 
     def one(kind: str, overrides: dict[str, Any]) -> None:
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if lag is not None:
         say(f"  first load, CuPy import sleeping {args.cupy_import_s:g} s: worst lag {lag:.1f} ms")
 
-    summaries = {name: driver.summarise(samples[name]) for name in kinds}
+    summaries = {name: driver.summarise(samples[name]) for name in KINDS}
     for name, summary in summaries.items():
         summary["allocate_s"] = _median_or_none(
             [a for a in map(_allocate_s, samples[name]) if a is not None]

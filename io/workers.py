@@ -448,8 +448,6 @@ class LoadThreads:
         """From one of the threads, within a call: run ``fn(*args)`` on the loop's thread
         soon, without waiting for it (progress reports). What ``fn`` raises, which the
         loop would only log, is raised by the ``run_sync`` of that call instead."""
-        token = self._token
-        assert token is not None
         call: Call[Any] | None = getattr(_running, "call", None)
 
         def on_loop() -> None:
@@ -461,7 +459,7 @@ class LoadThreads:
                 if call.error is None:
                     call.error = exc
 
-        _run_sync_soon(token, on_loop, ())
+        self._on_loop(on_loop)
 
 
 # The call each pooled thread is running, if any.

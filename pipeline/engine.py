@@ -527,6 +527,8 @@ class _Front:
         config, files, clock = self.config, self.files, self.clock
         alignment = config.pipeline.alignment
         swapped = needs_swap(index.byte_order)
+        if swapped:
+            ByteSwap.check(index, plan)  # before any buffer or thread is taken
         layouts = layout_buffers(plan, alignment)
         slots = tensor_slots(index, layouts)
         spans = TensorSpans(index, layouts)
@@ -602,8 +604,6 @@ class _Front:
         rest (device buffers, transfers) instead of after it. ``swapped``: the bytes are
         big-endian and swapped as they land."""
         config, files, clock = self.config, self.files, self.clock
-        if swapped:
-            ByteSwap.check(index, plan)
         threads = self._lend(disks.total_readers, "aiogguf-reader")
         workers = config.pipeline.validate_workers
         # With checks off nothing runs on check threads: the readers' stand in.

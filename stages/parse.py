@@ -485,7 +485,8 @@ class _HeaderParser:
         if nbytes >= U64_LIMIT:
             raise self.error(pos, f"tensor '{name}'", f"{nbytes} bytes do not fit in 64 bits")
         pos += 4
-        self.need(pos, 8, f"tensor '{name}' offset")
+        if pos + 8 > n:
+            self.need(pos, 8, f"tensor '{name}' offset")
         (offset,) = self.u64(buf, pos)
         self.tensors.append(TensorInfo(name, gtype, shape, offset, nbytes, n_elements, start))
         self.names[name] = start
