@@ -12,9 +12,13 @@ time (a ``load_mode`` enum in newer versions; ``use_mmap``/``use_mlock`` and may
 Every load runs in a fresh process (this script with ``--worker``), after a spacer
 process that backs and frees as much memory as the file and a pause (``--settle``; see
 ``aiogguf.testing.bench.settle``). The two loaders alternate on the same file, and every
-other run the other one goes first. Warm cases read the file from a full page cache;
-cold cases drop it first (``posix_fadvise(DONTNEED)``, else ``/proc/sys/vm/drop_caches``
-when writable); where neither works the cold cases are skipped, and the output says so.
+other run the other one goes first. Warm cases read the file from a full page cache,
+filled anew by a read in file order (``warm``) or with readahead off, in 4 KiB pages
+(``pages``): a mapping load's time depends on the size of the cached pages, which a
+file's history decides, so it is made rather than found. Cold cases drop the file first
+(``posix_fadvise(DONTNEED)``, else ``/proc/sys/vm/drop_caches`` when writable); where
+neither works the cold and ``pages`` cases are skipped, warm ones find the cache as it
+is, and the output says so.
 
 Prints progress to stderr, then a table and, as the last line of stdout, one JSON
 object (also written to ``--json PATH``): per case, each side's median, min-max, CPU
@@ -106,15 +110,29 @@ def llama_mode_settings(
 @dataclass(frozen=True, slots=True)
 class Case:
     """One comparison: llama.cpp in ``llama_mode`` against aiogguf with ``overrides``,
-    on the model (``file="model"``) or the reference file, from a warm or cold cache."""
+    on the model (``file="model"``) or the reference file, from a page cache in the
+    state ``cache`` names (``CACHE_STATES``)."""
 
     name: str
     title: str
-    cold: bool
+    cache: str
     llama_mode: str
     check_tensors: bool
     overrides: Mapping[str, Any]
     file: str = "model"
+
+
+# What the page cache holds of the file before each load of a case. The same cached
+# bytes cost a mapping load very different amounts by the size of the pages that hold
+# them, and a file's history decides that size: each state is made anew
+# (``_PageCache``) rather than taken as found.
+CACHE_STATES: dict[str, str] = {
+    "warm": "all of it, as a read in file order leaves it (large folios where the kernel "
+    "and filesystem make them)",
+    "pages": "all of it, in 4 KiB pages (read with readahead off: kernels and filesystems "
+    "without large folios)",
+    "cold": "none of it",
+}
 
 
 def _aio(mode: str, check_tensors: bool = False, **more: Any) -> dict[str, Any]:
@@ -122,31 +140,33 @@ def _aio(mode: str, check_tensors: bool = False, **more: Any) -> dict[str, Any]:
 
 
 CASES: tuple[Case, ...] = (
-    Case("warm_none", "warm, none, checks off", False, "none", False, _aio("none")),
+    Case("warm_none", "warm, none, checks off", "warm", "none", False, _aio("none")),
     Case(
         "warm_none_readers1",
         "warm, none, aiogguf readers=1",
-        False,
+        "warm",
         "none",
         False,
         _aio("none", readers=1),
     ),
-    Case("warm_none_checks", "warm, none, checks on", False, "none", True, _aio("none", True)),
-    Case("warm_mmap", "warm, mmap", False, "mmap", False, _aio("mmap")),
-    Case("warm_mlock", "warm, mlock", False, "mlock", False, _aio("mlock")),
+    Case("warm_none_checks", "warm, none, checks on", "warm", "none", True, _aio("none", True)),
+    Case("warm_mmap", "warm, mmap", "warm", "mmap", False, _aio("mmap")),
+    Case("warm_mlock", "warm, mlock", "warm", "mlock", False, _aio("mlock")),
+    Case("pages_mmap", "warm, 4 KiB pages, mmap", "pages", "mmap", False, _aio("mmap")),
+    Case("pages_mlock", "warm, 4 KiB pages, mlock", "pages", "mlock", False, _aio("mlock")),
     Case(
         "cold_direct_vs_none",
         "cold, llama.cpp none vs aiogguf direct",
-        True,
+        "cold",
         "none",
         False,
         _aio("direct"),
     ),
-    Case("cold_none", "cold, none vs none", True, "none", False, _aio("none")),
+    Case("cold_none", "cold, none vs none", "cold", "none", False, _aio("none")),
     Case(
         "cold_direct_io",
         "cold, llama.cpp DIRECT_IO vs aiogguf direct",
-        True,
+        "cold",
         "direct_io",
         False,
         _aio("direct"),
@@ -154,7 +174,7 @@ CASES: tuple[Case, ...] = (
     Case(
         "reference_none",
         "reference file, warm, none",
-        False,
+        "warm",
         "none",
         False,
         _aio("none"),
@@ -163,7 +183,7 @@ CASES: tuple[Case, ...] = (
     Case(
         "reference_mmap",
         "reference file, warm, mmap",
-        False,
+        "warm",
         "mmap",
         False,
         _aio("mmap"),
@@ -375,16 +395,40 @@ def drop_cache(path: Path) -> str | None:
     return "drop_caches" if resident_bytes(path) == 0 else None
 
 
-def _prepare(path: Path, cold: bool, settle_s: float) -> None:
-    from aiogguf.testing.baselines import warm_file
-    from aiogguf.testing.bench import settle
+class _PageCache:
+    """Puts each file's page cache in a case's state (``CACHE_STATES``) before a load.
+    A warm state is made anew only when the last one made for the file was another, or
+    part of the file has left the cache since: loads leave the cache as they found it,
+    except cold ones, which fill it in their own way. Where the file cannot be evicted
+    (``evictable=False``) warm loads find it as it is."""
 
-    if cold:
-        if drop_cache(path) is None:
-            raise RuntimeError(f"{path}: could not drop it from the page cache")
-    else:
-        warm_file(path)
-    settle(settle_s, touch_bytes=path.stat().st_size, near=path)
+    def __init__(self, evictable: bool) -> None:
+        self._evictable = evictable
+        self._made: dict[Path, str] = {}
+
+    def prepare(self, path: Path, cache: str, settle_s: float) -> None:
+        from aiogguf.io.mapping import open_mapping
+        from aiogguf.io.pagecache import resident_bytes
+        from aiogguf.testing.baselines import fill_cache, warm_file
+        from aiogguf.testing.bench import settle
+
+        size = path.stat().st_size
+        if cache == "cold":
+            if drop_cache(path) is None:
+                raise RuntimeError(f"{path}: could not drop it from the page cache")
+        elif not self._evictable:
+            warm_file(path)
+        elif self._made.get(path) != cache or resident_bytes(path) < size:
+            if drop_cache(path) is None:
+                raise RuntimeError(f"{path}: could not evict it to cache it anew")
+            fill_cache(path, small_pages=cache == "pages")
+            # The first mapping of freshly cached pages costs about twice what later ones
+            # do (2 GiB: 110 against 55 ms in 4 KiB pages, 2.7 against 1.6 ms in large
+            # folios): mapped once here, no timed load is the first, whichever goes first.
+            with open_mapping(path, 0, size, populate=True):
+                pass
+        self._made[path] = cache
+        settle(settle_s, touch_bytes=size, near=path)
 
 
 # --- summaries and the table -------------------------------------------------------------
@@ -417,7 +461,7 @@ def case_summary(
     return {
         "title": case.title,
         "path": str(path),
-        "cache": "cold" if case.cold else "warm",
+        "cache": case.cache,
         "llama_cpp": {"mode": case.llama_mode, "check_tensors": case.check_tensors, **left},
         "aiogguf": {"overrides": dict(case.overrides), **right},
         "ratio": right["median_s"] / left["median_s"],
@@ -514,9 +558,11 @@ def run(
     settle_s: float,
     extra_bufts: bool,
     say: Callable[[str], None],
+    page_cache: _PageCache,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Every case ``runs`` times, the two loaders alternating (and swapping who goes
-    first each run). Returns the case summaries and the cases skipped, with why."""
+    first each run), each load after ``page_cache`` has put the file in the case's
+    cache state. Returns the case summaries and the cases skipped, with why."""
     samples: dict[str, dict[str, list[Sample]]] = {c.name: {s: [] for s in SIDES} for c in cases}
     skipped: dict[str, str] = {}
     for r in range(runs):
@@ -537,7 +583,7 @@ def run(
                 else:
                     task = {"task": "aiogguf", "overrides": dict(case.overrides)}
                 try:
-                    _prepare(path, case.cold, settle_s)
+                    page_cache.prepare(path, case.cache, settle_s)
                     out = run_worker({**task, "path": str(path)}, cwd=str(path.parent))
                 except RuntimeError as exc:
                     skipped[case.name] = f"{side}: {exc}"
@@ -650,14 +696,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c in cases:
         if c.file not in files:
             skipped[c.name] = f"no reference file llama.cpp loads in {args.reference}"
-        elif c.cold and cold_how is None:
+        elif c.cache != "warm" and cold_how is None:
             skipped[c.name] = "the page cache cannot be dropped here (warm cases only)"
         elif c.llama_mode not in info["load_modes"]:
             skipped[c.name] = f"this llama.cpp has no {c.llama_mode} load mode"
     active = [c for c in cases if c.name not in skipped]
 
     load_before = os.getloadavg()[0]
-    summaries, failed = run(active, files, args.runs, args.settle, args.extra_bufts, say)
+    page_cache = _PageCache(evictable=cold_how is not None)
+    summaries, failed = run(
+        active, files, args.runs, args.settle, args.extra_bufts, say, page_cache
+    )
     result = {
         "llama_cpp": {**info, "extra_bufts": args.extra_bufts},
         "model": {"path": str(model_path), "size_bytes": model_path.stat().st_size},
@@ -668,6 +717,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": args.runs,
         "settle_s": args.settle,
         "cold_cache": cold_how or "unavailable (warm cases only)",
+        "cache_states": {
+            **CACHE_STATES,
+            **({} if cold_how else {"warm": "as found: the file cannot be evicted here"}),
+        },
         "cpus": os.cpu_count(),
         "load_average": [load_before, os.getloadavg()[0]],
         "cases": summaries,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -190,3 +191,42 @@ def test_unknown_case_is_refused(bench: ModuleType) -> None:
     ]
     with pytest.raises(argparse.ArgumentTypeError, match=r"unknown case\(s\) warm_nope;"):
         bench._parse_cases("warm_mmap,warm_nope")
+
+
+def test_page_cache_states_are_made_anew_only_when_missing(
+    bench: ModuleType, disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiogguf.testing.baselines as baselines
+    from aiogguf.io.pagecache import fadvise_dontneed, resident_bytes
+
+    path = disk_dir / "model.bin"
+    size = (3 << 20) + 100
+    with open(path, "wb") as out:
+        out.write(os.urandom(size))
+        out.flush()
+        os.fsync(out.fileno())
+    fills: list[bool] = []
+    real_fill = baselines.fill_cache
+
+    def fill(p: Path, *, small_pages: bool = False) -> None:
+        fills.append(small_pages)
+        real_fill(p, small_pages=small_pages)
+
+    monkeypatch.setattr(baselines, "fill_cache", fill)
+    cache = bench._PageCache(evictable=True)
+    cache.prepare(path, "cold", 0.0)
+    assert resident_bytes(path) == 0
+    cache.prepare(path, "pages", 0.0)
+    assert resident_bytes(path) == size
+    assert fills == [True]
+    cache.prepare(path, "pages", 0.0)  # still so: nothing read
+    assert fills == [True]
+    cache.prepare(path, "warm", 0.0)  # another kind of pages: evicted and read again
+    assert fills == [True, False]
+    fadvise_dontneed(path, 0, 1 << 20)  # part of it left the cache meanwhile
+    cache.prepare(path, "warm", 0.0)
+    assert fills == [True, False, False]
+    assert resident_bytes(path) == size
+    cache.prepare(path, "cold", 0.0)
+    cache.prepare(path, "warm", 0.0)
+    assert fills == [True, False, False, False]

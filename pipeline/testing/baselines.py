@@ -32,6 +32,7 @@ __all__ = [
     "GB",
     "direct_gbps",
     "drop_or_warm",
+    "fill_cache",
     "memcpy_gbps",
     "mmap_touch_gbps",
     "np_memmap_touch_s",
@@ -57,6 +58,31 @@ def warm_file(path: str | os.PathLike[str]) -> None:
         block = bytearray(16 << 20)
         while f.readinto(block):
             pass
+
+
+def fill_cache(path: str | os.PathLike[str], *, small_pages: bool = False) -> None:
+    """Read ``path`` into the page cache in pages of a chosen kind. It decides the kind
+    only for the pages it reads in: evict the file first (``drop_from_cache``).
+
+    The same cached bytes cost a mapping very different amounts according to the size of
+    the pages that hold them (``MADV_POPULATE_READ`` maps every page of a 4 KiB-page
+    cache one by one, and a large folio at once). ``small_pages=False`` reads the file in
+    order, as a first read of it does: the kernel's readahead then caches it in large
+    folios where the kernel and filesystem support them (small ones at the file's start,
+    while the readahead window grows). ``small_pages=True`` reads it with readahead off
+    (``POSIX_FADV_RANDOM``), which caches it in 4 KiB pages: the page cache of kernels
+    and filesystems without large folios, or of a file read at random offsets.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if small_pages:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        block = bytearray((1 if small_pages else 16) << 20)
+        offset = 0
+        while n := os.preadv(fd, [block], offset):
+            offset += n
+    finally:
+        os.close(fd)
 
 
 def drop_or_warm(path: str | os.PathLike[str], cold: bool) -> bool:
