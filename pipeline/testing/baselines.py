@@ -51,13 +51,9 @@ _MEMCPY_MAX_BYTES = 1 << 30
 
 def warm_file(path: str | os.PathLike[str]) -> None:
     """Bring the whole file into the page cache (skipped when it is already resident)."""
-    size = os.path.getsize(path)
-    if resident_bytes(path) >= size:
+    if resident_bytes(path) >= os.path.getsize(path):
         return
-    with open(path, "rb", buffering=0) as f:
-        block = bytearray(16 << 20)
-        while f.readinto(block):
-            pass
+    fill_cache(path)
 
 
 def fill_cache(path: str | os.PathLike[str], *, small_pages: bool = False) -> None:
