@@ -3,8 +3,12 @@
 llama.cpp runs through llama-cpp-python's low-level bindings (the optional extra
 ``peer``: ``pip install -e '.[peer]'``, which builds llama.cpp from source). Only
 ``llama_model_load_from_file`` is timed, with ``n_gpu_layers=0`` and the load mode that
-matches the case; the model is freed after the clock stops. The aiogguf side times
-``async with aiogguf.load(...)`` up to the model, with ``n_gpu_layers=0`` too. Which
+matches the case; the model is freed after the clock stops, and the process has called
+``llama_backend_init`` before it starts. The aiogguf side times ``async with
+aiogguf.load(...)`` up to the model, with ``n_gpu_layers=0`` too, after ``aiogguf.warm_up``
+(threads, devices, a rehearsal load of a model built in memory: what a server does
+before serving); the ``*_first`` cases leave ``warm_up`` out and time a process's very
+first load. Which
 load modes llama.cpp has is read from its ``llama_model_params`` ctypes struct at run
 time (a ``load_mode`` enum in newer versions; ``use_mmap``/``use_mlock`` and maybe
 ``use_direct_io`` booleans in older ones) and printed.
@@ -111,7 +115,10 @@ def llama_mode_settings(
 class Case:
     """One comparison: llama.cpp in ``llama_mode`` against aiogguf with ``overrides``,
     on the model (``file="model"``) or the reference file, from a page cache in the
-    state ``cache`` names (``CACHE_STATES``)."""
+    state ``cache`` names (``CACHE_STATES``). ``warm_up``: the aiogguf worker prepares
+    its process with ``aiogguf.warm_up`` before the clock starts, as a server does before
+    serving and as the llama.cpp worker calls ``llama_backend_init``; without it the
+    case times a process's very first load."""
 
     name: str
     title: str
@@ -120,6 +127,7 @@ class Case:
     check_tensors: bool
     overrides: Mapping[str, Any]
     file: str = "model"
+    warm_up: bool = True
 
 
 # What the page cache holds of the file before each load of a case. The same cached
@@ -152,6 +160,15 @@ CASES: tuple[Case, ...] = (
     Case("warm_none_checks", "warm, none, checks on", "warm", "none", True, _aio("none", True)),
     Case("warm_mmap", "warm, mmap", "warm", "mmap", False, _aio("mmap")),
     Case("warm_mlock", "warm, mlock", "warm", "mlock", False, _aio("mlock")),
+    Case(
+        "warm_mmap_first",
+        "warm, mmap, aiogguf without warm_up",
+        "warm",
+        "mmap",
+        False,
+        _aio("mmap"),
+        warm_up=False,
+    ),
     Case("pages_mmap", "warm, 4 KiB pages, mmap", "pages", "mmap", False, _aio("mmap")),
     Case("pages_mlock", "warm, 4 KiB pages, mlock", "pages", "mlock", False, _aio("mlock")),
     Case(
@@ -188,6 +205,16 @@ CASES: tuple[Case, ...] = (
         False,
         _aio("mmap"),
         "reference",
+    ),
+    Case(
+        "reference_none_first",
+        "reference file, warm, none, aiogguf without warm_up",
+        "warm",
+        "none",
+        False,
+        _aio("none"),
+        "reference",
+        warm_up=False,
     ),
 )
 CASE_NAMES = tuple(c.name for c in CASES)
@@ -321,7 +348,7 @@ def _llama_load(path: str, mode: str, check_tensors: bool, extra_bufts: bool) ->
     return {**out, "peak_rss_bytes": _peak_rss_bytes(), "warnings": kept}
 
 
-def _aiogguf_load(path: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+def _aiogguf_load(path: str, overrides: Mapping[str, Any], warm_up: bool) -> dict[str, Any]:
     import warnings
 
     import anyio
@@ -329,10 +356,13 @@ def _aiogguf_load(path: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     # The loader, imported before the clock starts, as llama.cpp's library is
     # (``import aiogguf`` alone defers it to the first use of a name).
     from aiogguf import load
+    from aiogguf import warm_up as prepare
 
     warnings.simplefilter("ignore")  # the report carries the load's warnings
 
     async def main() -> dict[str, Any]:
+        if warm_up:
+            await prepare(**overrides)
         clock = _Clock()
         clock.start()
         async with load(path, **overrides) as model:
@@ -352,7 +382,7 @@ def worker_main(task: Mapping[str, Any]) -> dict[str, Any]:
         return _llama_load(
             task["path"], task["mode"], task["check_tensors"], task.get("extra_bufts", False)
         )
-    return _aiogguf_load(task["path"], task["overrides"])
+    return _aiogguf_load(task["path"], task["overrides"], task.get("warm_up", True))
 
 
 def run_worker(task: Mapping[str, Any], *, cwd: str | None = None) -> dict[str, Any]:
@@ -463,7 +493,7 @@ def case_summary(
         "path": str(path),
         "cache": case.cache,
         "llama_cpp": {"mode": case.llama_mode, "check_tensors": case.check_tensors, **left},
-        "aiogguf": {"overrides": dict(case.overrides), **right},
+        "aiogguf": {"overrides": dict(case.overrides), "warm_up": case.warm_up, **right},
         "ratio": right["median_s"] / left["median_s"],
         "paired_ratios": [a.seconds / b.seconds for a, b in zip(aio, llama, strict=False)],
     }
@@ -581,7 +611,11 @@ def run(
                         "extra_bufts": extra_bufts,
                     }
                 else:
-                    task = {"task": "aiogguf", "overrides": dict(case.overrides)}
+                    task = {
+                        "task": "aiogguf",
+                        "overrides": dict(case.overrides),
+                        "warm_up": case.warm_up,
+                    }
                 try:
                     page_cache.prepare(path, case.cache, settle_s)
                     out = run_worker({**task, "path": str(path)}, cwd=str(path.parent))

@@ -412,7 +412,9 @@ class DataFile(Closeable):
 
         Changed means: its size or modification time differ (truncated, extended or
         rewritten in place), it has no name left (deleted), or its path now names
-        another file (replaced, e.g. by a rename over it). Blocking (two ``stat`` calls).
+        another file (replaced, e.g. by a rename over it). A file that had no name when
+        it was opened (an anonymous ``memfd`` an opener serves) is checked by size and
+        time only. Blocking (two ``stat`` calls).
         """
         self._enter()
         try:
@@ -429,6 +431,8 @@ class DataFile(Closeable):
             )
         if now.st_mtime_ns != was.st_mtime_ns:
             raise LoadError(self.path, 0, "the file was modified during the load")
+        if was.st_nlink == 0:
+            return
         if now.st_nlink == 0:
             raise LoadError(self.path, None, "the file was deleted during the load")
         with os_errors(self.path, None, "the file was removed or renamed during the load"):

@@ -3,6 +3,7 @@ before serving, ``release_staging`` after."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -26,6 +27,8 @@ from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.io.opener import FileOpener
 from aiogguf.io.workers import LoadThreads
 from aiogguf.model import Model
+from aiogguf.rehearsal import NAME as REHEARSAL_NAME
+from aiogguf.rehearsal import RehearsalFile
 from aiogguf.stages.validate import PieceCheck
 
 __all__ = [
@@ -192,18 +195,31 @@ async def warm_up(
     """Prepare this process for loads with ``config`` (as ``load`` takes it), so that the
     first real load pays none of it: find the devices (CuPy's import and CUDA's start-up
     on a GPU machine), fill each device's staging pool with the slots such a load uses,
-    run the checks once, and start the threads such a load uses. Everything runs on
-    those threads; call it before serving (``aiogguf serve`` does), since part of CUDA's
-    start-up holds the GIL.
+    run the checks once, start the threads such a load uses, and rehearse: load a model of
+    40 KiB, built in memory, through the same stages and devices (``rehearsal``), so that
+    the first real load runs on warm code. Everything runs on the load threads; call
+    it before serving (``aiogguf serve`` does), since part of CUDA's start-up holds the
+    GIL.
 
-    Raises ``ConfigError`` for a bad configuration and ``LoadError`` when a device
-    cannot pin memory.
+    Raises ``ConfigError`` for a bad configuration, ``PlacementError`` for placement
+    rules no model can follow, and ``LoadError`` when a device cannot pin memory.
     """
+    began = time.perf_counter()
     resolved = load_config(config, **overrides)
-    # As many threads as such a load takes, running: left, they wait in the pool.
+    # As many threads as such a load takes, running: left, they wait in the pool, where
+    # the rehearsal takes them.
     async with LoadThreads(load_thread_count(resolved), name="aiogguf-warm-up") as threads:
         await threads.all_running()
-        return await threads.run_sync(_warm_up, resolved, devices)
+        targets, pinned = await threads.run_sync(_prepare_devices, resolved, devices)
+        rehearsal = await threads.run_sync(_open_rehearsal)
+    try:
+        if rehearsal is not None:
+            await _rehearse(resolved, devices, rehearsal)
+    finally:
+        if rehearsal is not None:
+            async with LoadThreads(1, name="aiogguf-warm-up") as threads:
+                await threads.run_sync(rehearsal.close)
+    return WarmUp(targets, pinned, time.perf_counter() - began)
 
 
 def warm_up_sync(
@@ -212,12 +228,16 @@ def warm_up_sync(
     devices: Sequence[Device] | None = None,
     **overrides: Any,
 ) -> WarmUp:
-    """``warm_up`` for code without a loop (blocking)."""
-    return _warm_up(load_config(config, **overrides), devices)
+    """``warm_up`` for code without a loop (blocking; runs an event loop of its own)."""
+    result: WarmUp = run(functools.partial(warm_up, config, devices=devices, **overrides))
+    return result
 
 
-def _warm_up(config: Config, devices: Sequence[Device] | None) -> WarmUp:
-    began = time.perf_counter()
+def _prepare_devices(
+    config: Config, devices: Sequence[Device] | None
+) -> tuple[tuple[str, ...], int]:
+    """Blocking: the devices that take uploads, their staging pools filled, and the
+    checks run once; returns the devices' names and the bytes pinned."""
     found = tuple(devices) if devices is not None else enumerate_devices(config)
     pipeline = config.pipeline
     threads = pipeline.reader_count(direct=config.load.mode == "direct")
@@ -241,7 +261,31 @@ def _warm_up(config: Config, devices: Sequence[Device] | None) -> WarmUp:
             if ggml_type.valid and ggml_type.block_bytes <= zeros.size:
                 n = zeros.size - zeros.size % ggml_type.block_bytes
                 PieceCheck("warm-up", ggml_type, n).finish(zeros[:n])
-    return WarmUp(tuple(t.name for t in targets), pinned, time.perf_counter() - began)
+    return tuple(t.name for t in targets), pinned
+
+
+def _open_rehearsal() -> RehearsalFile | None:
+    """Blocking: the rehearsal model in memory; None where the system makes no anonymous
+    files (no ``memfd_create``, or a sandbox refuses it): ``warm_up`` then does without a
+    rehearsal, which only saves time."""
+    if not hasattr(os, "memfd_create"):
+        return None
+    try:
+        return RehearsalFile().open_file()
+    except OSError:
+        return None
+
+
+async def _rehearse(
+    config: Config, devices: Sequence[Device] | None, rehearsal: RehearsalFile
+) -> None:
+    """Load the rehearsal model as ``config`` loads a model, and free it. An anonymous
+    file takes no ``O_DIRECT``: mode ``direct`` rehearses with ``none``, its buffered
+    path (the direct path reads whole aligned chunks into the same memory)."""
+    if config.load.mode == "direct":
+        config = config.with_overrides(mode="none")
+    async with LoadHandle(REHEARSAL_NAME, config, devices=devices, opener=rehearsal):
+        pass
 
 
 async def release_staging() -> None:

@@ -312,6 +312,23 @@ def test_cache_takes_a_fitting_block_and_stays_within_its_cap() -> None:
     assert dev.memory_cache.stats().cached_blocks == 0
 
 
+def test_cache_picks_the_smallest_fitting_block_among_several() -> None:
+    # Idle blocks of other sizes come before it: the pick is by position, not by
+    # comparing blocks (arrays of different sizes cannot be compared).
+    dev = SimDevice("g0", free=1 * KiB * KiB, memory_cache_bytes=512 * KiB)
+    held = [dev.allocate(nbytes) for nbytes in (8 * KiB, 100 * KiB, 60 * KiB)]
+    addresses = [_address(buf) for buf in held]
+    for buf in held:
+        buf.close()
+    again = dev.allocate(50 * KiB)
+    try:
+        assert _address(again) == addresses[2]  # 60 KiB: fits, and smaller than 100 KiB
+        stats = dev.memory_cache.stats()
+        assert (stats.reused, stats.cached_blocks) == (1, 2)
+    finally:
+        again.close()
+
+
 def test_release_staging_frees_the_cached_device_memory(tmp_path: Path) -> None:
     path = write_synthetic_model(tmp_path / "m.gguf", size_bytes="2MiB", seed=3).path
     overrides: dict[str, Any] = {

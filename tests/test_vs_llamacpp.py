@@ -158,7 +158,15 @@ def test_summary_and_table_from_fake_timings(bench: ModuleType) -> None:
         "n_gpu_layers": 0,
     }
     assert warm["aiogguf"]["warnings"] == ["slow disk"]
+    assert warm["aiogguf"]["warm_up"] is True
     assert warm["cache"] == "warm"
+    first = bench.case_summary(
+        by_name["warm_mmap_first"],
+        _samples(bench, [0.004], sys_s=0.0),
+        _samples(bench, [0.008], sys_s=0.0),
+        Path("/m/bench.gguf"),
+    )
+    assert first["aiogguf"]["warm_up"] is False
     assert ref["ratio"] == pytest.approx(4.0)
 
     result = _result(
@@ -182,6 +190,29 @@ def test_summary_and_table_from_fake_timings(bench: ModuleType) -> None:
     assert "3 runs per case" in table[2]
     assert "cold cache: posix_fadvise" in table[2]
     assert "warm_none, llama.cpp warned: slow disk" in table
+
+
+@pytest.mark.parametrize("warm_up", [True, False])
+def test_the_aiogguf_worker_warms_up_before_its_clock_when_the_case_says(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warm_up: bool
+) -> None:
+    import aiogguf
+    from aiogguf.testing.synth import write_synthetic_model
+
+    model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="1MiB", seed=1, n_layer=2)
+    calls: list[dict[str, Any]] = []
+    real = aiogguf.warm_up
+
+    async def counting(**overrides: Any) -> Any:
+        calls.append(overrides)
+        return await real(**overrides)
+
+    monkeypatch.setattr(aiogguf, "warm_up", counting)
+    overrides = {"mode": "mmap", "check_tensors": False, "n_gpu_layers": 0}
+    task = {"task": "aiogguf", "path": str(model.path), "overrides": overrides}
+    out = bench.worker_main({**task, "warm_up": warm_up})
+    assert calls == ([overrides] if warm_up else [])
+    assert 0 < out["seconds"] < 60
 
 
 def test_unknown_case_is_refused(bench: ModuleType) -> None:

@@ -423,10 +423,12 @@ class SimMemoryCache:
         """A backed block of at least ``nbytes``. Raises ``LoadError`` when the host
         cannot allocate the memory."""
         with self._lock:
-            fitting = [b for b in self._idle if nbytes <= b.size <= max(2 * nbytes, 1)]
+            fitting = [
+                i for i, b in enumerate(self._idle) if nbytes <= b.size <= max(2 * nbytes, 1)
+            ]
             if fitting:
-                best = min(fitting, key=lambda b: b.size)
-                self._idle.remove(best)
+                # By position: ``list.remove`` would compare the arrays element by element.
+                best = self._idle.pop(min(fitting, key=lambda i: self._idle[i].size))
                 self._reused += 1
                 return best
         began = time.perf_counter()
