@@ -1,6 +1,7 @@
 """ctypes bindings for the few memory calls the standard library does not offer well.
 
-``mlock``, ``munlock``, ``mincore`` and ``openat2`` have no stdlib wrapper at all.
+``mlock``, ``mlock2``, ``munlock``, ``mincore`` and ``openat2`` have no stdlib wrapper at
+all.
 ``madvise`` has one (``mmap.madvise``) but it holds the GIL for the whole call, and
 ``MADV_WILLNEED`` or ``MADV_POPULATE_READ`` on a large range can take long enough to
 stall the event loop; ctypes releases the GIL around every foreign call, so we call libc directly.
@@ -20,11 +21,13 @@ from errno import ENOSYS
 __all__ = [
     "MADV_POPULATE_READ",
     "MADV_POPULATE_WRITE",
+    "MLOCK_ONFAULT",
     "RESOLVE_BENEATH",
     "RESOLVE_NO_MAGICLINKS",
     "madvise",
     "mincore",
     "mlock",
+    "mlock2",
     "munlock",
     "openat2",
 ]
@@ -32,12 +35,20 @@ __all__ = [
 # Linux ≥ 5.14 (<linux/mman.h>); Python 3.11's mmap module does not export them.
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+# mlock2(2) flag (Linux >= 4.4): lock pages as they are faulted in, none now.
+MLOCK_ONFAULT = 1
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 _mlock = _libc.mlock
 _mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _mlock.restype = ctypes.c_int
+
+# glibc >= 2.27; None before.
+_mlock2 = getattr(_libc, "mlock2", None)
+if _mlock2 is not None:
+    _mlock2.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _mlock2.restype = ctypes.c_int
 
 _munlock = _libc.munlock
 _munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
@@ -61,6 +72,15 @@ def _check(result: int, what: str) -> None:
 def mlock(address: int, length: int) -> None:
     """Lock ``length`` bytes at ``address`` in RAM (faults them in first)."""
     _check(_mlock(address, length), "mlock")
+
+
+def mlock2(address: int, length: int, flags: int) -> None:
+    """``mlock2``: with ``MLOCK_ONFAULT``, lock the range's pages as they are faulted in.
+
+    Raises ``OSError`` with ``ENOSYS`` where the C library or the kernel lacks it."""
+    if _mlock2 is None:
+        raise OSError(ENOSYS, f"mlock2: {os.strerror(ENOSYS)}")
+    _check(_mlock2(address, length, flags), "mlock2")
 
 
 def munlock(address: int, length: int) -> None:

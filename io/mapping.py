@@ -368,8 +368,20 @@ class FileMapping(Closeable):
         finally:
             del pin
 
-    def lock(self, file_start: int | None = None, file_end: int | None = None) -> LockResult:
+    def lock(
+        self,
+        file_start: int | None = None,
+        file_end: int | None = None,
+        *,
+        on_fault: bool = False,
+    ) -> LockResult:
         """``mlock`` the pages covering ``[file_start, file_end)``; reads them in first.
+
+        ``on_fault``: read nothing now; each page is locked as it is faulted in, by
+        ``touch`` or by a reader (``mlock2(MLOCK_ONFAULT)``). The call is then cheap and
+        takes the process's memory map only briefly, so that populating jobs on several
+        threads does not wait on it. Raises ``OSError`` (``ENOSYS``, ``EINVAL``) where
+        the kernel or the C library cannot lock on fault; the caller locks as it reads.
 
         Locking the same pages twice is harmless and counted once. A refusal by the kernel
         (``RLIMIT_MEMLOCK``) is not raised: the result has ``ok=False`` and a ``problem``
@@ -381,8 +393,14 @@ class FileMapping(Closeable):
             return LockResult(True, 0, self.locked_bytes, memlock_limit())
         pin = self._pin()
         try:
-            _libc.mlock(self.address + start - self.map_start, requested)
+            address = self.address + start - self.map_start
+            if on_fault:
+                _libc.mlock2(address, requested, _libc.MLOCK_ONFAULT)
+            else:
+                _libc.mlock(address, requested)
         except OSError as exc:
+            if on_fault and exc.errno in (errno.ENOSYS, errno.EINVAL):
+                raise
             if exc.errno not in _MLOCK_LIMIT_ERRNOS:
                 raise from_os_error(exc, self.path, start, "mlock failed") from exc
             limit = memlock_limit()
@@ -401,6 +419,13 @@ class FileMapping(Closeable):
             self._locked = merge_range(self._locked, start, end)
             total = sum(e - s for s, e in self._locked)
         return LockResult(True, requested, total, memlock_limit())
+
+    def is_locked(self, file_start: int, file_end: int) -> bool:
+        """Whether ``[file_start, file_end)`` lies in a range ``lock`` has locked (its
+        pages are locked as they are faulted in, or already are)."""
+        start, end = self._pages(file_start, file_end)
+        with self._lock:
+            return any(s <= start and end <= e for s, e in self._locked)
 
 
 # Flipped to False the first time the kernel says MADV_POPULATE_READ is unknown.

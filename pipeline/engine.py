@@ -541,6 +541,7 @@ class _Front:
             writable=swapped,
             alignment=alignment,
             prefetch=config.load.prefetch,
+            lock=plan.mode == "mlock",
         )
         hosted = [lay for lay in layouts if lay.plan.host]
         ended = clock()

@@ -4,10 +4,12 @@ that serves it from an anonymous file.
 
 A fresh interpreter runs every function of the load path for the first time on its first
 load: specialising the bytecode, filling attribute caches and importing what is imported
-late makes that load slower than the next one by more than a millisecond, most of it in
-parsing and planning. A rehearsal on this model pays for that during ``warm_up`` instead,
-through the same stages, modes and devices as the load it prepares. Its weights are
-zeros, which every check accepts.
+late make that load slower than the ones after it (the README has the figures), most of
+it in parsing and planning. A rehearsal on this model pays for that during ``warm_up``
+instead, through the same stages, modes and devices as the load it prepares. Its
+vocabulary and its tensors are many enough that each per-key and per-tensor path runs
+more often than the interpreter waits before specialising it. Its weights are zeros,
+which every check accepts.
 """
 
 from __future__ import annotations

@@ -253,13 +253,16 @@ def allocate_host_images(
     writable: bool,
     alignment: int,
     prefetch: bool,
+    lock: bool = False,
 ) -> None:
     """Blocking: every host buffer's image, put in ``into`` (indexed by buffer, as long as
     ``layouts``) as soon as it exists, so that the caller frees it if a later one fails.
 
     ``mapped``: host buffers are mappings of the file (else anonymous memory, aligned to
     ``alignment``); ``writable``: the bytes are swapped in place (such buffers are copies,
-    but for lazy ranges); ``prefetch`` asks the kernel to read mapped ranges ahead."""
+    but for lazy ranges); ``prefetch`` asks the kernel to read mapped ranges ahead;
+    ``lock`` (mode ``mlock``): the loaded mapped ranges lock their pages as the readers
+    fault them in (``lock_on_fault``)."""
     into[:] = [None] * len(layouts)
     for layout in layouts:
         if not layout.plan.host:
@@ -272,6 +275,8 @@ def allocate_host_images(
             image = allocate_mapped(layout, files, writable=writable)
             into[layout.index] = image
             advise(image, numa=numa_nodes() > 1, prefetch=prefetch)
+            if lock and not layout.plan.lazy:
+                lock_on_fault(image)
         else:
             into[layout.index] = allocate_host(layout, alignment)
 
@@ -340,6 +345,21 @@ def close_images(images: list[Image | None]) -> None:
         if image is not None:
             image.close()
             images[i] = None
+
+
+def lock_on_fault(image: MappedImage) -> None:
+    """Blocking: have each of the image's ranges lock its pages as they are faulted in
+    (``mlock2(MLOCK_ONFAULT)``): the readers then populate jobs side by side, as in mode
+    ``mmap``, where an ``mlock`` per job would take the process's memory map for writing
+    and wait for every populate under way. Where the kernel cannot, or refuses (over
+    ``RLIMIT_MEMLOCK``), nothing is locked here: the readers lock job by job, as far as
+    the limit allows, and say what they could not."""
+    for rs, mapping in zip(image.layout.slots, image.mappings, strict=True):
+        try:
+            if not mapping.lock(rs.range.start, rs.range.end, on_fault=True):
+                return
+        except OSError:
+            return  # no mlock2 here
 
 
 def advise(image: MappedImage, *, numa: bool, prefetch: bool) -> None:

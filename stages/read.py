@@ -283,10 +283,15 @@ class Reader:
         return self._check is not None and self._direct[file_index]
 
     def _resident_locked(self, mapping: FileMapping, job: ReadJob, image: MappedImage) -> bool:
-        """Mode ``mlock``: lock the job's pages, which reads them in; False when they
-        are not locked (another mode, a lazy range, or the kernel refused)."""
+        """Mode ``mlock``: lock the job's pages and read them in; False when they are not
+        locked (another mode, a lazy range, or the kernel refused)."""
         if not self._lock or self.lock_refusal is not None or image.layout.plan.lazy:
             return False
+        if mapping.is_locked(job.useful_start, job.useful_end):
+            # Locked on fault when it was mapped (``allocate.lock_on_fault``): each page
+            # the populate faults in is locked.
+            mapping.touch(job.useful_start, job.useful_end)
+            return True
         result = mapping.lock(job.useful_start, job.useful_end)
         if not result.ok and self.lock_refusal is None:
             self.lock_refusal = result.problem

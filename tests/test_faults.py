@@ -432,11 +432,14 @@ def test_host_memory_refused_ends_in_one_load_error(
     assert "memory" in str(error)
 
 
+@pytest.mark.parametrize("mode", ["mmap", "mlock"])
 @FAULT_SETTINGS
 @given(data=st.data())
-def test_populate_failing_ends_in_one_load_error(model: SynthModel, data: st.DataObject) -> None:
-    """EIO from making mapped pages resident (``MADV_POPULATE_READ``) at a random call."""
-    mode = "mmap"
+def test_populate_failing_ends_in_one_load_error(
+    model: SynthModel, mode: str, data: st.DataObject
+) -> None:
+    """EIO from making mapped pages resident (``MADV_POPULATE_READ``) at a random call;
+    in mode ``mlock`` the ranges lock their pages as the populate faults them in."""
 
     def count_populates() -> int:
         populates = 0
@@ -470,10 +473,14 @@ def test_populate_failing_ends_in_one_load_error(model: SynthModel, data: st.Dat
 @FAULT_SETTINGS
 @given(data=st.data())
 def test_lock_failing_ends_in_one_load_error(model: SynthModel, data: st.DataObject) -> None:
-    """Mode ``mlock`` reads pages in by locking them. A page that cannot be read makes
-    ``mlock`` fail with ENOMEM (the kernel's word for a fault while locking, as for the
-    lock limit): the load then makes the range resident without the lock, meets the
-    I/O error itself, and fails with it."""
+    """Where the kernel cannot lock on fault (no ``mlock2``), mode ``mlock`` reads pages
+    in by locking them, job by job. A page that cannot be read makes ``mlock`` fail with
+    ENOMEM (the kernel's word for a fault while locking, as for the lock limit): the load
+    then makes the range resident without the lock, meets the I/O error itself, and
+    fails with it."""
+
+    def no_mlock2(_original: Callable[..., None], _n: int, *args: Any) -> None:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 
     def count_locks() -> int:
         locks = 0
@@ -483,7 +490,7 @@ def test_lock_failing_ends_in_one_load_error(model: SynthModel, data: st.DataObj
             locks += 1
             original(addr, size)
 
-        with _FnSeam(_libc, "mlock", count):
+        with _FnSeam(_libc, "mlock", count), _FnSeam(_libc, "mlock2", no_mlock2):
             _load(model.path, "mlock", None)
         return locks
 
@@ -503,6 +510,7 @@ def test_lock_failing_ends_in_one_load_error(model: SynthModel, data: st.DataObj
 
     def seams() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
+        stack.enter_context(_FnSeam(_libc, "mlock2", no_mlock2))
         stack.enter_context(_FnSeam(_libc, "mlock", lock))
         stack.enter_context(_FnSeam(_libc, "madvise", populate))
         return stack

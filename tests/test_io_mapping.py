@@ -213,6 +213,34 @@ def test_lock_counts_pages_once_and_close_unlocks(data_file: tuple[Path, bytes])
     assert _vm_locked_kib() == before
 
 
+def test_lock_on_fault_locks_the_range_and_close_unlocks(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    before = _vm_locked_kib()
+    with open_mapping(path, 0, SIZE) as m:
+        assert not m.is_locked(0, PAGE_BYTES)
+        result = m.lock(PAGE_BYTES, 3 * PAGE_BYTES, on_fault=True)
+        assert result.ok
+        assert result.locked_bytes == 2 * PAGE_BYTES
+        assert _vm_locked_kib() - before == 2 * PAGE_BYTES // 1024
+        assert m.is_locked(PAGE_BYTES + 1, 2 * PAGE_BYTES)
+        assert not m.is_locked(0, 2 * PAGE_BYTES)  # the first page is not locked
+        m.touch(PAGE_BYTES, 3 * PAGE_BYTES)
+        assert bytes(m.view(PAGE_BYTES, 16)) == data[PAGE_BYTES : PAGE_BYTES + 16]
+    assert _vm_locked_kib() == before
+
+
+def test_lock_on_fault_where_the_kernel_cannot_raises_enosys(
+    data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The caller then locks as it reads; nothing was locked.
+    monkeypatch.setattr(_libc, "_mlock2", None)
+    with open_mapping(data_file[0], 0, SIZE) as m:
+        with pytest.raises(OSError, match="mlock2") as raised:
+            m.lock(on_fault=True)
+        assert raised.value.errno == errno.ENOSYS
+        assert m.locked_bytes == 0
+
+
 def test_lock_over_the_limit_is_a_clear_result(
     data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 import aiogguf
 from aiogguf.events import Progress
+from aiogguf.images import MappedImage
 from aiogguf.io import _libc
 from aiogguf.io.buffers import PAGE_BYTES
 from aiogguf.io.mapping import may_lock_past_limit, memlock_limit
@@ -195,18 +196,59 @@ def test_mlock_locks_every_host_range_and_close_unlocks(model_file: SynthModel) 
     assert _vm_locked_bytes() == before
 
 
+def test_mlock_locks_each_range_on_fault_and_populates_it_whole(
+    model_file: SynthModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mode ``mlock`` asks once per mapped range for its pages to be locked as they are
+    faulted in, then populates the jobs as mode ``mmap`` does: no ``mlock`` per job
+    (which would take the memory map for writing and wait for every populate under
+    way), and every page is resident and locked when the load returns."""
+    calls: dict[str, list[int]] = {"mlock": [], "mlock2": []}
+    real_mlock, real_mlock2 = _libc.mlock, _libc.mlock2
+
+    def mlock(address: int, length: int) -> None:
+        calls["mlock"].append(length)
+        real_mlock(address, length)
+
+    def mlock2(address: int, length: int, flags: int) -> None:
+        calls["mlock2"].append(flags)
+        real_mlock2(address, length, flags)
+
+    monkeypatch.setattr(_libc, "mlock", mlock)
+    monkeypatch.setattr(_libc, "mlock2", mlock2)
+    with aiogguf.load_sync(
+        model_file.path, mode="mlock", n_gpu_layers=0, readers=2, chunk_size="1MiB"
+    ) as model:
+        ranges = sum(len(b.ranges) for b in model.plan.buffers)
+        assert calls == {"mlock": [], "mlock2": [_libc.MLOCK_ONFAULT] * ranges}
+        for image in model._images:
+            assert isinstance(image, MappedImage)
+            for mapping in image.mappings:
+                size = mapping.map_end - mapping.map_start  # address maps map_start
+                resident = _libc.mincore(mapping.address, -(-size // PAGE_BYTES) * PAGE_BYTES)
+                assert all(page & 1 for page in resident)
+                assert mapping.is_locked(mapping.file_start, mapping.file_end)
+
+
 def test_a_refused_lock_is_one_warning_and_the_load_goes_on(
     model_file: SynthModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Over ``RLIMIT_MEMLOCK`` the kernel refuses: the load warns once, stops asking,
-    and still makes every page resident."""
+    """Over ``RLIMIT_MEMLOCK`` the kernel refuses: locking on fault when the ranges are
+    mapped, then the first job's lock. The load warns once, stops asking, and still makes
+    every page resident."""
     calls: list[int] = []
+    on_fault: list[int] = []
 
     def refuse(address: int, length: int) -> None:
         calls.append(length)
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
+    def refuse_on_fault(address: int, length: int, flags: int) -> None:
+        on_fault.append(flags)
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
     monkeypatch.setattr(_libc, "mlock", refuse)
+    monkeypatch.setattr(_libc, "mlock2", refuse_on_fault)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with aiogguf.load_sync(
@@ -216,6 +258,7 @@ def test_a_refused_lock_is_one_warning_and_the_load_goes_on(
             assert len(unlocked) == 1
             assert "RLIMIT_MEMLOCK" in unlocked[0]
             assert len(calls) == 1  # one refusal: the rest of the load does not ask again
+            assert on_fault == [_libc.MLOCK_ONFAULT]
             data = model_file.path.read_bytes()
             for t in model_file.tensors:
                 assert bytes(model.raw(t.name)) == data[t.file_offset : t.file_offset + t.nbytes]
