@@ -12,11 +12,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from aiogguf.fastinit import fast_init
 from aiogguf.records import BufferPlan, FileRange
 
 __all__ = ["BufferLayout", "RangeSlot", "ReadJob", "StageMeter", "StageTimes", "TensorSlot"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TensorSlot:
     """Where one tensor's bytes sit in its buffer image."""
@@ -29,6 +31,7 @@ class TensorSlot:
     file_offset: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RangeSlot:
     """One coalesced file range and the part of the buffer image that holds it.

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aiogguf.errors import GGUFFormatError
+from aiogguf.fastinit import fast_init
 from aiogguf.io.byteswap import ByteOrder
 from aiogguf.io.ggml_types import GGMLType
 
@@ -176,6 +177,7 @@ class GGUFArray:
 MetadataValue: TypeAlias = int | float | bool | str | GGUFArray
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class MetadataEntry:
     """One key/value record and the file offset of its key."""
@@ -186,6 +188,7 @@ class MetadataEntry:
     offset: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     """One tensor-info record as stored in one file."""
@@ -228,6 +231,7 @@ class TensorClass(StrEnum):
     REPEATING = "repeating"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     """A tensor of the model: where its bytes are and which layer it belongs to."""
@@ -304,12 +308,14 @@ class DeviceSummary:
     total: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class LayerAssignment:
     layer: int  # 0 … n_layer; n_layer is the output layer
     device: str
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TensorPlacement:
     name: str
@@ -322,6 +328,7 @@ class TensorPlacement:
     moved: bool
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class FileRange:
     """A coalesced run of one file's bytes that lands in one buffer with one read."""

@@ -21,6 +21,7 @@ FOLDERS = {"pipeline": "aiogguf", "stages": "aiogguf.stages", "io": "aiogguf.io"
 LAYERS: dict[str, int] = {
     "aiogguf.errors": 0,
     "aiogguf.units": 0,
+    "aiogguf.fastinit": 0,
     "aiogguf.io": 0,
     "aiogguf.events": 1,
     "aiogguf.records": 1,
