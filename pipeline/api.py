@@ -271,7 +271,7 @@ def _open_rehearsal() -> RehearsalFile | None:
     if not hasattr(os, "memfd_create"):
         return None
     try:
-        return RehearsalFile().open_file()
+        return RehearsalFile()
     except OSError:
         return None
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 import os
 import struct
-from types import TracebackType
 
 from aiogguf.errors import LoadError
+from aiogguf.io.buffers import Closeable, ResourceState
 from aiogguf.io.ggml_types import ggml_type_by_name
 
 __all__ = ["NAME", "RehearsalFile", "rehearsal_model"]
@@ -130,17 +130,16 @@ def rehearsal_model() -> bytes:
     return header + bytes(offset)
 
 
-class RehearsalFile:
+class RehearsalFile(Closeable):
     """The rehearsal model in an anonymous in-memory file (``memfd``), and an opener
     (``aiogguf.io.opener.FileOpener``) that serves it whatever the path: it lives in no
     directory, leaves nothing behind, and maps and reads like a file on disk (but for
-    ``O_DIRECT``). ``open_file`` and ``close`` block; ``with`` does both."""
+    ``O_DIRECT``). Making one writes the model and ``close`` drops it; both block. Use
+    it as a context manager.
+
+    Raises ``OSError`` where the system makes no anonymous file."""
 
     def __init__(self) -> None:
-        self._fd: int | None = None
-
-    def open_file(self) -> RehearsalFile:
-        """Write the model into a new anonymous file; returns ``self``."""
         data = rehearsal_model()
         fd = os.memfd_create("aiogguf-warm-up", os.MFD_CLOEXEC)
         try:
@@ -151,26 +150,15 @@ class RehearsalFile:
             os.close(fd)
             raise
         self._fd = fd
-        return self
+        self._state = ResourceState.OPEN
 
     def close(self) -> None:
-        if self._fd is not None:
+        if self._state is ResourceState.OPEN:
+            self._state = ResourceState.CLOSED
             os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> RehearsalFile:
-        return self.open_file()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def open(self, path: str) -> int:
         """A new descriptor of the rehearsal model (``path`` only names it)."""
-        if self._fd is None:
+        if self._state is not ResourceState.OPEN:
             raise LoadError(path, None, "the warm-up model is closed")
         return os.dup(self._fd)
