@@ -356,6 +356,7 @@ class LoaderRegistry:
         self._stop: anyio.Event | None = None  # made in ``start``, inside the loop
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = False
+        self._close_by: float | None = None  # when ``aclose`` stops waiting for loads
         # Where ``serve`` runs the app: its open connections, which sit inside the
         # descriptors kept for serving (see ``descriptor_room``).
         self.connection_count: Callable[[], int] = lambda: 0
@@ -392,14 +393,19 @@ class LoaderRegistry:
         self._closing = True
         if self._stop is not None:
             self._stop.set()
+        # One wait for every call: the application's shutdown and its cleanup both
+        # close the registry, and the second must not wait as long again.
+        if timeout_s is not None and self._close_by is None:
+            self._close_by = time.monotonic() + timeout_s
         ended = True
         if self._supervisor is not None and not self._supervisor.done():
+            left = None if self._close_by is None else max(self._close_by - time.monotonic(), 0)
             with anyio.CancelScope(shield=True):
                 # ``asyncio.wait``, not ``await task``: giving up the wait must not
                 # cancel the supervisor, which is already winding the loads down.
-                await asyncio.wait({self._supervisor}, timeout=timeout_s)
+                await asyncio.wait({self._supervisor}, timeout=left)
             ended = self._supervisor.done()
-            if not ended:
+            if not ended and left != 0:  # said once, by the call that waited
                 loading = sum(1 for e in self.entries.values() if not e.finished.is_set())
                 logger.warning(
                     "%d loads did not stop within %.1f s of the shutdown", loading, timeout_s
