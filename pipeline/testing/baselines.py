@@ -159,9 +159,12 @@ def preadv_fresh_gbps(
     cold: bool = False,
     runs: int = 1,
     chunk_bytes: int = CHUNK_BYTES,
+    huge_pages: bool = False,
 ) -> float:
     """``preadv`` into a new, never-touched page-aligned buffer each run (the first-load
-    limit: page faults are paid inside the read, as they are in a real load)."""
+    limit: page faults are paid inside the read, as they are in a real load).
+    ``huge_pages``: into memory advised for transparent huge pages before its first
+    touch (``HostBuffer(huge_pages=True)``)."""
     p = Path(path)
     nbytes = p.stat().st_size
     warm_or_drop = _prepare(p, cold)
@@ -170,7 +173,7 @@ def preadv_fresh_gbps(
     def prepare() -> None:
         warm_or_drop()
         # Mapping is instant; its pages are backed during the reads, inside the clock.
-        bufs.append(HostBuffer(nbytes))
+        bufs.append(HostBuffer(nbytes, huge_pages=huge_pages))
 
     def cleanup() -> None:
         while bufs:
