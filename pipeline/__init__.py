@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from aiogguf.api import WarmUp as WarmUp
     from aiogguf.api import load as load
     from aiogguf.api import load_sync as load_sync
+    from aiogguf.api import release_device_memory as release_device_memory
+    from aiogguf.api import release_device_memory_sync as release_device_memory_sync
     from aiogguf.api import release_staging as release_staging
     from aiogguf.api import release_staging_sync as release_staging_sync
     from aiogguf.api import warm_up as warm_up
@@ -62,6 +64,8 @@ _EXPORTS: dict[str, str] = {
     "WarmUp": "aiogguf.api",
     "load": "aiogguf.api",
     "load_sync": "aiogguf.api",
+    "release_device_memory": "aiogguf.api",
+    "release_device_memory_sync": "aiogguf.api",
     "release_staging": "aiogguf.api",
     "release_staging_sync": "aiogguf.api",
     "warm_up": "aiogguf.api",
