@@ -332,7 +332,7 @@ class Uploader:
             # Recorded in the thread: a cancelled await cannot lose the buffer.
             self._grants.append(grant)
             with self._lock:
-                self._tally(device, target).device_bytes += grant.allocated_bytes
+                _tally(self._tallies, device, target).device_bytes += grant.allocated_bytes
             return grant.buffer
 
         return await self._device_thread.run_sync(allocate_and_keep)
@@ -448,7 +448,7 @@ class Uploader:
             failure = lane.close()
             first = first or failure
             with self._lock:
-                tally = self._tally(lane.device, lane.pool.target)
+                tally = _tally(self._tallies, lane.device, lane.pool.target)
                 if lane.done is not None:
                     self._done.setdefault(lane.device, []).append(lane.done)
                 tally.slots += slots
@@ -474,13 +474,6 @@ class Uploader:
                 f" fall outside the {dest.nbytes}-byte buffer on {dest.device}"
             )
 
-    def _tally(self, device: str, target: UploadTarget) -> _Tally:
-        """The device's counters (the caller holds ``_lock``)."""
-        tally = self._tallies.get(device)
-        if tally is None:
-            tally = self._tallies[device] = _Tally(_asynchronous(target))
-        return tally
-
     def _target(self, name: str) -> UploadTarget:
         device = self._devices.get(name)
         if device is None:
@@ -488,6 +481,14 @@ class Uploader:
         if not isinstance(device, UploadTarget):
             raise ValueError(f"device {name!r} ({device.backend}) does not take uploads")
         return device
+
+
+def _tally(tallies: dict[str, _Tally], device: str, target: UploadTarget) -> _Tally:
+    """The device's counters in ``tallies`` (the caller holds the uploader's lock)."""
+    tally = tallies.get(device)
+    if tally is None:
+        tally = tallies[device] = _Tally(_asynchronous(target))
+    return tally
 
 
 def _asynchronous(target: UploadTarget) -> bool:
