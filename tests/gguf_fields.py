@@ -6,7 +6,7 @@ returns what it found so far, so it also works on damaged files."""
 
 from __future__ import annotations
 
-import struct
+import contextlib
 from dataclasses import dataclass
 
 __all__ = ["IntField", "integer_fields", "metadata_value_field", "set_field"]
@@ -106,10 +106,8 @@ def integer_fields(buf: bytes) -> list[IntField]:
     """Every integer field of the header in ``buf`` (counts, lengths, ids, scalars, the
     first items of arrays), in file order."""
     walk = _Walk(buf)
-    try:
+    with contextlib.suppress(_Stop):
         walk.walk()
-    except _Stop:
-        pass
     return walk.fields
 
 
