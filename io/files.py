@@ -411,11 +411,14 @@ class DataFile(Closeable):
     def check_unchanged(self) -> None:
         """Raise ``LoadError`` if the file changed since it was opened.
 
-        Changed means: its size or modification time differ (truncated, extended or
-        rewritten in place), it has no name left (deleted), or its path now names
-        another file (replaced, e.g. by a rename over it). A file that had no name when
-        it was opened (an anonymous ``memfd`` an opener serves) is checked by size and
-        time only. Blocking (two ``stat`` calls).
+        Asked of the open descriptor (``fstat``), never of the path: the path may lead
+        elsewhere now (a root symlink repointed, a ``..`` after a symlink), and a load
+        held to its roots must not look a name up outside them. Changed means: its size
+        differs (truncated or extended), its modification or status-change time differs
+        (rewritten in place: the status-change time also moves when the modification
+        time is set back with ``utime``), or it has no name left (deleted, or replaced
+        by a rename over it). A file that had no name when it was opened (an anonymous
+        ``memfd`` an opener serves) cannot lose one. Blocking (one ``fstat``).
         """
         self._enter()
         try:
@@ -430,16 +433,15 @@ class DataFile(Closeable):
                 min(now.st_size, was.st_size),
                 f"the file changed during the load: it was {was.st_size} bytes, now {now.st_size}",
             )
-        if now.st_mtime_ns != was.st_mtime_ns:
+        if was.st_nlink and not now.st_nlink:
+            raise LoadError(self.path, None, "the file was deleted or replaced during the load")
+        if (now.st_mtime_ns, now.st_ctime_ns, now.st_ino, now.st_dev) != (
+            was.st_mtime_ns,
+            was.st_ctime_ns,
+            was.st_ino,
+            was.st_dev,
+        ):
             raise LoadError(self.path, 0, "the file was modified during the load")
-        if was.st_nlink == 0:
-            return
-        if now.st_nlink == 0:
-            raise LoadError(self.path, None, "the file was deleted during the load")
-        with os_errors(self.path, None, "the file was removed or renamed during the load"):
-            named = os.stat(self.path)
-        if (named.st_dev, named.st_ino) != (was.st_dev, was.st_ino):
-            raise LoadError(self.path, None, "the file was replaced during the load")
 
     # -- hints -------------------------------------------------------------------
 
