@@ -14,6 +14,11 @@ from types import TracebackType
 from typing import Any
 
 import anyio
+
+# anyio imports its asyncio backend on its first call inside a running loop: on the loop's
+# thread, 40-60 ms that stall every task of the loop. Importing it with the loader moves
+# that to ``import aiogguf``. (A trio loop would import its own backend the first time.)
+import anyio._backends._asyncio
 import numpy as np
 
 from aiogguf.config import Config, load_config
