@@ -353,8 +353,7 @@ def _aiogguf_load(path: str, overrides: Mapping[str, Any], warm_up: bool) -> dic
 
     import anyio
 
-    # The loader, imported before the clock starts, as llama.cpp's library is
-    # (``import aiogguf`` alone defers it to the first use of a name).
+    # The loader, imported before the clock starts, as llama.cpp's library is.
     from aiogguf import load
     from aiogguf import warm_up as prepare
 
