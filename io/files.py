@@ -45,13 +45,13 @@ __all__ = [
 DIRECT_ALIGNMENT = 4096
 
 
-# The most one read() call asks for. Kernels built without preemption (PREEMPT_NONE, as
-# on many cloud VMs) do not switch away from a thread inside a system call: a 64 MiB
-# read into fresh memory kept the event loop's thread off the CPU for ~20 ms on 2 cores
-# (p99 loop lag 45 ms); 2 MiB calls brought it to ~7 ms, 1 MiB calls to ~4-5 ms, 512 KiB
-# calls to ~4 ms (4 GiB, checks on, medians of 4: 4.85 -> 4.35 ms), at the same
-# throughput. Jobs stay large (one thread hop each); only the calls inside are cut.
-MAX_CALL_BYTES = 512 << 10
+# The most one read call asks for, by default. Each call lets the GIL go and takes it
+# back, and both cost: the call's own Python, and, with a pure-Python thread beside the
+# load (a server's own request handling), a wait of up to a switch interval (5 ms) for
+# the GIL after every call (README, Performance: the convoy). Bounded all the same, so
+# that a reader ends soon after it is asked to (cancellation) and no one call holds a
+# core for long.
+MAX_CALL_BYTES = 16 << 20
 
 
 def align_down(value: int, alignment: int) -> int:
@@ -281,8 +281,9 @@ class DataFile(Closeable):
 
     # -- reads -------------------------------------------------------------------
 
-    def read_into(self, dest: Buffer, offset: int) -> None:
-        """Fill all of ``dest`` with the file bytes at ``[offset, offset + len(dest))``.
+    def read_into(self, dest: Buffer, offset: int, *, max_call: int = MAX_CALL_BYTES) -> None:
+        """Fill all of ``dest`` with the file bytes at ``[offset, offset + len(dest))``,
+        in read calls of at most ``max_call`` bytes.
 
         Short reads are continued; ``EINTR`` is retried. No alignment is required.
 
@@ -295,7 +296,7 @@ class DataFile(Closeable):
             raise ValueError(f"offset must be >= 0, got {offset}")
         self._enter()
         try:
-            done = self._pread_loop(self._fd, view, offset)
+            done = self._pread_loop(self._fd, view, offset, max_call=max_call)
         finally:
             self._leave()
         if done < len(view):
@@ -410,11 +411,14 @@ class DataFile(Closeable):
     def check_unchanged(self) -> None:
         """Raise ``LoadError`` if the file changed since it was opened.
 
-        Changed means: its size or modification time differ (truncated, extended or
-        rewritten in place), it has no name left (deleted), or its path now names
-        another file (replaced, e.g. by a rename over it). A file that had no name when
-        it was opened (an anonymous ``memfd`` an opener serves) is checked by size and
-        time only. Blocking (two ``stat`` calls).
+        Asked of the open descriptor (``fstat``), never of the path: the path may lead
+        elsewhere now (a root symlink repointed, a ``..`` after a symlink), and a load
+        held to its roots must not look a name up outside them. Changed means: its size
+        differs (truncated or extended), its modification or status-change time differs
+        (rewritten in place: the status-change time also moves when the modification
+        time is set back with ``utime``), or it has no name left (deleted, or replaced
+        by a rename over it). A file that had no name when it was opened (an anonymous
+        ``memfd`` an opener serves) cannot lose one. Blocking (one ``fstat``).
         """
         self._enter()
         try:
@@ -429,16 +433,15 @@ class DataFile(Closeable):
                 min(now.st_size, was.st_size),
                 f"the file changed during the load: it was {was.st_size} bytes, now {now.st_size}",
             )
-        if now.st_mtime_ns != was.st_mtime_ns:
+        if was.st_nlink and not now.st_nlink:
+            raise LoadError(self.path, None, "the file was deleted or replaced during the load")
+        if (now.st_mtime_ns, now.st_ctime_ns, now.st_ino, now.st_dev) != (
+            was.st_mtime_ns,
+            was.st_ctime_ns,
+            was.st_ino,
+            was.st_dev,
+        ):
             raise LoadError(self.path, 0, "the file was modified during the load")
-        if was.st_nlink == 0:
-            return
-        if now.st_nlink == 0:
-            raise LoadError(self.path, None, "the file was deleted during the load")
-        with os_errors(self.path, None, "the file was removed or renamed during the load"):
-            named = os.stat(self.path)
-        if (named.st_dev, named.st_ino) != (was.st_dev, was.st_ino):
-            raise LoadError(self.path, None, "the file was replaced during the load")
 
     # -- hints -------------------------------------------------------------------
 

@@ -18,9 +18,21 @@ from aiogguf.io.workers import LoadThreads
 from aiogguf.records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
 from aiogguf.stages.parse import is_split, parse_model, read_header
 
-__all__ = ["build_index", "layer_of", "open_index", "read_whole_model", "tensor_class"]
+__all__ = [
+    "MAX_LAYERS",
+    "build_index",
+    "layer_number",
+    "layer_of",
+    "open_index",
+    "read_whole_model",
+    "tensor_class",
+]
 
 U64_LIMIT: Final = 1 << 64
+# llama.cpp's LLAMA_MAX_LAYERS (format §3.4): it refuses a model with more. The plan
+# makes a record per layer, so a larger ``block_count`` (or ``blk.N``) is refused here,
+# before anything loops over the layers: a 2 KB header must not ask for 2^31 of them.
+MAX_LAYERS: Final = 512
 
 # Like C's sscanf("blk.%d"): whitespace and a sign may precede the digits (§3.2).
 _LAYER = re.compile(r"blk\.\s*([+-]?\d+)")
@@ -70,6 +82,18 @@ _GLOBAL_REPEATING_NAMES: Final = frozenset(
         "nextn.pre_projection",
     }
 )
+
+
+# Per-index tensors other than ``blk.N.``: llama.cpp creates them in the layer loop with
+# that index, so they follow layer N's device.
+_LAYER_NUMBER = re.compile(r"^(?:blk|enc\.blk|dec\.blk|posnet|convnext)\.(\d+)\.")
+
+
+def layer_number(name: str) -> int | None:
+    """The layer whose loop iteration creates a tensor: the N of ``blk.N.``,
+    ``enc.blk.N.``, ``dec.blk.N.``, ``posnet.N.`` or ``convnext.N.``; else None."""
+    match = _LAYER_NUMBER.match(name)
+    return int(match.group(1)) if match else None
 
 
 def layer_of(name: str) -> int | None:
@@ -142,13 +166,46 @@ def _check_split_set(files: Sequence[ParsedFile]) -> int | None:
     return total
 
 
+def _check_block_count(
+    first: ParsedFile, named_layers: int, has_tensors: bool, warnings: list[str]
+) -> None:
+    """``<arch>.block_count`` drives a loop and a record per layer in the plan: it must
+    be at least 0 and at most ``MAX_LAYERS``. More layers than the tensors name is
+    allowed (llama.cpp makes empty layers) with a warning; fewer is the plan's error
+    (it names the tensor that lies beyond)."""
+    arch = first.get("general.architecture")
+    if not isinstance(arch, str):
+        return
+    key = f"{arch}.block_count"
+    entry = first.metadata.get(key)
+    if entry is None or isinstance(entry.value, bool) or not isinstance(entry.value, int):
+        return
+    value = entry.value
+    if value < 0:
+        raise GGUFFormatError(first.path, entry.offset, key, f"{value} layers: negative")
+    if value > MAX_LAYERS:
+        raise GGUFFormatError(
+            first.path,
+            entry.offset,
+            key,
+            f"{value} layers exceed the cap of {MAX_LAYERS} (llama.cpp's LLAMA_MAX_LAYERS); "
+            f"the tensors name {named_layers}",
+        )
+    if has_tensors and value > named_layers:
+        warnings.append(
+            f"{key} is {value} but the tensors name {named_layers} layers: "
+            f"layers {named_layers} … {value - 1} are empty"
+        )
+
+
 def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
     """Check the tensors of a model's files and order them as llama.cpp does.
 
     ``files``: one ``ParsedFile`` per file, in split order (as ``parse_model`` returns).
     Returns the index: absolute offsets, layers, classes, totals, lookup by name.
     Raises ``GGUFFormatError``: a tensor's data lies outside its file (truncated file) or its
-        end does not fit in 64 bits.
+        end does not fit in 64 bits; ``<arch>.block_count`` is negative or beyond
+        ``MAX_LAYERS``, or a tensor's layer number is.
     Raises ``SplitError``: a tensor is in two splits, or the splits do not form one set
         (count, position, ``split.tensors.count``).
     """
@@ -157,6 +214,7 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
     warnings: list[str] = []
     expected_total = _check_split_set(files)
     by_name: dict[str, TensorEntry] = {}
+    highest = -1  # the highest layer a tensor's name gives
     for file_index, parsed in enumerate(files):
         for info in parsed.tensors:
             start = parsed.data_offset + info.offset
@@ -182,6 +240,18 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
                 raise SplitError(
                     parsed.path, f"tensor '{info.name}' is duplicated: it is also in {other}"
                 )
+            layer = layer_of(info.name)
+            number = layer if layer is not None else layer_number(info.name)
+            if number is not None and number > highest:
+                if number >= MAX_LAYERS:
+                    raise GGUFFormatError(
+                        parsed.path,
+                        info.info_offset,
+                        f"tensor '{info.name}'",
+                        f"layer {number} is beyond the cap of {MAX_LAYERS} layers "
+                        "(llama.cpp's LLAMA_MAX_LAYERS)",
+                    )
+                highest = number
             cls = tensor_class(info.name)
             if cls is None:
                 warnings.append(f"tensor '{info.name}': unknown name, classed as input")
@@ -194,9 +264,10 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
                 offset=start,
                 nbytes=info.nbytes,
                 n_elements=info.n_elements,
-                layer=layer_of(info.name),
+                layer=layer,
                 tensor_class=cls,
             )
+    _check_block_count(files[0], highest + 1, bool(by_name), warnings)
     if expected_total is not None and expected_total != len(by_name):
         raise SplitError(
             files[0].path,

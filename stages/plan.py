@@ -9,7 +9,6 @@ llama.cpp gets the same placement for the same flags.
 
 from __future__ import annotations
 
-import re
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from aiogguf.records import (
     TensorPlacement,
     WeightIndex,
 )
+from aiogguf.stages.index import MAX_LAYERS, layer_number
 from aiogguf.units import format_bytes
 
 __all__ = [
@@ -44,10 +44,6 @@ __all__ = [
 ]
 
 MAPPED_MODES: frozenset[str] = frozenset({"mmap", "mlock"})
-
-# Per-index tensors other than ``blk.N.``: llama.cpp creates them in the layer loop with
-# that index, so they follow layer N's device.
-_LAYER_NUMBER = re.compile(r"^(?:blk|enc\.blk|dec\.blk|posnet|convnext)\.(\d+)\.")
 
 _ROLE_ORDER = {BufferRole.SPLIT: 0, BufferRole.DEFAULT: 1, BufferRole.EXTRA: 2, BufferRole.HOST: 3}
 
@@ -245,8 +241,14 @@ class _Warnings:
 def _n_layer(index: WeightIndex, warnings: _Warnings) -> int:
     n_layer = index.n_layer
     if n_layer is not None:
+        # ``build_index`` refused these; an index made otherwise must not make the plan
+        # loop over 2^31 layers either.
+        if not 0 <= n_layer <= MAX_LAYERS:
+            raise PlacementError(
+                f"{index.architecture}.block_count is {n_layer}; expected 0 … {MAX_LAYERS}"
+            )
         return n_layer
-    numbers = [m for t in index.tensors if (m := _layer_number(t.name)) is not None]
+    numbers = [m for t in index.tensors if (m := layer_number(t.name)) is not None]
     derived = max(numbers) + 1 if numbers else 0
     warnings.add(
         f"no {index.architecture or '<arch>'}.block_count in the metadata; "
@@ -255,18 +257,13 @@ def _n_layer(index: WeightIndex, warnings: _Warnings) -> int:
     return derived
 
 
-def _layer_number(name: str) -> int | None:
-    match = _LAYER_NUMBER.match(name)
-    return int(match.group(1)) if match else None
-
-
 def _placement_layer(tensor: TensorEntry, n_layer: int) -> int | None:
     """The layer whose candidate list a tensor uses; None for the input layer."""
     if tensor.tensor_class is TensorClass.INPUT:
         return None
     if tensor.tensor_class is TensorClass.OUTPUT:
         return n_layer
-    number = tensor.layer if tensor.layer is not None else _layer_number(tensor.name)
+    number = tensor.layer if tensor.layer is not None else layer_number(tensor.name)
     if number is None:
         # Global repeating tensors (rope_freqs, ...): llama.cpp creates them with layer 0.
         return 0

@@ -143,10 +143,11 @@ class _Screen:
     signed_min: int | None
 
     def clear(self, column: Bytes) -> bool:
-        if int(column.max()) >= self.unsigned_min:
+        top = int(column.max())
+        if top >= self.unsigned_min:
             return False
-        if self.signed_min is None:
-            return True
+        if self.signed_min is None or top < self.signed_min:
+            return True  # no value reaches signed_min, read either way
         signed = column.view(_SIGNED[column.dtype.itemsize])
         return int(signed.max()) < self.signed_min
 
@@ -426,7 +427,14 @@ class _Scanner:
         self.host = xp is numpy
 
     def scan(self, data: Bytes, scratch: _Scratch) -> _Found:
-        """Scan ``data``, a whole number of units, slice by slice; indices relative to it."""
+        """Scan ``data``, a whole number of units, slice by slice; indices relative to it.
+
+        On the host, screened whole first: a screen is a few reductions over all of
+        ``data`` whatever its size, where slices cost a few calls each, and every numpy
+        call costs the GIL (design §1.7). Only data the screen does not clear is scanned
+        slice by slice (the full scan writes scratch arrays, kept in the cache)."""
+        if self.host and self._clear(data, scratch):
+            return _NOTHING
         count = nans = 0
         first, what = 0, ""
         nbytes = int(data.shape[0])
@@ -440,14 +448,19 @@ class _Scanner:
         return _Found(count, first, what, nans) if count else _NOTHING
 
     def _scan_slice(self, data: Bytes, scratch: _Scratch) -> _Found:
+        if self.host and self._clear(data, scratch):
+            return _NOTHING
         if self.mode is _Scan.ELEMENTS:
             assert self.element_check is not None
-            if self.host and self.element_check.clear(data):
-                return _NOTHING
             return self.element_check.scan(data, self.xp, scratch)
-        if self.host and self._scales_clear(data, scratch):
-            return _NOTHING
         return self._scan_scales(data)
+
+    def _clear(self, data: numpy.ndarray[Any, Any], scratch: _Scratch) -> bool:
+        """Host fast path: True only if every unit of ``data`` is good."""
+        if self.mode is _Scan.ELEMENTS:
+            assert self.element_check is not None
+            return self.element_check.clear(data)
+        return self._scales_clear(data, scratch)
 
     def _scales_clear(self, data: numpy.ndarray[Any, Any], scratch: _Scratch) -> bool:
         """Host fast path: True only if every checked scale of every block is good."""

@@ -18,6 +18,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from conftest import examples
 from fault_helpers import CallSeam, copy_file, holdings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from upload_helpers import buffers_in_use
 
 import aiogguf
 from aiogguf.engine import LoadWarning
@@ -36,6 +38,7 @@ from aiogguf.io import _libc
 from aiogguf.io.devices.cpu import CpuDevice
 from aiogguf.io.devices.pool import staging_pool
 from aiogguf.io.devices.sim import SimDevice, SimUsage
+from aiogguf.io.opener import RootedOpener
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 MODES = ("none", "direct", "mmap", "mlock")
@@ -153,7 +156,7 @@ def _load(path: Path, mode: str, sim: SimDevice | None, **overrides: Any) -> aio
 def _assert_nothing_beyond_the_pool(sim: SimDevice) -> None:
     """No device memory or stream is left, and the staging slots are back in the
     device's pool (which keeps them for the next load): freeing it frees them all."""
-    assert sim.live.buffers == sim.live.streams == 0
+    assert buffers_in_use(sim) == sim.live.streams == 0
     assert staging_pool(sim).stats().leased_slots == 0
     aiogguf.release_staging_sync()
     assert sim.live == NO_SIM_USAGE
@@ -566,3 +569,88 @@ def test_file_rewritten_during_load(tmp_path: Path, model: SynthModel, mode: str
 
     error = _change_during_load(tmp_path, model, mode, rewrite)
     assert "modified" in str(error)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_finding_8_rewrite_in_place_with_its_time_set_back_is_detected(
+    tmp_path: Path, model: SynthModel, mode: str
+) -> None:
+    """An in-place overwrite that restores the modification time (``os.utime``) passed
+    the end-of-load check (size and mtime only); the status-change time gives it away."""
+
+    def rewrite(path: Path) -> None:
+        was = path.stat()
+        # File times tick with the kernel's clock (milliseconds): a change in the same
+        # tick as the copy that made the file would leave even ctime as it was.
+        time.sleep(0.03)
+        with open(path, "r+b") as f:
+            f.seek(-16, os.SEEK_END)
+            f.write(b"\x01" * 16)
+        os.utime(path, ns=(was.st_atime_ns, was.st_mtime_ns))
+        assert path.stat().st_mtime_ns == was.st_mtime_ns
+
+    error = _change_during_load(tmp_path, model, mode, rewrite)
+    assert "modified" in str(error)
+
+
+async def _load_rooted(path: Path, root: Path, mode: str) -> bytes:
+    """Load ``path`` held to ``root``; the bytes of its first tensor, as loaded."""
+    with RootedOpener([root]) as opener:
+        async with aiogguf.load(
+            path, opener=opener, mode=mode, chunk_size="64KiB", check_tensors=True
+        ) as m:
+            return bytes(m.raw(m.index.tensors[0].name))
+
+
+async def _first_tensor_bytes(path: Path) -> bytes:
+    async with aiogguf.load(path, mode="none") as m:
+        return bytes(m.raw(m.index.tensors[0].name))
+
+
+@pytest.mark.parametrize("outside", ["absent", "present"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.asyncio
+async def test_finding_8_a_symlink_then_dot_dot_loads_the_file_opened(
+    tmp_path: Path, model: SynthModel, mode: str, outside: str
+) -> None:
+    """``root/sub/etc/../../m.gguf`` with ``sub/etc`` → elsewhere opens ``root/m.gguf``
+    (the path is matched to its root by its text); the end-of-load check looked the
+    name up again, landed outside the root and failed the load, saying whether that
+    outside file existed."""
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    copy_file(model.path, root / "m.gguf")
+    far = tmp_path / "outside" / "a" / "b"
+    far.mkdir(parents=True)
+    (root / "sub" / "etc").symlink_to(far)
+    if outside == "present":
+        copy_file(model.path, tmp_path / "outside" / "m.gguf")
+    path = root / "sub" / "etc" / ".." / ".." / "m.gguf"
+    assert await _load_rooted(path, root, mode) == await _first_tensor_bytes(root / "m.gguf")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.asyncio
+async def test_finding_8_a_root_symlink_repointed_during_the_load_does_not_fail_it(
+    tmp_path: Path, model: SynthModel, mode: str
+) -> None:
+    """The root is a symlink an operator repoints to a new directory while a load runs:
+    the load reads the file it opened and ends well (it failed with "replaced")."""
+    old, new = tmp_path / "v1", tmp_path / "v2"
+    old.mkdir()
+    new.mkdir()
+    copy_file(model.path, old / "m.gguf")
+    copy_file(model.path, new / "m.gguf")
+    root = tmp_path / "models"
+    root.symlink_to(old)
+
+    def repoint() -> None:
+        link = tmp_path / "models.new"
+        link.symlink_to(new)
+        os.replace(link, root)
+
+    seam = CallSeam(repoint, 2)
+    with seam.installed():
+        loaded = await _load_rooted(root / "m.gguf", root, mode)
+    assert seam.fired
+    assert loaded == await _first_tensor_bytes(old / "m.gguf")

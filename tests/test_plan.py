@@ -14,6 +14,7 @@ from aiogguf.config import Config
 from aiogguf.errors import ConfigError, PlacementError
 from aiogguf.io.devices import CpuDevice, Device, SimDevice
 from aiogguf.records import Plan, WeightIndex
+from aiogguf.stages.index import MAX_LAYERS
 from aiogguf.stages.plan import (
     assign_layers,
     make_plan,
@@ -415,21 +416,22 @@ def test_buffers_summary_and_memory_warning() -> None:
 
 
 def test_plan_is_deterministic() -> None:
-    index = llama_index(1000)
+    # The most layers a model may have (llama.cpp's cap).
+    index = llama_index(MAX_LAYERS)
     devices = [cpu(), *gpus(24, 12, 12)]
     config = Config().with_overrides(override=_override(("ffn_down", "CPU")))
     first = make_plan(index, devices, config)
     assert make_plan(index, devices, config) == first
-    assert len(first.tensors) == len(index.tensors) == 9 * 1000 + 3
-    assert len(first.layers) == 1001
+    assert len(first.tensors) == len(index.tensors) == 9 * MAX_LAYERS + 3
+    assert len(first.layers) == MAX_LAYERS + 1
 
 
 @pytest.mark.timing
 def test_plan_is_fast() -> None:
-    index = llama_index(1000)
+    index = llama_index(MAX_LAYERS)
     devices = [cpu(), *gpus(24, 12, 12)]
     config = Config().with_overrides(override=_override(("ffn_down", "CPU")))
     started = time.perf_counter()
     make_plan(index, devices, config)
     elapsed = time.perf_counter() - started
-    assert elapsed < 5.0, f"planning 1000 layers took {elapsed:.2f} s"
+    assert elapsed < 5.0, f"planning {MAX_LAYERS} layers took {elapsed:.2f} s"
