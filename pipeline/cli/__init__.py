@@ -1,22 +1,27 @@
 """The ``aiogguf`` command line. Each subcommand lives in its own module with
 ``add_arguments(parser)`` and ``run(args) -> int``.
 
-This module imports only what ``main`` needs before it has taken Ctrl-C over: the rest
-(argparse, the commands and what they import, about a second) is imported inside
-``main``, after the handler is in place.
+The console script enters through ``aiogguf_entry`` (outside this package), which takes
+Ctrl-C over before ``import aiogguf``; ``console_main`` keeps it while the commands'
+modules import, ``main`` handles it once a command runs (``_exit_promptly_on_interrupt``),
+and ``console_main`` again while the interpreter ends.
 """
 
 from __future__ import annotations
 
+import argparse
+import atexit
+import importlib
 import os
 import signal
 import sys
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
 
-TYPE_CHECKING = False  # not typing's: see aiogguf/__init__.py
-if TYPE_CHECKING:
-    import argparse
-    from collections.abc import Sequence
-    from types import FrameType
+from aiogguf.cli.extras import MissingExtraError
+from aiogguf.errors import GGUFError
 
 __all__ = ["main"]
 
@@ -36,20 +41,34 @@ EXIT_OK, EXIT_FAILURE, EXIT_INVALID, EXIT_WARNED, EXIT_INTERRUPTED = 0, 1, 2, 3,
 
 # How long an interrupted command may take to unwind before the process is ended.
 INTERRUPT_GRACE_S = 0.8
-_interrupt_reported = False
+_interrupt_reported = threading.Event()
 
 
-def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
-    """Ctrl-C before a command runs (while its modules import): nothing is open or
-    started yet, so the process ends at once, with one line and no traceback."""
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C while nothing of the command runs (its modules import, or it is over):
+    the process ends at once, one line, no traceback."""
     os.write(2, b"aiogguf: interrupted\n")
     os._exit(EXIT_INTERRUPTED)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import argparse
-    import importlib
+def console_main() -> int:
+    """``main`` for the console script and ``python -m aiogguf``: Ctrl-C at any moment
+    exits 130 with one line."""
+    if threading.current_thread() is not threading.main_thread():
+        return main()
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        return main()
+    finally:
+        # The command is over: a Ctrl-C while the interpreter waits for threads ends the
+        # process at once. Once it tears down, Python puts the default action back (a
+        # Ctrl-C there would kill it, status -2, in silence) unless the signal is
+        # ignored: atexit runs before that.
+        signal.signal(signal.SIGINT, _interrupted)
+        atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aiogguf", description="Load GGUF models at hardware speed."
     )
@@ -78,14 +97,11 @@ def _exit_promptly_on_interrupt(command: str) -> None:
     is still there after ``INTERRUPT_GRACE_S``; the kernel releases what it held.
     Installed only by the console script: the process is then ours to end.
     """
-    import threading
-    import time
-
     armed = threading.Event()
 
     def watchdog() -> None:
         time.sleep(INTERRUPT_GRACE_S)
-        if not _interrupt_reported:
+        if not _interrupt_reported.is_set():
             print(f"aiogguf {command}: interrupted", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_INTERRUPTED)
@@ -103,21 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status.
 
     ``argv`` None (the console script, ``python -m aiogguf``): the command line, and
-    Ctrl-C ends the process with status 130 at any moment (within a second once the
-    command runs). A list: those arguments (for tests and embedding), and signals are
-    left alone.
+    Ctrl-C ends the process with status 130 within a second. A list: those arguments
+    (for tests and embedding), and signals are left alone.
 
     Exit statuses: 0 done, 1 a failure of the program, 2 bad input (a value, a file, a
     full disk: one line), 3 done with warnings (``plan --strict``), 130 interrupted.
     """
-    own_signals = argv is None and _in_main_thread()
-    if own_signals:
-        signal.signal(signal.SIGINT, _interrupted_while_starting)
-    from aiogguf.cli.extras import MissingExtraError
-    from aiogguf.errors import GGUFError
-
     args = build_parser().parse_args(argv)
-    if own_signals:
+    if argv is None and threading.current_thread() is threading.main_thread():
         _exit_promptly_on_interrupt(args.command)
     try:
         status: int = args._module.run(args)
@@ -130,9 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aiogguf {args.command}: {exc}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
-        global _interrupt_reported
         print(f"aiogguf {args.command}: interrupted", file=sys.stderr, flush=True)
-        _interrupt_reported = True
+        _interrupt_reported.set()
         return EXIT_INTERRUPTED
     except OSError as exc:
         # A file the command could not read or write (a full disk, a missing folder):
@@ -147,12 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aiogguf {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     return status
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def _os_error_line(exc: OSError) -> str:
