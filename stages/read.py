@@ -40,7 +40,7 @@ from aiogguf.io.byteswap import can_convert, to_native
 from aiogguf.io.files import MAX_CALL_BYTES, DataFile, FileAdvice, open_file
 from aiogguf.io.mapping import FileMapping
 from aiogguf.io.opener import OpenFiles
-from aiogguf.io.workers import Call, LoadThreads
+from aiogguf.io.workers import Call, LoadThreads, raise_if_stopped
 from aiogguf.jobs import BufferLayout, ReadJob, StageTimes
 from aiogguf.records import Plan, WeightIndex
 
@@ -310,6 +310,7 @@ class Reader:
         useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
         previous = 0
         for lo in range(0, len(useful), MAX_CALL_BYTES):
+            raise_if_stopped()  # a job of a slow disk is cut short, piece by piece
             hi = min(lo + MAX_CALL_BYTES, len(useful))
             if read:
                 self._files[job.file_index].read_into(useful[lo:hi], job.useful_start + lo)
@@ -470,9 +471,12 @@ class HostReads:
             apart[0].send_nowait(job)
 
     def stop(self) -> None:
-        """From any thread: every reader ends after the job it is reading."""
+        """From any thread: every reader ends after the job it is reading, or sooner,
+        at the next piece of it (``raise_if_stopped``)."""
         for feed in self._feeds:
             feed.stop()
+        for call in self._calls:
+            call.stopped = True
 
     async def _wait_reads(self) -> None:
         try:
