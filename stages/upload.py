@@ -329,8 +329,9 @@ class Uploader:
         destination, whatever ``fill`` raises, ``LoadError`` when a device
         fails, and the simulated device's ``RingViolation`` when the ring is broken."""
         self._check_open()
+        for device in {dest.device for _, dest in jobs}:
+            self._target(device)  # once per device: a protocol check is slow
         for job, dest in jobs:
-            self._target(dest.device)
             self._check_job(job, dest)
         queue = deque(job_dest for job_dest in jobs if job_dest[0].nbytes)
         if not queue:
