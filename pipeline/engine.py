@@ -543,6 +543,7 @@ class _Front:
             alignment=alignment,
             prefetch=config.load.prefetch,
             lock=plan.mode == "mlock",
+            huge_pages=config.pipeline.huge_pages,
         )
         hosted = [lay for lay in layouts if lay.plan.host]
         ended = clock()

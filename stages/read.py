@@ -37,7 +37,7 @@ from aiogguf.config import Config
 from aiogguf.errors import BigEndianError
 from aiogguf.images import HostImage, Image, MappedImage
 from aiogguf.io.byteswap import can_convert, to_native
-from aiogguf.io.files import MAX_CALL_BYTES, DataFile, FileAdvice, open_file
+from aiogguf.io.files import DataFile, FileAdvice, open_file
 from aiogguf.io.mapping import FileMapping
 from aiogguf.io.opener import OpenFiles
 from aiogguf.io.workers import Call, LoadThreads, raise_if_stopped
@@ -45,6 +45,7 @@ from aiogguf.jobs import BufferLayout, ReadJob, StageTimes
 from aiogguf.records import Plan, WeightIndex
 
 __all__ = [
+    "CHECK_PIECE_BYTES",
     "ByteSwap",
     "Disks",
     "FileStats",
@@ -54,6 +55,15 @@ __all__ = [
     "find_disks",
     "open_data_files",
 ]
+
+
+# With checks on, buffered reads land in pieces this large, each checked right after its
+# read while it is still in the CPU's cache (the readers' pieces, and the piece each
+# check reaches back over, fit a server CPU's L3). Every piece costs the GIL a read call
+# and a few numpy calls, and the GIL a load holds per GB caps its rate whatever its
+# thread count (README, Performance: the GIL budget): pieces are as large as the cache
+# allows.
+CHECK_PIECE_BYTES = 16 << 20
 
 
 def open_data_files(
@@ -309,9 +319,9 @@ class Reader:
         assert self._check is not None
         useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
         previous = 0
-        for lo in range(0, len(useful), MAX_CALL_BYTES):
+        for lo in range(0, len(useful), CHECK_PIECE_BYTES):
             raise_if_stopped()  # a job of a slow disk is cut short, piece by piece
-            hi = min(lo + MAX_CALL_BYTES, len(useful))
+            hi = min(lo + CHECK_PIECE_BYTES, len(useful))
             if read:
                 self._files[job.file_index].read_into(useful[lo:hi], job.useful_start + lo)
             self._check(job, job.useful_start + previous, useful[previous:hi])

@@ -6,18 +6,24 @@ a CPU, so that a mistake in them shows up before a GPU is lent, not on it. It pr
 nothing about CUDA: device memory is host memory, a "device" array is a numpy array over
 it (``ndarray``, a numpy subclass with a ``device``), every copy is a ``memmove`` done
 when it is queued, so every event is complete as soon as it is recorded, and pinning
-pins nothing. ``STAND_IN_CUPY_DEVICES`` says how many devices it shows (default 1).
+pins nothing. ``STAND_IN_CUPY_DEVICES`` says how many devices it shows (default 1);
+``STAND_IN_CUPY_IMPORT_S`` makes its import sleep that long (default 0), as CuPy's own
+import takes about a second on a GPU host: a first load that imports it on the event
+loop's thread stalls the loop that long.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import time
 from typing import Any
 
 import numpy as _np
 
 from . import cuda
 
+time.sleep(float(os.environ.get("STAND_IN_CUPY_IMPORT_S", "0")))
 __version__ = "0.0+stand-in"
 
 
