@@ -481,17 +481,23 @@ class HostReads:
             apart[0].send_nowait(job)
 
     def stop(self) -> None:
-        """From any thread: every reader ends after the job it is reading, or sooner,
-        at the next piece of it (``raise_if_stopped``)."""
+        """From any thread: every reader ends after the job it is reading."""
         for feed in self._feeds:
             feed.stop()
+
+    def _halt(self) -> None:
+        """On the loop's thread, when the load is cancelled or has failed: ``stop``, and
+        every reader leaves the job it is reading at its next piece
+        (``raise_if_stopped``). Not for a reader's own failure (``stop``): the other
+        readers' calls would then fail with ``Stopped`` before its error is seen."""
+        self.stop()
         for call in self._calls:
             call.stopped = True
 
     async def _wait_reads(self) -> None:
         try:
             for call in self._calls:
-                await self._threads.wait(call, on_cancel=self.stop)
+                await self._threads.wait(call, on_cancel=self._halt)
         except BaseException:
             await self._stop_and_wait()
             raise
@@ -511,7 +517,7 @@ class HostReads:
         if self._waited:
             return
         self._waited = True
-        self.stop()
+        self._halt()
         with anyio.CancelScope(shield=True):
             for call in self._calls:
                 with contextlib.suppress(Exception):
