@@ -18,6 +18,7 @@ import platform
 from errno import ENOSYS
 
 __all__ = [
+    "MADV_HUGEPAGE",
     "MADV_POPULATE_READ",
     "MADV_POPULATE_WRITE",
     "MLOCK_ONFAULT",
@@ -34,6 +35,9 @@ __all__ = [
 # Linux ≥ 5.14 (<linux/mman.h>); Python 3.11's mmap module does not export them.
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+# <asm-generic/mman-common.h>, the same on every architecture; exported by mmap only
+# where the build's headers had it.
+MADV_HUGEPAGE = 14
 # mlock2(2) flag (Linux >= 4.4): lock pages as they are faulted in, none now.
 MLOCK_ONFAULT = 1
 

@@ -45,13 +45,13 @@ __all__ = [
 DIRECT_ALIGNMENT = 4096
 
 
-# The most one read() call asks for. Kernels built without preemption (PREEMPT_NONE, as
-# on many cloud VMs) do not switch away from a thread inside a system call: a 64 MiB
-# read into fresh memory kept the event loop's thread off the CPU for ~20 ms on 2 cores
-# (p99 loop lag 45 ms); 2 MiB calls brought it to ~7 ms, 1 MiB calls to ~4-5 ms, 512 KiB
-# calls to ~4 ms (4 GiB, checks on, medians of 4: 4.85 -> 4.35 ms), at the same
-# throughput. Jobs stay large (one thread hop each); only the calls inside are cut.
-MAX_CALL_BYTES = 512 << 10
+# The most one read call asks for, by default. Each call lets the GIL go and takes it
+# back, and both cost: the call's own Python, and, with a pure-Python thread beside the
+# load (a server's own request handling), a wait of up to a switch interval (5 ms) for
+# the GIL after every call (README, Performance: the convoy). Bounded all the same, so
+# that a reader ends soon after it is asked to (cancellation) and no one call holds a
+# core for long.
+MAX_CALL_BYTES = 64 << 20
 
 
 def align_down(value: int, alignment: int) -> int:
@@ -281,8 +281,9 @@ class DataFile(Closeable):
 
     # -- reads -------------------------------------------------------------------
 
-    def read_into(self, dest: Buffer, offset: int) -> None:
-        """Fill all of ``dest`` with the file bytes at ``[offset, offset + len(dest))``.
+    def read_into(self, dest: Buffer, offset: int, *, max_call: int = MAX_CALL_BYTES) -> None:
+        """Fill all of ``dest`` with the file bytes at ``[offset, offset + len(dest))``,
+        in read calls of at most ``max_call`` bytes.
 
         Short reads are continued; ``EINTR`` is retried. No alignment is required.
 
@@ -295,7 +296,7 @@ class DataFile(Closeable):
             raise ValueError(f"offset must be >= 0, got {offset}")
         self._enter()
         try:
-            done = self._pread_loop(self._fd, view, offset)
+            done = self._pread_loop(self._fd, view, offset, max_call=max_call)
         finally:
             self._leave()
         if done < len(view):

@@ -14,6 +14,8 @@ from aiogguf.api import LoadHandle as LoadHandle
 from aiogguf.api import WarmUp as WarmUp
 from aiogguf.api import load as load
 from aiogguf.api import load_sync as load_sync
+from aiogguf.api import release_device_memory as release_device_memory
+from aiogguf.api import release_device_memory_sync as release_device_memory_sync
 from aiogguf.api import release_staging as release_staging
 from aiogguf.api import release_staging_sync as release_staging_sync
 from aiogguf.api import warm_up as warm_up
@@ -61,6 +63,8 @@ __all__ = [
     "WarmUp",
     "load",
     "load_sync",
+    "release_device_memory",
+    "release_device_memory_sync",
     "release_staging",
     "release_staging_sync",
     "warm_up",

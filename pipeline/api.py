@@ -1,5 +1,5 @@
 """The public entry points: ``load`` (async) and ``load_sync`` (scripts); ``warm_up``
-before serving, ``release_staging`` after."""
+before serving, ``release_device_memory`` after."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ __all__ = [
     "WarmUp",
     "load",
     "load_sync",
+    "release_device_memory",
+    "release_device_memory_sync",
     "release_staging",
     "release_staging_sync",
     "warm_up",
@@ -293,14 +295,24 @@ async def _rehearse(
         pass
 
 
-async def release_staging() -> None:
-    """Free every device's pool of pinned staging slots, and the freed device memory a
-    simulated device keeps for reuse (on a thread of its own). Call it when no load
-    runs; a later load pins slots again."""
+async def release_device_memory() -> None:
+    """Give back what loads keep for the next one, on a thread of its own: every
+    device's idle device memory (the arena that closed models returned their buffers
+    to, freed with ``cudaFree``), its pool of pinned staging slots, and the freed memory
+    a simulated device keeps. Call it when no load runs and the process will load no
+    more for a while (or another user of the GPU needs the memory); a later load
+    allocates and pins again. Memory of a model still open is freed when it is closed.
+
+    Raises ``LoadError`` when the device fails to free memory."""
     async with LoadThreads(1, name="aiogguf-release") as threads:
         await threads.run_sync(close_staging_pools)
 
 
-def release_staging_sync() -> None:
-    """``release_staging`` for code without a loop (blocking)."""
+def release_device_memory_sync() -> None:
+    """``release_device_memory`` for code without a loop (blocking)."""
     close_staging_pools()
+
+
+# The older names, kept: they free the same (staging slots and device memory).
+release_staging = release_device_memory
+release_staging_sync = release_device_memory_sync

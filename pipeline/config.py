@@ -43,6 +43,7 @@ from aiogguf.units import format_size, parse_size
 
 __all__ = [
     "Config",
+    "HugePages",
     "LoadConfig",
     "LoadMode",
     "NamePattern",
@@ -58,6 +59,7 @@ __all__ = [
 
 LoadMode = Literal["auto", "mmap", "mlock", "none", "direct"]
 LazyMode = Literal["off", "auto", "on"]
+HugePages = Literal["auto", "on", "off"]
 SplitMode = Literal["none", "layer", "row"]
 
 # TOML already types its values: no "4" → 4 or 1 → True coercion.
@@ -199,6 +201,11 @@ class PipelineConfig(_Section):
     staging_pool_size: PositiveSize = 1024**3
     validate_workers: Int = Field(default=2, ge=1, le=MAX_THREADS)
     alignment: PositiveSize = 4096
+    # Host images of the copying modes (none, direct) in transparent huge pages: "on"
+    # asks for them, "off" keeps 4 KiB pages, "auto" asks where they fill faster on this
+    # machine (aiogguf.io.buffers.huge_pages_pay). Only large images; where the kernel
+    # has them off (THP "never") every setting gives 4 KiB pages, silently.
+    huge_pages: HugePages = "auto"
     path: tuple[PathLimit, ...] = ()
 
     @field_validator("alignment")

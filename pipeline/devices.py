@@ -23,7 +23,7 @@ from aiogguf.io.devices.sim import SimDevice
 __all__ = ["enumerate_devices", "sim_device", "sim_devices"]
 
 # Distinct ``[[device]]`` lists remembered; beyond that the oldest devices are forgotten
-# (their pools stay until ``release_staging``).
+# (their pools stay until ``release_device_memory``).
 _SIM_CACHE_SIZE = 32
 _sim_cache: OrderedDict[tuple[SimDeviceConfig, ...], tuple[SimDevice, ...]] = OrderedDict()
 _sim_lock = threading.Lock()

@@ -90,7 +90,9 @@ class DiskReport:
 class UploadReport:
     """One device's uploads: ``slots`` staging slots of ``slot_bytes`` leased from the
     device's pool, ``pinned_bytes_allocated`` of them pinned by this load (0 when the
-    pool already held them), ``copies`` host-to-device copies of ``bytes_copied`` bytes,
+    pool already held them), ``device_bytes_allocated`` of device memory allocated by
+    this load (0 when the device's arena held it: a second load of the same model),
+    ``copies`` host-to-device copies of ``bytes_copied`` bytes,
     ``slot_waits`` times a slot's last copy had not completed when it was to be reused
     (``wait_s`` waited in all), ``fill_s`` spent reading into slots (summed over the
     transfer threads)."""
@@ -104,6 +106,7 @@ class UploadReport:
     slot_waits: int
     wait_s: float
     fill_s: float
+    device_bytes_allocated: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +175,8 @@ class UploadCounts(Protocol):
     def slot_bytes(self) -> int: ...
     @property
     def pinned_bytes_allocated(self) -> int: ...
+    @property
+    def device_bytes_allocated(self) -> int: ...
     @property
     def bytes_copied(self) -> int: ...
     @property
@@ -245,6 +250,7 @@ def build_report(
                 slots=u.slots,
                 slot_bytes=u.slot_bytes,
                 pinned_bytes_allocated=u.pinned_bytes_allocated,
+                device_bytes_allocated=u.device_bytes_allocated,
                 bytes_copied=u.bytes_copied,
                 copies=u.copies,
                 slot_waits=u.slot_waits,

@@ -58,6 +58,7 @@ from aiogguf.config import Config, load_config
 from aiogguf.devices import enumerate_devices
 from aiogguf.errors import ConfigError, GGUFError, LoadError, PathNotAllowedError
 from aiogguf.events import FanOut, Progress
+from aiogguf.io.devices.arena import device_arenas
 from aiogguf.io.devices.base import Device
 from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
 from aiogguf.io.workers import LoadThreads
@@ -274,13 +275,15 @@ class _Entry:
 
 
 def _device_memory(devices: Sequence[Device]) -> dict[str, int]:
-    """Bytes allocated right now per device that counts them (simulated GPUs)."""
+    """Bytes of device memory held right now per device that counts them (simulated
+    GPUs): loads and models, not what the device's arena keeps idle for the next load."""
+    idle = {id(arena.target): arena.stats().idle_bytes for arena in device_arenas()}
     memory: dict[str, int] = {}
     for device in devices:
         live = getattr(device, "live", None)
         nbytes = getattr(live, "buffer_bytes", None)
         if isinstance(nbytes, int):
-            memory[device.name] = nbytes
+            memory[device.name] = nbytes - idle.get(id(device), 0)
     return memory
 
 

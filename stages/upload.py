@@ -23,11 +23,18 @@ after its stream has synchronized, so a leased slot is always free to fill. A de
 without async copies, events or a pinned host buffer type gets synchronous copies
 instead (llama.cpp's upload-backend negotiation).
 
+Device buffers come from the device's process-wide ``DeviceArena``: a block of device
+memory the last load gave back when one fits (no ``cudaMalloc``, a device-wide
+synchronisation), else a new allocation. Each stream records an event behind its last
+copy, and the buffers it wrote into carry it back to the arena: the memory is handed to
+another load only once those copies have completed.
+
 Ownership: device buffers returned by ``allocate()`` belong to the ``Uploader`` until it
 exits. If its ``async with`` block exits cleanly, they pass to the caller, who must
-``close()`` them (the model does). If the block raises or is cancelled, the ``Uploader``
-closes every one of them before re-raising. Streams never outlive the ``transfer`` call
-that opened them; slots go back to their pool.
+``close()`` them (the model does; the memory goes back to the arena). If the block
+raises or is cancelled, the ``Uploader`` closes every one of them before re-raising.
+Streams never outlive the ``transfer`` call that opened them; slots go back to their
+pool.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ from types import TracebackType
 import anyio
 
 from aiogguf.config import Config
-from aiogguf.io.devices.base import CopyStream, Device, DeviceBuffer, UploadTarget
+from aiogguf.io.devices.arena import ArenaGrant, device_arena
+from aiogguf.io.devices.base import CopyEvent, CopyStream, Device, DeviceBuffer, UploadTarget
 from aiogguf.io.devices.pool import PooledSlot, SlotLease, StagingPool, staging_pool
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import ReadJob
@@ -76,6 +84,7 @@ class DeviceUploadStats:
     slot_waits: int  # times a slot's last copy had not completed when it was reused
     wait_s: float  # time spent in those waits
     fill_s: float  # time spent in the caller's fills
+    device_bytes_allocated: int = 0  # what this load allocated: 0 when the arena had it
 
 
 class UploaderState(Enum):
@@ -92,6 +101,7 @@ class _Tally:
     asynchronous: bool
     slots: int = 0
     pinned_bytes: int = 0
+    device_bytes: int = 0
     bytes_copied: int = 0
     copies: int = 0
     slot_waits: int = 0
@@ -116,6 +126,7 @@ class _Lane:
         self.device = device
         self.pool = pool
         self.stream = stream
+        self.done: CopyEvent | None = None  # recorded behind the last copy, at close
         self.lease = lease
         self.asynchronous = asynchronous
         self._skip_wait = skip_wait  # test only: see ``Uploader``
@@ -141,8 +152,7 @@ class _Lane:
     ) -> _Lane | None:
         """Lease the slots and open the stream; None when stopped while waiting for a
         slot."""
-        caps = target.caps
-        asynchronous = caps.async_copies and caps.events and target.host_buffer_type is not None
+        asynchronous = _asynchronous(target)
         pool = staging_pool(target)
         lease = pool.lease(slots, slot_bytes, alignment, cap_bytes=pool_cap, stopped=stop.is_set)
         if not lease.slots:
@@ -205,6 +215,11 @@ class _Lane:
         failure, returned so that the caller closes its other lanes too."""
         first: BaseException | None = None
         try:
+            if self.asynchronous and self.copies:
+                # What the buffers this stream wrote into carry back to the arena.
+                done = self.pool.target.new_event()
+                done.record(self.stream)
+                self.done = done
             self.stream.synchronize()
         except BaseException as exc:
             first = exc
@@ -245,7 +260,8 @@ class Uploader:
         self._pool_cap = pipeline.staging_pool_size
         self._threads = threads
         self._skip_wait = _unsafe_skip_slot_wait
-        self._buffers: list[DeviceBuffer] = []
+        self._grants: list[ArenaGrant] = []
+        self._done: dict[str, list[CopyEvent]] = {}  # per device: each stream's last copy
         self._tallies: dict[str, _Tally] = {}
         self._lock = threading.Lock()
         # Allocations and frees of device memory: not on the transfer threads, which may
@@ -269,12 +285,15 @@ class Uploader:
         tb: TracebackType | None,
     ) -> None:
         self.state = UploaderState.CLOSING
-        buffers, self._buffers = self._buffers, []
+        grants, self._grants = self._grants, []
+        with self._lock:
+            for grant in grants:
+                grant.used_by(self._done.get(grant.buffer.device, ()))
         try:
             if exc is not None:
-                # Freed even while being cancelled: nobody else will.
+                # Given back even while being cancelled: nobody else will.
                 with anyio.CancelScope(shield=True):
-                    await self._device_thread.run_sync(_close_all, buffers)
+                    await self._device_thread.run_sync(_close_all, [g.buffer for g in grants])
         except Exception as err:
             if exc is not None:
                 exc.add_note(f"while freeing device buffers: {err!r}")
@@ -283,7 +302,7 @@ class Uploader:
             await self._device_thread.__aexit__(None, None, None)
 
     def __del__(self) -> None:
-        if getattr(self, "state", None) is UploaderState.OPEN and self._buffers:
+        if getattr(self, "state", None) is UploaderState.OPEN and self._grants:
             warnings.warn(
                 "Uploader garbage-collected while open: device buffers leaked",
                 ResourceWarning,
@@ -297,7 +316,8 @@ class Uploader:
     # -- the interface ------------------------------------------------------------------
 
     async def allocate(self, device: str, nbytes: int) -> DeviceBuffer:
-        """Device memory for one planned buffer (allocated in a worker thread).
+        """Device memory for one planned buffer, from the device's arena (in a worker
+        thread).
 
         Raises ``LoadError`` when the device cannot allocate it, ``ValueError`` when
         ``device`` is not a device that takes uploads."""
@@ -306,12 +326,14 @@ class Uploader:
 
         def allocate_and_keep() -> DeviceBuffer:
             # The device gets its pool now even if no copy reaches it: the pool is how
-            # ``release_staging`` finds a device's cached memory.
+            # ``release_device_memory`` finds a device's cached memory.
             staging_pool(target)
-            buffer = target.allocate(nbytes)
+            grant = device_arena(target).take(nbytes)
             # Recorded in the thread: a cancelled await cannot lose the buffer.
-            self._buffers.append(buffer)
-            return buffer
+            self._grants.append(grant)
+            with self._lock:
+                _tally(self._tallies, device, target).device_bytes += grant.allocated_bytes
+            return grant.buffer
 
         return await self._device_thread.run_sync(allocate_and_keep)
 
@@ -329,9 +351,10 @@ class Uploader:
         destination, whatever ``fill`` raises, ``LoadError`` when a device
         fails, and the simulated device's ``RingViolation`` when the ring is broken."""
         self._check_open()
+        for device in {dest.device for _, dest in jobs}:
+            self._target(device)  # once per device: a protocol check is slow
         for job, dest in jobs:
-            self._target(dest.device)
-            self._check_job(job, dest)
+            _check_job(job, dest, self.slot_bytes)
         queue = deque(job_dest for job_dest in jobs if job_dest[0].nbytes)
         if not queue:
             return
@@ -366,6 +389,7 @@ class Uploader:
                     slots=t.slots,
                     slot_bytes=self.slot_bytes,
                     pinned_bytes_allocated=t.pinned_bytes,
+                    device_bytes_allocated=t.device_bytes,
                     bytes_copied=t.bytes_copied,
                     copies=t.copies,
                     slot_waits=t.slot_waits,
@@ -425,7 +449,9 @@ class Uploader:
             failure = lane.close()
             first = first or failure
             with self._lock:
-                tally = self._tallies.setdefault(lane.device, _Tally(lane.asynchronous))
+                tally = _tally(self._tallies, lane.device, lane.pool.target)
+                if lane.done is not None:
+                    self._done.setdefault(lane.device, []).append(lane.done)
                 tally.slots += slots
                 tally.pinned_bytes += lane.lease.pinned_bytes
                 tally.bytes_copied += lane.bytes_copied
@@ -438,17 +464,6 @@ class Uploader:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _check_job(self, job: ReadJob, dest: DeviceBuffer) -> None:
-        if job.nbytes > self.slot_bytes:
-            raise ValueError(
-                f"job {job.seq}: {job.nbytes} bytes > staging slot size {self.slot_bytes}"
-            )
-        if job.buffer_offset < 0 or job.buffer_offset + job.nbytes > dest.nbytes:
-            raise ValueError(
-                f"job {job.seq}: bytes [{job.buffer_offset}, {job.buffer_offset + job.nbytes})"
-                f" fall outside the {dest.nbytes}-byte buffer on {dest.device}"
-            )
-
     def _target(self, name: str) -> UploadTarget:
         device = self._devices.get(name)
         if device is None:
@@ -456,6 +471,30 @@ class Uploader:
         if not isinstance(device, UploadTarget):
             raise ValueError(f"device {name!r} ({device.backend}) does not take uploads")
         return device
+
+
+def _tally(tallies: dict[str, _Tally], device: str, target: UploadTarget) -> _Tally:
+    """The device's counters in ``tallies`` (the caller holds the uploader's lock)."""
+    tally = tallies.get(device)
+    if tally is None:
+        tally = tallies[device] = _Tally(_asynchronous(target))
+    return tally
+
+
+def _asynchronous(target: UploadTarget) -> bool:
+    """Whether copies to ``target`` are queued (llama.cpp's upload-backend negotiation)."""
+    caps = target.caps
+    return caps.async_copies and caps.events and target.host_buffer_type is not None
+
+
+def _check_job(job: ReadJob, dest: DeviceBuffer, slot_bytes: int) -> None:
+    if job.nbytes > slot_bytes:
+        raise ValueError(f"job {job.seq}: {job.nbytes} bytes > staging slot size {slot_bytes}")
+    if job.buffer_offset < 0 or job.buffer_offset + job.nbytes > dest.nbytes:
+        raise ValueError(
+            f"job {job.seq}: bytes [{job.buffer_offset}, {job.buffer_offset + job.nbytes})"
+            f" fall outside the {dest.nbytes}-byte buffer on {dest.device}"
+        )
 
 
 def _close_all(buffers: list[DeviceBuffer]) -> None:

@@ -30,6 +30,7 @@ from conftest import examples
 from fault_helpers import CallSeam, copy_file, holdings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from upload_helpers import buffers_in_use
 
 import aiogguf
 from aiogguf.engine import LoadWarning
@@ -155,7 +156,7 @@ def _load(path: Path, mode: str, sim: SimDevice | None, **overrides: Any) -> aio
 def _assert_nothing_beyond_the_pool(sim: SimDevice) -> None:
     """No device memory or stream is left, and the staging slots are back in the
     device's pool (which keeps them for the next load): freeing it frees them all."""
-    assert sim.live.buffers == sim.live.streams == 0
+    assert buffers_in_use(sim) == sim.live.streams == 0
     assert staging_pool(sim).stats().leased_slots == 0
     aiogguf.release_staging_sync()
     assert sim.live == NO_SIM_USAGE

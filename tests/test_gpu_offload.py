@@ -273,6 +273,45 @@ def test_second_load_pins_no_memory(rig: Rig, model: SynthModel, fresh_pool: Any
     assert entry.copies >= entry.bytes_copied // SLOT_BYTES
 
 
+def test_second_load_allocates_and_pins_nothing(
+    rig: Rig, model: SynthModel, fresh_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 23's must-show on every rig: closing a model gives its device memory to the
+    device's arena, and the next load of the same model takes it from there and its
+    slots from the pool, so it allocates no device memory and pins nothing. The oracle
+    counts the backend's own calls (``cupy.cuda.Memory`` is a ``cudaMalloc``,
+    ``PinnedMemory`` a ``cudaHostAlloc``), not only what the report says."""
+    overrides = {**rig.overrides, **STAGING, "mode": "none"}
+    made: list[tuple[str, int]] = []
+    if rig.cupy is not None:
+        for name in ("Memory", "PinnedMemory"):
+            original = getattr(rig.cupy.cuda, name)
+
+            def counted(size: int, *args: Any, _name: str = name, _made: Any = original) -> Any:
+                made.append((_name, size))
+                return _made(size, *args)
+
+            monkeypatch.setattr(rig.cupy.cuda, name, counted)
+    reports = []
+    calls = []
+    for _ in range(2):
+        made.clear()
+        with aiogguf.load_sync(model.path, **overrides) as loaded:
+            reports.append(uploads_of(loaded, rig))
+            assert_exact(loaded, model)
+            on_device = sum(b.nbytes for b in loaded.report.buffers if b.device == rig.device)
+        calls.append(list(made))
+    first, second = reports
+    assert first.device_bytes_allocated >= on_device > 0
+    assert first.pinned_bytes_allocated >= SLOT_BYTES
+    assert (second.device_bytes_allocated, second.pinned_bytes_allocated) == (0, 0)
+    assert second.bytes_copied == first.bytes_copied
+    if rig.cupy is not None:
+        assert {name for name, _ in calls[0]} == {"Memory", "PinnedMemory"}
+        assert sum(n for name, n in calls[0] if name == "Memory") == first.device_bytes_allocated
+        assert calls[1] == []
+
+
 def test_load_after_warm_up_pins_no_memory(rig: Rig, model: SynthModel, fresh_pool: Any) -> None:
     overrides = {**rig.overrides, **STAGING, "mode": "none"}
     warm = fresh_pool["warm_up"](None, **overrides)

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import gguf
 import pytest
+from upload_helpers import buffers_in_use
 
 import aiogguf
 from aiogguf.config import Config
@@ -43,10 +44,15 @@ def _assert_bytes(model: aiogguf.Model, path: Path) -> None:
         assert bytes(model.raw(tensor.name)) == tensor.data.tobytes(), tensor.name
 
 
-def test_second_load_pins_nothing(model_path: Path) -> None:
+def test_second_load_allocates_and_pins_nothing(model_path: Path) -> None:
+    """Issue 23's must-show, on the sim: the second load of a model takes its device
+    memory from the arena the first one's close filled, and its slots from the pool, so
+    it allocates and pins nothing and makes no device-wide synchronisation."""
     overrides: dict[str, Any] = {**OFFLOAD, "sim_gpus": ["1GiB"]}
-    pinned = []
+    sim = _sim(Config().with_overrides(sim_gpus=["1GiB"]))
+    pinned, allocated, syncs = [], [], []
     for _ in range(2):
+        before = sim.syncs.count
         with aiogguf.load_sync(model_path, **overrides) as model:
             (upload,) = model.report.uploads
             assert upload.device == "g0"
@@ -55,11 +61,21 @@ def test_second_load_pins_nothing(model_path: Path) -> None:
             assert on_device <= upload.bytes_copied < model.report.nbytes
             assert upload.copies >= upload.bytes_copied // (256 * 1024)
             pinned.append(upload.pinned_bytes_allocated)
+            allocated.append(upload.device_bytes_allocated)
+            syncs.append(sim.syncs.count - before)
             _assert_bytes(model, model_path)
     # Two threads, two slots each, pinned by the first load and reused by the second.
     assert pinned == [4 * 256 * 1024, 0]
-    sim = _sim(Config().with_overrides(sim_gpus=["1GiB"]))
+    # The first load allocated its buffers (each a cudaMalloc: a device-wide
+    # synchronisation); closing the model gave them to the arena, not back to the device.
+    on_device = sum(b.nbytes for b in model.report.buffers if b.device == "g0")
+    assert allocated[0] >= on_device > 0
+    assert allocated[1] == 0
+    assert syncs[0] >= 1
+    assert syncs[1] == 0
     assert staging_pool(sim).stats().slots == 4
+    assert buffers_in_use(sim) == 0
+    aiogguf.release_device_memory_sync()
     assert sim.live.buffers == 0
 
 
@@ -133,7 +149,7 @@ def test_cancel_mid_offload_leaves_nothing_beyond_the_pool(model_path: Path, see
 
     anyio.run(main)
     assert not entered, "cancelled after the load had finished"
-    assert sim.live.buffers == sim.live.streams == 0
+    assert buffers_in_use(sim) == sim.live.streams == 0
     stats = staging_pool(sim).stats()
     assert stats.leased_slots == 0
     assert sim.live.slots == stats.slots

@@ -145,7 +145,9 @@ def test_build_report_takes_records_in_and_gives_the_report_out(model: SynthMode
         plan: Plan = loaded.plan
     times = StageTimes(start_s=0.5, end_s=2.0, busy_s=3.0, items=4, nbytes=5)
     stats = FileStats(nbytes=7, reads=2, busy_s=0.1, first_start=0.6, last_end=1.9)
-    upload = DeviceUploadStats("g0", True, 2, 64, 128, 7, 1, 0, 0.0, 0.25)
+    upload = DeviceUploadStats(
+        "g0", True, 2, 64, 128, 7, 1, 0, 0.0, 0.25, device_bytes_allocated=4096
+    )
     report = build_report(
         plan,
         path=model.path.as_posix(),
@@ -172,6 +174,7 @@ def test_build_report_takes_records_in_and_gives_the_report_out(model: SynthMode
     )
     (u,) = report.uploads
     assert (u.device, u.slots, u.bytes_copied, u.fill_s) == ("g0", 2, 7, 0.25)
+    assert (u.pinned_bytes_allocated, u.device_bytes_allocated) == (128, 4096)
     loaded_tensors = [t for t in plan.tensors if not t.lazy]
     assert report.nbytes == sum(t.nbytes for t in loaded_tensors)
     assert report.n_tensors == len(loaded_tensors)

@@ -17,6 +17,7 @@ from aiogguf.config import Config
 from aiogguf.devices import enumerate_devices
 from aiogguf.errors import LoadError
 from aiogguf.io import _libc
+from aiogguf.io.devices.arena import device_arenas
 from aiogguf.io.devices.base import DeviceBuffer, UploadTarget
 from aiogguf.io.devices.sim import POISON_BYTE, RingViolation, SimDevice, SimUsage
 from aiogguf.testing.synth import write_synthetic_model
@@ -329,25 +330,36 @@ def test_cache_picks_the_smallest_fitting_block_among_several() -> None:
         again.close()
 
 
-def test_release_staging_frees_the_cached_device_memory(tmp_path: Path) -> None:
+def test_release_device_memory_frees_the_arena_and_the_cached_device_memory(
+    tmp_path: Path,
+) -> None:
     path = write_synthetic_model(tmp_path / "m.gguf", size_bytes="2MiB", seed=3).path
     overrides: dict[str, Any] = {
         "n_gpu_layers": -1,
         "staging_buffer_size": "256KiB",
         "sim_gpus": ["name=gr,free=1GiB"],
     }
+    allocated = []
     for _ in range(2):
         with aiogguf.load_sync(path, **overrides) as model:
-            assert model.report.uploads
-        gc.collect()  # no array of the model may keep its memory out of the cache
+            allocated.append(model.report.uploads[0].device_bytes_allocated)
+        gc.collect()  # no array of the model may keep its memory out of the arena
     (sim,) = [d for d in enumerate_devices(Config().with_overrides(**overrides)) if d.name == "gr"]
     assert isinstance(sim, SimDevice)
-    stats = sim.memory_cache.stats()
-    # The second load allocated every buffer from what the first one freed.
-    assert stats.reused == stats.backed > 0
-    assert stats.cached_bytes > 0
-    aiogguf.release_staging_sync()
+    # The second load took every buffer from what the first one gave back: no
+    # allocation, so no device-wide synchronisation either.
+    assert allocated[0] > 0
+    assert allocated[1] == 0
+    (arena,) = device_arenas()
+    held = arena.stats()
+    assert (held.allocated, held.reused, held.freed) == (1, 1, 0)
+    assert sim.live.buffer_bytes == held.idle_bytes == allocated[0]
+    syncs = sim.syncs.count
+    aiogguf.release_device_memory_sync()
+    assert sim.syncs.count == syncs + 1  # one cudaFree
+    assert sim.live.buffers == 0
     assert sim.memory_cache.stats().cached_bytes == 0
+    assert device_arenas() == ()
 
 
 def test_a_device_that_keeps_no_bytes_times_copies_and_still_checks_the_ring() -> None:

@@ -67,8 +67,12 @@ def _fake_cupy(memory_limit: int = 1 << 30) -> Any:
             self._buf = ctypes.create_string_buffer(max(size, 1))
             self.ptr = ctypes.addressof(self._buf)
 
+    class UnownedMemory:
+        def __init__(self, ptr: int, size: int, owner: object, device_id: int) -> None:
+            self.ptr, self.size, self.owner, self.device = ptr, size, owner, device_id
+
     class MemoryPointer:
-        def __init__(self, mem: Memory, offset: int) -> None:
+        def __init__(self, mem: Memory | UnownedMemory, offset: int) -> None:
             self.mem, self.ptr = mem, mem.ptr + offset
 
     class PinnedMemory:
@@ -86,6 +90,8 @@ def _fake_cupy(memory_limit: int = 1 << 30) -> Any:
             del anchor
 
     class Stream:
+        null: Any = types.SimpleNamespace(device=None, ptr=0)  # any device's
+
         def __init__(self, non_blocking: bool = False) -> None:
             assert non_blocking
             self.device = now()
@@ -99,7 +105,8 @@ def _fake_cupy(memory_limit: int = 1 << 30) -> Any:
             self.recorded_on: Stream | None = None
 
         def record(self, stream: Stream) -> None:
-            assert now() == stream.device, "event recorded with another device current"
+            if stream.device is not None:
+                assert now() == stream.device, "event recorded with another device current"
             self.recorded_on = stream
 
         @property
@@ -130,6 +137,7 @@ def _fake_cupy(memory_limit: int = 1 << 30) -> Any:
     cuda = types.SimpleNamespace(
         Device=Device,
         Memory=Memory,
+        UnownedMemory=UnownedMemory,
         MemoryPointer=MemoryPointer,
         PinnedMemory=PinnedMemory,
         PinnedMemoryPointer=PinnedMemoryPointer,

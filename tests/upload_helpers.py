@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from aiogguf.config import Config
+from aiogguf.io.devices.arena import device_arenas
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import ReadJob
@@ -26,6 +27,14 @@ def copy_threads() -> set[threading.Thread]:
     """The simulated copy-engine threads alive now (anyio's idle worker threads are
     not ours to count)."""
     return {t for t in threading.enumerate() if t.name.startswith("aiogguf-sim-copy")}
+
+
+def buffers_in_use(device: Any) -> int:
+    """Device allocations of a simulated device that a load or a model still holds:
+    those its arena does not keep idle for the next load."""
+    idle = sum(a.stats().idle_blocks for a in device_arenas() if a.target is device)
+    live: int = device.live.buffers
+    return live - idle
 
 
 def ring_config(slots: int, staging_bytes: int, pool_bytes: int | None = None) -> Config:

@@ -20,6 +20,7 @@ A device's name is also the name of its default buffer type, so ``-ot exps=g1`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from types import ModuleType
@@ -34,6 +35,7 @@ __all__ = [
     "CopyEvent",
     "CopyStream",
     "Device",
+    "DeviceBlock",
     "DeviceBuffer",
     "DeviceCaps",
     "DeviceKind",
@@ -244,6 +246,32 @@ class CopyStream(Protocol):
         ...
 
 
+class DeviceBlock(Protocol):
+    """One allocation of device memory (a ``cudaMalloc``) that the device's arena
+    (``io/devices/arena.py``) keeps across loads, handing it to one load's buffer at a
+    time."""
+
+    device: str
+    nbytes: int
+
+    def buffer(self, nbytes: int, released: Callable[[], None]) -> DeviceBuffer:
+        """A buffer over the block's first ``nbytes``, for one load. ``released()`` is
+        called once, after the buffer is closed and no array viewing it is alive (from
+        whichever thread drops the last one)."""
+        ...
+
+    def fence(self) -> CopyEvent:
+        """An event recorded now behind the work queued on the device's default stream
+        (kernels a user ran on the last load's arrays): the block is handed out again
+        only once it has completed."""
+        ...
+
+    def free(self) -> None:
+        """Give the memory back to the device (``cudaFree``: a device-wide
+        synchronisation). Idempotent."""
+        ...
+
+
 @runtime_checkable
 class UploadTarget(Protocol):
     """A device that holds memory of its own and takes uploads (sim and cupy GPUs)."""
@@ -257,8 +285,19 @@ class UploadTarget(Protocol):
     @property
     def host_buffer_type(self) -> BufferType | None: ...
 
+    def memory(self) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)`` now (``(0, 0)`` when it cannot tell)."""
+        ...
+
     def allocate(self, nbytes: int) -> DeviceBuffer:
-        """Blocking: ``nbytes`` of device memory. Raises ``LoadError`` when it fails."""
+        """Blocking: ``nbytes`` of device memory of its own, freed when it is closed and
+        no array views it. Raises ``LoadError`` when it fails."""
+        ...
+
+    def allocate_block(self, nbytes: int) -> DeviceBlock:
+        """Blocking: ``nbytes`` of device memory for the device's arena (loads take
+        their buffers from the arena, never from here). Raises ``LoadError`` when it
+        fails (out of memory included)."""
         ...
 
     def open_copy_stream(self, *, asynchronous: bool) -> CopyStream:
@@ -279,7 +318,7 @@ class UploadTarget(Protocol):
 @runtime_checkable
 class CachedMemory(Protocol):
     """A device that keeps freed device memory for later allocations (the simulated
-    device's cache). ``close_staging_pools`` (``release_staging``) empties it."""
+    device's cache). ``close_staging_pools`` (``release_device_memory``) empties it."""
 
     def release_cached_memory(self) -> int:
         """Give the idle cached memory back; the bytes freed."""

@@ -1,10 +1,11 @@
 """Real GPUs through CuPy, imported lazily: without CuPy, or without a visible device,
 there are simply no CuPy devices.
 
-Uploads (``stages/upload.py``): one ``cupy.cuda.Memory`` allocation per planned buffer,
-page-aligned pinned host slots (``cupy.cuda.PinnedMemory``, over-allocated by the
-alignment, so O_DIRECT reads land in them directly) kept by the device's staging pool,
-one non-blocking stream per transfer thread, one event per slot, and one
+Uploads (``stages/upload.py``): one ``cupy.cuda.Memory`` allocation (a ``cudaMalloc``)
+per planned buffer, kept by the device's arena across loads (``arena.py``), page-aligned
+pinned host slots (``cupy.cuda.PinnedMemory``, over-allocated by the alignment, so
+O_DIRECT reads land in them directly) kept by the device's staging pool, one
+non-blocking stream per transfer thread, one event per slot, and one
 ``cudaMemcpyAsync`` per staged chunk. Every CUDA call runs with its device current
 (worker threads have no fixed device) and every CuPy error is translated into a
 ``LoadError`` naming the device and the operation.
@@ -12,6 +13,11 @@ one non-blocking stream per transfer thread, one event per slot, and one
 Discovery (``cupy_devices``) imports CuPy and initialises CUDA: both are slow and hold
 the GIL for part of the time, so the result is cached for the life of the process and
 the engine calls it from a worker thread.
+
+Arrays view device memory through ``cupy.cuda.UnownedMemory`` whose owner is an object
+of ours (``_Anchor``), one per buffer: CuPy's ``Memory`` cannot be weakly referenced, the
+anchor can, and its death says that the buffer is closed and no array of it is left
+(the arena then takes the block back; ``held_by_views`` watches it).
 
 The streams are non-blocking: they do not order with the legacy default stream, so read
 a buffer (``to_host``, ``array`` + kernels) only after the uploader drained its device.
@@ -23,7 +29,8 @@ import contextlib
 import mmap
 import threading
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -43,6 +50,7 @@ from aiogguf.io.devices.base import (
 from aiogguf.io.ggml_types import GGMLType
 
 __all__ = [
+    "CupyBlock",
     "CupyCopyStream",
     "CupyDevice",
     "CupyDeviceBuffer",
@@ -119,11 +127,17 @@ class CupyDevice:
         return tensor_type.valid
 
     def allocate(self, nbytes: int) -> CupyDeviceBuffer:
-        """Blocking: ``nbytes`` of device memory (one ``cudaMalloc``, not the pool, so
-        closing the model gives the memory back to the device)."""
+        """Blocking: ``nbytes`` of device memory of its own (one ``cudaMalloc``, not
+        CuPy's pool; ``cudaFree`` once it is closed and no array views it)."""
+        block = self.allocate_block(nbytes)
+        return block.buffer(nbytes, block.free)
+
+    def allocate_block(self, nbytes: int) -> CupyBlock:
+        """Blocking: ``nbytes`` of device memory for the device's arena (one
+        ``cudaMalloc``, not CuPy's pool)."""
         cupy = _require_cupy(self.name)
         with _cuda_errors(self.name, f"allocating {nbytes} bytes of device memory"):
-            return CupyDeviceBuffer(cupy, self.ordinal, self.name, nbytes)
+            return CupyBlock(cupy, self.ordinal, self.name, nbytes)
 
     def open_copy_stream(self, *, asynchronous: bool) -> CupyCopyStream:
         cupy = _require_cupy(self.name)
@@ -230,17 +244,73 @@ def _check_range(what: str, offset: int, nbytes: int, size: int) -> None:
         raise ValueError(f"{what}: range [{offset}, {offset + nbytes}) outside [0, {size})")
 
 
-class CupyDeviceBuffer:
-    """One device allocation. ``array()`` views keep the memory alive after ``close()``."""
+class CupyBlock:
+    """One ``cudaMalloc`` (``cupy.cuda.Memory``), lent to one buffer at a time."""
 
     def __init__(self, cupy: Any, ordinal: int, device: str, nbytes: int) -> None:
         self.device = device
         self.nbytes = nbytes
-        self.xp: ModuleType = cupy
         self._cupy = cupy
         self._ordinal = ordinal
         with cupy.cuda.Device(ordinal):
             self._mem: Any = cupy.cuda.Memory(nbytes)
+        self.ptr = int(self._mem.ptr)
+
+    def buffer(self, nbytes: int, released: Callable[[], None]) -> CupyDeviceBuffer:
+        if self._mem is None:
+            raise LoadError(None, None, f"{self.device}: device memory used after free")
+        _check_range(f"{self.device} block", 0, nbytes, self.nbytes)
+        return CupyDeviceBuffer(self._cupy, self._ordinal, self, nbytes, released)
+
+    def fence(self) -> CupyEvent:
+        event = CupyEvent(self._cupy, self._ordinal, self.device)
+        with (
+            _cuda_errors(self.device, "recording an event"),
+            self._cupy.cuda.Device(self._ordinal),
+        ):
+            # The legacy default stream waits for the work of every blocking stream:
+            # its event covers kernels run on the last load's arrays by default.
+            event._event.record(self._cupy.cuda.Stream.null)
+        return event
+
+    def free(self) -> None:
+        mem, self._mem = self._mem, None
+        if mem is not None:
+            with _cuda_errors(self.device, "freeing device memory"):
+                del mem  # cudaFree: nothing else references it (arrays hold anchors)
+
+
+class _Anchor:
+    """Owner of one buffer's ``UnownedMemory``: every array of the buffer holds it, and
+    it holds the block. Weakly referenceable, unlike CuPy's ``Memory``."""
+
+    __slots__ = ("__weakref__", "block")
+
+    def __init__(self, block: CupyBlock) -> None:
+        self.block = block
+
+
+class CupyDeviceBuffer:
+    """A buffer over the first ``nbytes`` of a ``CupyBlock``. ``array()`` views keep it
+    alive after ``close()``; ``released`` is called once both are gone."""
+
+    def __init__(
+        self,
+        cupy: Any,
+        ordinal: int,
+        block: CupyBlock,
+        nbytes: int,
+        released: Callable[[], None],
+    ) -> None:
+        self.device = block.device
+        self.nbytes = nbytes
+        self.xp: ModuleType = cupy
+        self._cupy = cupy
+        self._ordinal = ordinal
+        self.anchor: _Anchor | None = _Anchor(block)
+        finalizer = weakref.finalize(self.anchor, released)
+        finalizer.atexit = False
+        self._mem: Any = cupy.cuda.UnownedMemory(block.ptr, nbytes, self.anchor, ordinal)
 
     @property
     def closed(self) -> bool:
@@ -278,10 +348,12 @@ class CupyDeviceBuffer:
         return host.data
 
     def close(self) -> None:
-        # cudaFree happens when the last reference (ours, or an array view's) goes.
-        mem, self._mem = self._mem, None
-        if mem is not None:
-            held_by_views(mem)
+        # The block goes back (to its arena, or to the device) when the last reference to
+        # the anchor (ours, or an array view's) goes.
+        anchor, self.anchor = self.anchor, None
+        self._mem = None
+        if anchor is not None:
+            held_by_views(anchor)
 
     def __repr__(self) -> str:
         state = "closed" if self._mem is None else "open"

@@ -6,8 +6,8 @@ kept: every load of the process, and loads running side by side, lease them from
 device's pool and give them back when their copies have completed. The pool grows on
 demand up to the cap its callers pass, pins outside its lock (so leases of slots already
 pinned never wait behind a pin), and is freed by ``close_staging_pools()`` (also at
-exit), which also empties the device's cache of freed device memory where it keeps one
-(``CachedMemory``).
+exit), which first frees the idle memory of every device arena (``arena.py``) and then
+empties the device's cache of freed device memory where it keeps one (``CachedMemory``).
 
 Each slot carries the device event recorded behind the last copy out of it. A slot comes
 back to the pool only after its lessee has synchronized the stream that copied out of it,
@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from aiogguf.io.devices.arena import close_device_arenas
 from aiogguf.io.devices.base import CachedMemory, CopyEvent, StagingSlot, UploadTarget
 
 __all__ = [
@@ -235,13 +236,18 @@ def staging_pools() -> tuple[StagingPool, ...]:
 
 
 def close_staging_pools() -> None:
-    """Free every idle slot of every pool and the idle cached memory of its device, and
-    forget the pools. Call it when no load runs (a slot leased now stays with its load
-    and is freed with the pool's object)."""
+    """Free the idle device memory of every device arena, every idle slot of every pool
+    and the idle cached memory of its device, and forget the arenas and pools. Call it
+    when no load runs (a slot leased now stays with its load and is freed with the
+    pool's object; device memory a model holds is freed when the model is closed)."""
+    first: Exception | None = None
+    try:
+        close_device_arenas()  # first: the blocks it frees go to a device's cache
+    except Exception as exc:
+        first = exc
     with _pools_lock:
         pools = [pool for _, pool in _pools.values()]
         _pools.clear()
-    first: Exception | None = None
     for pool in pools:
         try:
             pool.close()

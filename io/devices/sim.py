@@ -12,7 +12,7 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
   per-device cache (``SimMemoryCache``, the pattern of CuPy's memory pool) that serves
   later allocations of a fitting size, so the backing is paid once per process, as a
   GPU's memory is there from the start. ``release_cached_memory()`` (called by
-  ``release_staging``) gives the cache back to the OS;
+  ``release_device_memory``) gives the cache back to the OS;
 * it carries a real GPU's costs, so that a design that is slow on a GPU is slow here
   too: pinning a staging slot sleeps ``pin_s_per_gib`` per GiB, and a copy takes
   ``copy_latency_us`` plus ``nbytes / bandwidth`` (plus a random delay up to
@@ -31,8 +31,14 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
   and device memory reads back zeros, so nothing that reads it back can be trusted
   (checks of units that straddle two staging pieces included). That is for benchmarks
   of the pipeline's shape (``bench/gpu_sim.py``), never for tests of its bytes;
+* ``cudaMalloc`` and ``cudaFree`` (``allocate``/``allocate_block``, and closing a
+  buffer of its own or freeing a block) are what they are on a GPU: a device-wide
+  synchronisation, which waits until every copy queued on any stream of the device has
+  completed, so a free during another load's copies stalls the thread that frees
+  (``SimDevice.syncs`` counts them, and the time they waited). Loads take their memory
+  from the device's arena (``arena.py``), which keeps it across loads;
 * not modelled at all: device memory bandwidth, PCIe sharing between devices and
-  ``cudaMalloc``'s own latency;
+  ``cudaMalloc``'s own latency beyond that wait;
 * the device checks the ring invariant itself: refilling a staging slot whose last copy
   (on whichever stream) has not completed raises ``RingViolation`` naming the slot
   (``begin_write``), and every copy fingerprints its source when it is issued and again
@@ -51,7 +57,7 @@ import time
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType
@@ -81,6 +87,7 @@ __all__ = [
     "SIM_MEMORY_CACHE_BYTES",
     "SIM_PIN_S_PER_GIB",
     "RingViolation",
+    "SimBlock",
     "SimCopyStream",
     "SimDevice",
     "SimDeviceBuffer",
@@ -88,6 +95,7 @@ __all__ = [
     "SimMemoryCache",
     "SimMemoryStats",
     "SimStagingSlot",
+    "SimSyncs",
     "SimUsage",
 ]
 
@@ -116,6 +124,15 @@ class RingViolation(GGUFError):
         self.slot = slot
         self.problem = problem
         super().__init__(f"device {device}: staging slot {slot}: {problem}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimSyncs:
+    """The device-wide synchronisations (``cudaMalloc``, ``cudaFree``) so far, and how
+    long their callers waited in them."""
+
+    count: int
+    wait_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +218,8 @@ class SimDevice:
         self._link_free_at = 0.0  # perf_counter time the last copy queued ends
         self._usage = SimUsage(0, 0, 0, 0)
         self._streams_opened = 0
+        self._open_streams: weakref.WeakSet[SimCopyStream] = weakref.WeakSet()
+        self._syncs = SimSyncs(0, 0.0)
         self.memory_cache = SimMemoryCache(name, memory_cache_bytes)
 
     def memory(self) -> tuple[int, int]:
@@ -227,13 +246,53 @@ class SimDevice:
                 u.streams + streams,
             )
 
+    @property
+    def syncs(self) -> SimSyncs:
+        """Device-wide synchronisations so far (allocations and frees)."""
+        with self._lock:
+            return self._syncs
+
+    def synchronize_device(self) -> None:
+        """Wait until every copy queued so far on any stream of the device has completed
+        (what ``cudaMalloc`` and ``cudaFree`` do on a GPU; it blocks the calling thread)."""
+        began = time.perf_counter()
+        with self._lock:
+            streams = list(self._open_streams)
+        for stream in streams:
+            stream._drain()
+        waited = time.perf_counter() - began
+        with self._lock:
+            self._syncs = SimSyncs(self._syncs.count + 1, self._syncs.wait_s + waited)
+
     def allocate(self, nbytes: int) -> SimDeviceBuffer:
-        """``nbytes`` of simulated device memory, poisoned. Blocking: memory the cache
-        cannot supply is backed before this returns.
+        """``nbytes`` of simulated device memory, poisoned, freed (a device-wide
+        synchronisation) when it is closed. Blocking: waits for every stream's copies,
+        and memory the cache cannot supply is backed before this returns.
 
         Raises ``LoadError`` when the device's ``total`` would be exceeded."""
+        self._reserve(nbytes)
+        try:
+            return SimDeviceBuffer(self, nbytes)
+        except BaseException:
+            self._count(buffers=-1, buffer_bytes=-nbytes)
+            raise
+
+    def allocate_block(self, nbytes: int) -> SimBlock:
+        """``nbytes`` of simulated device memory for the device's arena, backed (see
+        ``allocate``). Raises ``LoadError`` when the device's ``total`` would be
+        exceeded, or the host cannot back it."""
+        self._reserve(nbytes)
+        try:
+            return SimBlock(self, nbytes)
+        except BaseException:
+            self._count(buffers=-1, buffer_bytes=-nbytes)
+            raise
+
+    def _reserve(self, nbytes: int) -> None:
+        """``cudaMalloc``'s part: a device-wide synchronisation, then the accounting."""
         if nbytes < 0:
             raise ValueError(f"device {self.name}: cannot allocate {nbytes} bytes")
+        self.synchronize_device()
         with self._lock:
             u = self._usage
             if u.buffer_bytes + nbytes > self.total:
@@ -244,11 +303,6 @@ class SimDevice:
                     f"{self.total - u.buffer_bytes} of {self.total} free",
                 )
             self._usage = SimUsage(u.buffers + 1, u.buffer_bytes + nbytes, u.slots, u.streams)
-        try:
-            return SimDeviceBuffer(self, nbytes)
-        except BaseException:
-            self._count(buffers=-1, buffer_bytes=-nbytes)
-            raise
 
     def release_cached_memory(self) -> int:
         """Give the idle memory of the device's cache back to the OS; the bytes freed.
@@ -262,7 +316,10 @@ class SimDevice:
             self._streams_opened += 1
             n = self._streams_opened
         seed = None if self.seed is None else self.seed * 1_000_003 + n
-        return SimCopyStream(self, asynchronous=asynchronous, seed=seed)
+        stream = SimCopyStream(self, asynchronous=asynchronous, seed=seed)
+        with self._lock:
+            self._open_streams.add(stream)
+        return stream
 
     def open_staging_slot(self, index: int, nbytes: int, alignment: int) -> SimStagingSlot:
         """A staging slot; takes as long as pinning ``nbytes`` takes on the modelled GPU
@@ -288,11 +345,47 @@ def _check_range(what: str, offset: int, nbytes: int, size: int) -> None:
         raise ValueError(f"{what}: range [{offset}, {offset + nbytes}) outside [0, {size})")
 
 
+class SimBlock:
+    """One simulated ``cudaMalloc`` that the device's arena keeps across loads: memory
+    from the device's ``SimMemoryCache`` (none with ``keep_bytes=False``), lent to one
+    load's ``SimDeviceBuffer`` at a time."""
+
+    def __init__(self, owner: SimDevice, nbytes: int) -> None:
+        self.device = owner.name
+        self.nbytes = nbytes
+        self._owner = owner
+        self._memory: _Block | None = owner.memory_cache.take(nbytes) if owner.keep_bytes else None
+        self._freed = False
+
+    def buffer(self, nbytes: int, released: Callable[[], None]) -> SimDeviceBuffer:
+        if self._freed:
+            raise LoadError(None, None, f"device {self.device}: block used after free")
+        _check_range(f"device {self.device} block", 0, nbytes, self.nbytes)
+        return SimDeviceBuffer(self._owner, nbytes, memory=self._memory, released=released)
+
+    def fence(self) -> SimEvent:
+        # No kernel runs on the simulated device's default stream: nothing to wait for.
+        return SimEvent()
+
+    def free(self) -> None:
+        if self._freed:
+            return
+        self._freed = True
+        self._owner.synchronize_device()
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            self._owner.memory_cache.give_back(memory)
+        self._owner._count(buffers=-1, buffer_bytes=-self.nbytes)
+
+
 class SimDeviceBuffer:
     """Simulated device memory: a numpy array standing in for a device allocation.
 
-    The memory comes from the device's ``SimMemoryCache``, backed before the buffer
-    exists, and goes back to it once the buffer is closed and no array views it.
+    Allocated alone (``SimDevice.allocate``), the memory comes from the device's
+    ``SimMemoryCache``, backed before the buffer exists, and goes back to it once the
+    buffer is closed and no array views it. Over an arena's block (``SimBlock.buffer``),
+    it is the block's memory, and ``released`` is called once the buffer is closed and
+    no array views it.
 
     Bytes no copy has reached read as ``POISON_BYTE``, memory the cache reused included.
     The poison is laid lazily, on the first read of a range no copy wrote: a second pass
@@ -300,11 +393,30 @@ class SimDeviceBuffer:
 
     xp: ModuleType = numpy
 
-    def __init__(self, owner: SimDevice, nbytes: int) -> None:
+    def __init__(
+        self,
+        owner: SimDevice,
+        nbytes: int,
+        *,
+        memory: _Block | None = None,
+        released: Callable[[], None] | None = None,
+    ) -> None:
         self.device = owner.name
         self.nbytes = nbytes
         self._owner = owner
-        if owner.keep_bytes:
+        self._own = released is None  # memory of its own, freed by close()
+        data: numpy.ndarray[Any, numpy.dtype[numpy.uint8]]
+        if released is not None:
+            # A new array over the block for this buffer alone: its views (array(), the
+            # copy engine's slices) have it as their base, so its death says that the
+            # last of them is gone.
+            if memory is not None:
+                data = numpy.frombuffer(memory.data, dtype=numpy.uint8, count=nbytes)
+            else:
+                data = numpy.zeros(nbytes, dtype=numpy.uint8)
+            on_release = weakref.finalize(data, released)
+            on_release.atexit = False
+        elif owner.keep_bytes:
             block = owner.memory_cache.take(nbytes)
             # A new array over the block's memory: its base is a memoryview, so no view
             # of it reaches past it to the block.
@@ -374,7 +486,9 @@ class SimDeviceBuffer:
                 return
         held_by_views(data)  # forgotten at once unless a view keeps it
         del data
-        self._owner._count(buffers=-1, buffer_bytes=-self.nbytes)
+        if self._own:
+            self._owner.synchronize_device()  # cudaFree
+            self._owner._count(buffers=-1, buffer_bytes=-self.nbytes)
 
     def __repr__(self) -> str:
         state = "closed" if self._data is None else "open"
@@ -669,7 +783,16 @@ class SimCopyStream:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        with self._owner._lock:
+            self._owner._open_streams.discard(self)
         self._owner._count(streams=-1)
+
+    def _drain(self) -> None:
+        """Wait until every copy issued so far has run (a device-wide synchronisation's
+        part: failures stay with the stream's own ``synchronize``)."""
+        with self._cond:
+            target = self._issued
+            self._cond.wait_for(lambda: self._completed >= target)
 
     # -- the invariant --------------------------------------------------------------------
 

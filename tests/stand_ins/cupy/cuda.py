@@ -75,7 +75,10 @@ def _host_memory(size: int) -> tuple[mmap.mmap, int]:
 
 
 class Memory:
-    """Device memory: host memory on the stand-in."""
+    """Device memory: host memory on the stand-in. As CuPy's (a Cython class without
+    ``__weakref__``), it cannot be weakly referenced."""
+
+    __slots__ = ("_block", "device_id", "ptr", "size")
 
     def __init__(self, size: int) -> None:
         self.device_id = current()
@@ -83,14 +86,27 @@ class Memory:
         self._block, self.ptr = _host_memory(size)
 
 
+class UnownedMemory:
+    """Device memory someone else owns: ``owner`` is kept alive as long as this is. Not
+    weakly referenceable either."""
+
+    __slots__ = ("_owner", "device_id", "ptr", "size")
+
+    def __init__(self, ptr: int, size: int, owner: object, device_id: int = -1) -> None:
+        self.ptr = ptr
+        self.size = size
+        self._owner = owner
+        self.device_id = current() if device_id < 0 else device_id
+
+
 class MemoryPointer:
-    def __init__(self, mem: Memory, offset: int) -> None:
+    def __init__(self, mem: Memory | UnownedMemory, offset: int) -> None:
         self.mem = mem
         self.ptr = mem.ptr + offset
         self.device_id = mem.device_id
 
     @classmethod
-    def at(cls, mem: Memory | None, address: int) -> MemoryPointer:
+    def at(cls, mem: Memory | UnownedMemory | None, address: int) -> MemoryPointer:
         """The pointer to ``address`` (in ``mem``, when known)."""
         if mem is None:
             pointer = cls.__new__(cls)
@@ -124,15 +140,20 @@ class PinnedMemoryPointer(mmap.mmap):
 
 
 class Stream:
+    null: Stream  # the legacy default stream (CuPy's ``Stream.null``)
+
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
         self.device_id = current()
-        self.ptr = id(self)
+        self.ptr = 0 if null else id(self)
 
     def synchronize(self) -> None:
         pass
 
     def wait_event(self, event: Event) -> None:
         pass
+
+
+Stream.null = Stream(null=True)
 
 
 class Event:

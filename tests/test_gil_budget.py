@@ -1,0 +1,90 @@
+"""bench/gil_budget.py: how py-spy's samples are sorted (what is counted, what is not),
+and a whole quick run's output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_gil_budget", BENCH / "gil_budget.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BOOT = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
+RAW = "\n".join(
+    [
+        # The spinner: never counted.
+        f"thread (11): Thread-1 (_spinner_loop);{BOOT};_spinner_loop (gil_budget.py:80) 500",
+        # The sim's copy engine and its copy queue: excluded, by name.
+        f"thread (12): aiogguf-sim-copy-g0;{BOOT};SimCopyStream._run (sim.py:744) 7",
+        f"thread (13): aiogguf-transfer-0;{BOOT};_Lane.stage (upload.py:192);"
+        "SimCopyStream.copy_async (sim.py:641);_fingerprint (sim.py:509) 5",
+        # The load's own: counted, by innermost function and thread.
+        f"thread (13): aiogguf-transfer-0;{BOOT};_Lane.stage (upload.py:178);"
+        "DataFile._pread_loop (aiogguf/io/files.py:397) 9",
+        f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/stages/validate.py:146) 4",
+        f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/stages/validate.py:151) 2",
+        "thread (10): MainThread;<module> (x.py:1);BaseEventLoop._run_once (base_events.py:1) 3",
+        "not a sample line",
+    ]
+)
+
+
+def test_samples_are_sorted_into_spinner_excluded_and_counted() -> None:
+    gil = _module()
+    s = gil.count_samples(RAW)
+    assert s["total"] == 500 + 7 + 5 + 9 + 4 + 2 + 3
+    assert s["spinner"] == 500
+    assert s["excluded"] == {"SimCopyStream._run": 7, "SimCopyStream.copy_async": 5}
+    assert s["counted"] == 18
+    # Lines of one function are summed; the most frequent first.
+    assert s["functions"][0] == ("DataFile._pread_loop (files.py)", 9)
+    assert ("_Screen.clear (validate.py)", 6) in s["functions"]
+    assert dict(s["threads"]) == {"aiogguf-transfer": 9, "aiogguf-reader": 6, "MainThread": 3}
+
+
+@pytest.mark.slow
+def test_quick_run_prints_every_case(tmp_path: Path) -> None:
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists() and shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed (the dev and bench extras have it)")
+    out = tmp_path / "gil.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-P", str(BENCH / "gil_budget.py"), "--quick"),
+            *("--dir", str(tmp_path), "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == result
+    gil = _module()
+    assert [c["case"] for c in result["cases"]] == list(gil.CASES)
+    for case in result["cases"]:
+        assert case["gb_loaded"] > 0
+        assert case["samples"]["spinner"] > 0  # the spinner ran beside the loads
+        assert case["gil_ms_per_gb"] >= 0
+        assert case["target_ms_per_gb"] in (gil.TARGET_ON_MS, gil.TARGET_OFF_MS)
+        assert isinstance(case["met"], bool)
+        assert all(len(row) == 2 for row in case["samples"]["functions"])
+    assert "ceiling GB/s" in proc.stderr  # the table
+    assert "host_none_checks_off" in proc.stderr
