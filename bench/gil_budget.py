@@ -95,6 +95,10 @@ def _child(task: Mapping[str, Any]) -> None:
     import aiogguf
 
     path, overrides = task["path"], dict(task["overrides"])
+    if task.get("load_nice") is not None:
+        import aiogguf.io.workers
+
+        aiogguf.io.workers.LOAD_NICE = int(task["load_nice"])
     if task.get("switch_interval_s"):
         sys.setswitchinterval(float(task["switch_interval_s"]))
 
@@ -221,9 +225,10 @@ def measure_case(
     rate: int,
     spy: str,
     keep_raw: str | None = None,
+    load_nice: int | None = None,
 ) -> dict[str, Any]:
     """One case in a fresh process, sampled by py-spy; never raises."""
-    task = {"path": str(path), "overrides": dict(overrides), "loads": loads}
+    task = {"path": str(path), "overrides": dict(overrides), "loads": loads, "load_nice": load_nice}
     child = _spawn(task)
     assert child.stdin is not None
     assert child.stdout is not None
@@ -376,6 +381,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="32 MiB, one load per case")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON to PATH")
     parser.add_argument("--keep-raw", metavar="DIR", help="keep py-spy's samples in DIR")
+    parser.add_argument(
+        "--load-nice",
+        type=int,
+        default=None,
+        help="the load threads' nice value (default: the library's, LOAD_NICE)",
+    )
     args = parser.parse_args(argv)
     if args.child:
         _child(json.loads(args.child))
@@ -429,7 +440,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 overrides["sim_gpus"] = [spec]
             _say(f"{name} ...")
             c = measure_case(
-                name, path, overrides, loads=loads, rate=rate, spy=spy, keep_raw=args.keep_raw
+                name,
+                path,
+                overrides,
+                loads=loads,
+                rate=rate,
+                spy=spy,
+                keep_raw=args.keep_raw,
+                load_nice=args.load_nice,
             )
             result["cases"].append(c)
             if "error" in c:
