@@ -9,6 +9,7 @@ lowered ``RLIMIT_NOFILE``, on 127.0.0.1, and stop by themselves."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -32,25 +33,19 @@ import aiohttp
 import anyio
 import gguf
 import pytest
-from server_helpers import running
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_helpers import post, running
 
 import aiogguf.server
 from aiogguf.server import ServerPolicy, create_app, registry_of
+from aiogguf.server_policy import REQUEST_KEYS
 from aiogguf.testing.synth import write_synthetic_model
 
 HERE = Path(__file__).resolve().parent
 MiB = 1024**2
 # Generous: these tell "ends" from "hangs", not fast from slow.
 ENDS_WITHIN_S = 30
-
-
-async def post(
-    http: aiohttp.ClientSession, url: str, path: Path | str, **config: Any
-) -> tuple[int, dict[str, Any]]:
-    async with http.post(f"{url}/models", json={"path": str(path), "config": config}) as r:
-        assert r.content_type == "application/json", await r.text()
-        body: dict[str, Any] = await r.json()
-        return r.status, body
 
 
 def empty_first_shard(path: Path, count: int) -> None:
@@ -607,3 +602,67 @@ def test_serve_ends_within_2s_of_sigterm(tmp_path: Path) -> None:
     print(f"serve ended {took:.2f} s after SIGTERM, status {status}")
     assert took < 2.0
     assert status == 0, stderr
+
+
+# --- any request: a JSON reply, never a 500 -------------------------------------------------
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+BODIES = st.one_of(
+    st.binary(max_size=200),
+    JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "path": st.text(max_size=30) | JSON_VALUES,
+            "config": st.dictionaries(
+                st.sampled_from(sorted(REQUEST_KEYS)) | st.text(max_size=12), JSON_VALUES
+            )
+            | JSON_VALUES,
+        },
+    ).map(lambda v: json.dumps(v).encode()),
+)
+HEADER_VALUES = st.binary(max_size=40).filter(lambda b: b"\r" not in b and b"\n" not in b)
+
+
+@pytest.fixture(scope="module")
+def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server with a token on 127.0.0.1, on an event loop of its own thread."""
+    root = tmp_path_factory.mktemp("any-request")
+    write_synthetic_model(root / "m.gguf", size_bytes="256KiB", seed=1, n_layer=1)
+    loop = asyncio.new_event_loop()
+    urls: list[str] = []
+    ready, stop = threading.Event(), asyncio.Event()
+
+    async def serve_until_stopped() -> None:
+        app = create_app(roots=[root], policy=ServerPolicy(token="t0ken", max_models=4))
+        async with running(app, guarded=True) as url:
+            urls.append(url)
+            ready.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve_until_stopped(),))
+    thread.start()
+    try:
+        assert ready.wait(ENDS_WITHIN_S)
+        yield urls[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(ENDS_WITHIN_S)
+        loop.close()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=BODIES, auth=st.just(b"Bearer t0ken") | HEADER_VALUES)
+def test_any_request_gets_a_json_reply_and_never_a_500(
+    live_url: str, body: bytes, auth: bytes
+) -> None:
+    status, content_type, reply = raw_request(live_url, post_bytes(body, auth=auth))
+    assert content_type.startswith("application/json"), (status, reply[:200])
+    data = json.loads(reply)
+    assert status != 500, data
+    if status >= 400:
+        assert "\n" not in data["error"]
