@@ -42,7 +42,7 @@ from aiogguf.errors import TensorFailure
 from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.files import DataFile
 from aiogguf.io.ggml_types import GGMLType, ScaleField, ScaleKind, TypeKind
-from aiogguf.io.workers import LoadThreads
+from aiogguf.io.workers import LoadThreads, raise_if_stopped
 from aiogguf.jobs import BufferLayout, ReadJob, StageMeter, StageTimes, TensorSlot
 from aiogguf.records import WeightIndex
 from aiogguf.stages.allocate import TensorSpans
@@ -877,6 +877,7 @@ def _update_from_file(checker: TensorChecker, source: FileBytes, start: int, nby
     from the file. Raises ``LoadError`` if the file ends early or a read fails."""
     scratch = _piece_scratch()
     for lo in range(start, start + nbytes, HOST_SLICE_BYTES):
+        raise_if_stopped()  # a call reads up to CALL_BYTES: from a slow disk, seconds
         piece = scratch[: min(HOST_SLICE_BYTES, start + nbytes - lo)]
         source.file.read_into(piece.data, source.offset + lo)
         checker.update(piece)
