@@ -31,6 +31,7 @@ of the call. Reads, checks and transfers stop between jobs through flags of thei
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
 import functools
 import itertools
@@ -343,11 +344,12 @@ class LoadThreads:
         self._workers: list[_Worker] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._refusal: BaseException | None = None  # a thread of the lane could not start
-        # What the threads asked the loop to run (``_on_loop``), in order, and whether a
-        # wake-up of the loop that will run it is already on its way.
-        self._for_loop: list[Callable[[], object]] = []
-        self._loop_woken = False
-        self._for_loop_lock = threading.Lock()
+        # What the threads asked the loop to run (``_on_loop``), in order, and, held while
+        # a wake-up of the loop that will run it is on its way, ``_woken``. No lock guards
+        # them: a thread that held one could lose the GIL inside it, and the loop would
+        # then wait for that thread to get the GIL back.
+        self._for_loop: collections.deque[Callable[[], object]] = collections.deque()
+        self._woken = threading.Lock()
 
     @property
     def count(self) -> int:
@@ -424,34 +426,25 @@ class LoadThreads:
         while it is on its way runs in the same loop iteration. A wake-up costs the loop
         an iteration, with the GIL, and each of the loop's takes of the GIL can wait a
         switch interval behind a busy thread; per job, that was a cost per byte."""
-        with self._for_loop_lock:
-            self._for_loop.append(fn)
-            if self._loop_woken:
-                return
-            self._loop_woken = True
-        token = self._token
-        assert token is not None
-        _run_sync_soon(token, self._run_for_loop, ())
+        self._for_loop.append(fn)  # atomic, as is every deque append and pop
+        if self._woken.acquire(blocking=False):
+            token = self._token
+            assert token is not None
+            _run_sync_soon(token, self._run_for_loop, ())
 
     def _run_for_loop(self) -> None:
         """On the loop's thread: run what was asked, in order. What the threads ask for
-        meanwhile waits for the next wake-up, so that the loop's other tasks get their
-        turn in between. What raises is raised once the rest has run (the loop logs it)."""
-        with self._for_loop_lock:
-            batch, self._for_loop = self._for_loop, []
+        meanwhile waits for the next wake-up (which they ask for: ``_woken`` is free
+        again before anything runs), so that the loop's other tasks get their turn in
+        between. What raises is raised once the rest has run (the loop logs it)."""
+        self._woken.release()
         first: BaseException | None = None
-        for fn in batch:
+        for _ in range(len(self._for_loop)):
+            fn = self._for_loop.popleft()  # only this thread takes from it
             try:
                 fn()
             except Exception as exc:
                 first = first or exc
-        with self._for_loop_lock:
-            again = bool(self._for_loop)
-            self._loop_woken = again
-        if again:
-            token = self._token
-            assert token is not None
-            _run_sync_soon(token, self._run_for_loop, ())
         if first is not None:
             raise first
 

@@ -8,7 +8,8 @@ import the interpreter has to look for: a module not yet in ``sys.modules``, fou
 not (a failed ``import cupy`` searches the path too). While the loop runs, a ticker
 sleeps 1 ms at a time and records how late it wakes (the loop lag a server would see),
 and how much of that its thread spent on a run queue while other work held the cores.
-One JSON object on stdout: per load, the modules first imported on the loop's thread,
+One JSON object on stdout: the modules first imported on the loop's thread during
+``warm_up``, and per load the modules first imported on the loop's thread,
 those first imported elsewhere, the load's time and its lag (worst, p99).
 """
 
@@ -50,6 +51,7 @@ import aiogguf  # noqa: E402
 
 IMPORT_S = time.perf_counter() - began
 TICK_S = 0.001
+LOOP = [0]  # the loop's thread, once it runs
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -77,7 +79,7 @@ async def _tick(lags: list[float], blocked: list[float]) -> None:
 
 async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
     path, overrides = task["path"], task.get("overrides", {})
-    loop_thread = threading.get_ident()
+    loop_thread = LOOP[0] = threading.get_ident()
     results: list[dict[str, Any]] = []
     if task.get("warm_up"):
         RECORDER.phase = "warm_up"
@@ -122,4 +124,5 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     loads = asyncio.run(main(json.loads(sys.argv[1])))
-    print(json.dumps({"import_s": IMPORT_S, "loads": loads}))
+    warm_up_on_loop = [m for m, t, p in RECORDER.records if p == "warm_up" and t == LOOP[0]]
+    print(json.dumps({"import_s": IMPORT_S, "loads": loads, "warm_up_on_loop": warm_up_on_loop}))

@@ -120,6 +120,18 @@ def test_loads_import_nothing_on_the_loop(model: SynthModel, overrides: dict[str
         assert "cupy" in first["imported_elsewhere"]
 
 
+@pytest.mark.parametrize("overrides", [HOST, SIM_OFFLOAD], ids=["host", "sim_offload"])
+def test_warm_up_imports_nothing_on_the_loop(model: SynthModel, overrides: dict[str, Any]) -> None:
+    """``warm_up`` (devices, pools, threads, the rehearsal load) imports what it needs on
+    the load's threads too, and so does the load after it."""
+    task = {"path": str(model.path), "overrides": overrides, "warm_up": True}
+    answer = _run(task, slow_cupy="sim_gpus" not in overrides)
+    assert answer["warm_up_on_loop"] == []
+    (load,) = answer["loads"]
+    assert load["imported_on_loop"] == []
+    assert load["imported_elsewhere"] == []  # warm_up imported it all
+
+
 def test_slow_cupy_is_imported_off_the_loop(model: SynthModel) -> None:
     """Finding the GPUs imports CuPy, which takes a second on a GPU host: on the load's
     thread, never the loop's."""
