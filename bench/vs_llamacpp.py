@@ -410,54 +410,26 @@ def run_worker(task: Mapping[str, Any], *, cwd: str | None = None) -> dict[str, 
 
 
 def drop_cache(path: Path) -> str | None:
-    """Evict ``path`` from the page cache; returns how (``"posix_fadvise"`` or
-    ``"drop_caches"``), or None when neither emptied it."""
-    from aiogguf.io.pagecache import drop_from_cache, resident_bytes
+    """Evict ``path`` from the page cache (``aiogguf.testing.baselines.evict``)."""
+    from aiogguf.testing.baselines import evict
 
-    if drop_from_cache(path):
-        return "posix_fadvise"
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-    except OSError:
-        return None
-    return "drop_caches" if resident_bytes(path) == 0 else None
+    return evict(path)
 
 
 class _PageCache:
-    """Puts each file's page cache in a case's state (``CACHE_STATES``) before a load.
-    A warm state is made anew only when the last one made for the file was another, or
-    part of the file has left the cache since: loads leave the cache as they found it,
-    except cold ones, which fill it in their own way. Where the file cannot be evicted
-    (``evictable=False``) warm loads find it as it is."""
+    """The harness's ``PageCache`` (``CACHE_STATES``), then the spacer and the pause of
+    ``settle`` after each state it makes."""
 
     def __init__(self, evictable: bool) -> None:
-        self._evictable = evictable
-        self._made: dict[Path, str] = {}
+        from aiogguf.testing.baselines import PageCache
+
+        self._cache = PageCache(evictable)
 
     def prepare(self, path: Path, cache: str, settle_s: float) -> None:
-        from aiogguf.io.mapping import open_mapping
-        from aiogguf.io.pagecache import resident_bytes
-        from aiogguf.testing.baselines import fill_cache, warm_file
         from aiogguf.testing.bench import settle
 
-        size = path.stat().st_size
-        if cache == "cold":
-            if drop_cache(path) is None:
-                raise RuntimeError(f"{path}: could not drop it from the page cache")
-        elif not self._evictable:
-            warm_file(path)
-        elif self._made.get(path) != cache or resident_bytes(path) < size:
-            if drop_cache(path) is None:
-                raise RuntimeError(f"{path}: could not evict it to cache it anew")
-            fill_cache(path, small_pages=cache == "pages")
-            # The first mapping of freshly cached pages costs about twice what later ones
-            # do (2 GiB: 110 against 55 ms in 4 KiB pages, 2.7 against 1.6 ms in large
-            # folios): mapped once here, no timed load is the first, whichever goes first.
-            with open_mapping(path, 0, size, populate=True):
-                pass
-        self._made[path] = cache
-        settle(settle_s, touch_bytes=size, near=path)
+        self._cache.make(path, cache)
+        settle(settle_s, touch_bytes=path.stat().st_size, near=path)
 
 
 # --- summaries and the table -------------------------------------------------------------

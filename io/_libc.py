@@ -13,12 +13,12 @@ Each function raises ``OSError`` with the C ``errno`` on failure; callers transl
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 from errno import ENOSYS
 
 __all__ = [
+    "MADV_HUGEPAGE",
     "MADV_POPULATE_READ",
     "MADV_POPULATE_WRITE",
     "MLOCK_ONFAULT",
@@ -35,10 +35,15 @@ __all__ = [
 # Linux ≥ 5.14 (<linux/mman.h>); Python 3.11's mmap module does not export them.
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+# <asm-generic/mman-common.h>, the same on every architecture; exported by mmap only
+# where the build's headers had it.
+MADV_HUGEPAGE = 14
 # mlock2(2) flag (Linux >= 4.4): lock pages as they are faulted in, none now.
 MLOCK_ONFAULT = 1
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# The symbols the process has loaded, libc's among them: ``ctypes.util.find_library("c")``
+# would start ``ldconfig -p`` (a fork and exec) at every ``import aiogguf``.
+_libc = ctypes.CDLL(None, use_errno=True)
 
 _mlock = _libc.mlock
 _mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)

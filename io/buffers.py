@@ -3,6 +3,10 @@
 ``HostBuffer`` takes its memory from an anonymous ``mmap``: it starts on a page boundary
 (``np.empty`` starts 16 bytes past one, which halves ``preadv`` speed and rules out
 ``O_DIRECT``), and its pages come from the kernel zeroed and untouched until first written.
+``huge_pages=True`` asks for transparent huge pages instead (``MADV_HUGEPAGE`` on memory
+aligned to a huge page, before anything touches it): a first write then faults in a
+whole 2 MiB page at once instead of 512 pages one by one. Whether the kernel grants them
+is its business (``transparent_huge_pages()`` says what it is set to).
 
 Closing while views are alive
 -----------------------------
@@ -19,11 +23,13 @@ from __future__ import annotations
 
 import builtins
 import enum
+import functools
 import mmap
 import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -39,6 +45,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
+    "HUGE_PAGE_BYTES",
     "PAGE_BYTES",
     "ByteRegion",
     "Closeable",
@@ -48,7 +55,10 @@ __all__ = [
     "back_pages",
     "buffer_address",
     "held_by_views",
+    "huge_pages_pay",
     "memory_held_by_views",
+    "reports_free_pages",
+    "transparent_huge_pages",
 ]
 
 PAGE_BYTES: int = mmap.PAGESIZE
@@ -57,6 +67,76 @@ PAGE_BYTES: int = mmap.PAGESIZE
 # preadv into fresh shmem ran at 1.9-2.7 GB/s here against 3.3-3.4 GB/s for private
 # pages (2 GiB, 2 threads, 4 runs each).
 PRIVATE_ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+_THP = "/sys/kernel/mm/transparent_hugepage"
+
+
+def _huge_page_bytes() -> int:
+    try:
+        with open(f"{_THP}/hpage_pmd_size", encoding="ascii") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20  # x86-64's and arm64's (4 KiB base pages) PMD size
+
+
+HUGE_PAGE_BYTES: int = _huge_page_bytes()
+# virtio's device id of a memory balloon and its feature bit "free page reporting".
+_VIRTIO_BALLOON = 5
+_VIRTIO_BALLOON_F_REPORTING = 5
+
+
+def reports_free_pages(sys_root: str = "/sys") -> bool:
+    """Whether this kernel hands the memory it frees back to a hypervisor (a virtio
+    balloon with free page reporting): the host then backs those pages anew when they
+    are next used."""
+    devices = Path(sys_root) / "bus/virtio/devices"
+    try:
+        entries = list(devices.iterdir())
+    except OSError:
+        return False
+    for device in entries:
+        try:
+            if int((device / "device").read_text(), 16) != _VIRTIO_BALLOON:
+                continue
+            features = (device / "features").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        # One character per feature bit, bit 0 first; the driver only reports what it
+        # negotiated.
+        reporting = features[_VIRTIO_BALLOON_F_REPORTING : _VIRTIO_BALLOON_F_REPORTING + 1]
+        if reporting == "1" and (device / "driver").exists():
+            return True
+    return False
+
+
+@functools.cache
+def huge_pages_pay() -> bool:
+    """Whether fresh memory fills faster in transparent huge pages than in 4 KiB pages on
+    this machine: what ``huge_pages = "auto"`` uses (and only where the kernel grants
+    them at all).
+
+    Where memory stays backed once the kernel has it (bare metal, a VM whose guest keeps
+    what it frees), a first write faults in 2 MiB at once instead of one 4 KiB page at
+    a time, and a read into fresh memory spends a fraction of the kernel time. Under a
+    hypervisor that takes freed memory back (free page reporting), the kernel reports
+    free memory in blocks of a huge page's size once they have been free a moment, so a
+    huge page is most often memory the host must back anew, while 4 KiB pages often
+    come from memory it still backs; there huge pages measured several times slower
+    (``bench/host_pages.py``), and faster only for memory freed just before.
+    """
+    return not reports_free_pages()
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's transparent huge page setting: ``"always"``, ``"madvise"`` or
+    ``"never"`` (also where the kernel has none, or it cannot be read)."""
+    try:
+        with open(f"{_THP}/enabled", encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return "never"
+    # "always [madvise] never": the bracketed word is the setting.
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "never"
 
 
 class ResourceState(enum.Enum):
@@ -203,7 +283,10 @@ class HostBuffer(Closeable):
     ``alignment`` (a power of two) raises the guarantee above the page for ``O_DIRECT``
     on devices with larger logical blocks: the mapping is over-sized and the buffer
     starts at the first aligned address inside it. ``prefault=True`` backs every page
-    now (see ``prefault``).
+    now (see ``prefault``). ``huge_pages=True`` aligns the buffer to ``HUGE_PAGE_BYTES``
+    and asks the kernel for transparent huge pages before any page is touched
+    (``MADV_HUGEPAGE``); where the kernel has them off (``never``) or refuses the advice
+    the buffer is plain 4 KiB-page memory (``huge_pages`` then reads False), silently.
 
     Thread-safe: any thread may read into the memory while others do the same; ``close``
     may race with them safely (see the module docstring).
@@ -214,6 +297,7 @@ class HostBuffer(Closeable):
 
     # Class-level defaults so __del__ is safe even when __init__ failed half-way.
     _mmap: mmap.mmap | None = None
+    _huge_pages = False
 
     def __init__(
         self,
@@ -221,6 +305,7 @@ class HostBuffer(Closeable):
         *,
         alignment: int = PAGE_BYTES,
         prefault: bool = False,
+        huge_pages: bool = False,
     ) -> None:
         if nbytes < 0:
             raise ValueError(f"buffer size must be >= 0, got {nbytes}")
@@ -231,10 +316,16 @@ class HostBuffer(Closeable):
         # mmap refuses length 0; a zero-byte buffer still gets one page so that it has
         # an address and behaves like any other buffer.
         capacity = max(_round_up_to_page(nbytes), PAGE_BYTES)
+        huge_pages = huge_pages and transparent_huge_pages() != "never"
+        # A huge page is only granted for a whole aligned 2 MiB of the mapping: the
+        # buffer starts on one, and the mapping reaches past its last one.
+        mapped = -(-capacity // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES if huge_pages else capacity
+        if huge_pages:
+            alignment = max(alignment, HUGE_PAGE_BYTES)
         # mmap only promises page alignment; the slack is untouched, so costs no memory.
         slack = max(alignment - PAGE_BYTES, 0)
         try:
-            self._mmap = mmap.mmap(-1, capacity + slack, flags=PRIVATE_ANONYMOUS)
+            self._mmap = mmap.mmap(-1, mapped + slack, flags=PRIVATE_ANONYMOUS)
         except OSError as exc:
             raise MemoryError(f"cannot map {capacity} bytes of host memory: {exc}") from exc
         self._capacity_bytes = capacity
@@ -242,6 +333,12 @@ class HostBuffer(Closeable):
         base = buffer_address(self._mmap)
         self._start = -base % alignment
         self._address = base + self._start
+        if huge_pages:
+            try:
+                _libc.madvise(self._address, mapped, _libc.MADV_HUGEPAGE)
+            except OSError:
+                huge_pages = False  # a kernel built without them: plain pages
+        self._huge_pages = huge_pages
         self._view: builtins.memoryview | None = builtins.memoryview(self._mmap)[
             self._start : self._start + nbytes
         ]
@@ -298,8 +395,15 @@ class HostBuffer(Closeable):
         return self._capacity_bytes
 
     @property
+    def huge_pages(self) -> bool:
+        """Whether the memory was advised for transparent huge pages (the kernel may
+        still back some of it with 4 KiB pages)."""
+        return self._huge_pages
+
+    @property
     def address(self) -> int:
-        """Address of the first byte; a multiple of ``PAGE_BYTES`` and of ``alignment``."""
+        """Address of the first byte; a multiple of ``PAGE_BYTES`` and of ``alignment``
+        (and of ``HUGE_PAGE_BYTES`` with ``huge_pages``)."""
         self._open_mmap()
         return self._address
 

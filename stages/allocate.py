@@ -17,11 +17,13 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import anyio
 
+from aiogguf.config import HugePages
 from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
-from aiogguf.io.buffers import PAGE_BYTES, HostBuffer
+from aiogguf.io.buffers import HUGE_PAGE_BYTES, PAGE_BYTES, HostBuffer, huge_pages_pay
 from aiogguf.io.devices.base import DeviceBuffer
 from aiogguf.io.files import DataFile, align_down, align_up
 from aiogguf.io.mapping import FileMapping, MapAdvice, numa_nodes
+from aiogguf.io.workers import raise_if_stopped
 from aiogguf.jobs import BufferLayout, RangeSlot, ReadJob, StageMeter, StageTimes, TensorSlot
 from aiogguf.records import Plan, WeightIndex
 
@@ -39,6 +41,7 @@ __all__ = [
     "read_jobs",
     "split_jobs",
     "tensor_slots",
+    "wants_huge_pages",
 ]
 
 
@@ -151,6 +154,7 @@ def read_jobs(
         start, end = (rs.file_start, rs.file_end) if aligned else (r.start, r.end)
         offset = start
         while offset < end:
+            raise_if_stopped()  # once per job (a model of hundreds of GiB has 10^4)
             n = min(chunk_bytes, end - offset)
             yield ReadJob(
                 seq=seq,
@@ -218,10 +222,29 @@ def split_jobs(
     return per_file, device_jobs
 
 
-def allocate_host(layout: BufferLayout, alignment: int = PAGE_BYTES) -> HostImage:
+# Smaller images stay in 4 KiB pages: the faults huge pages save them are few, and the
+# image's last huge page, rounded up, is a larger share of it.
+HUGE_IMAGE_MIN_BYTES = 16 * HUGE_PAGE_BYTES
+
+
+def wants_huge_pages(setting: HugePages, nbytes: int) -> bool:
+    """Whether a host image of ``nbytes`` asks for huge pages under ``huge_pages =
+    setting`` (``"auto"``, ``"on"``, ``"off"``; the kernel may still give 4 KiB
+    pages)."""
+    if setting == "off" or nbytes < HUGE_IMAGE_MIN_BYTES:
+        return False
+    return setting == "on" or huge_pages_pay()
+
+
+def allocate_host(
+    layout: BufferLayout, alignment: int = PAGE_BYTES, *, huge_pages: HugePages = "off"
+) -> HostImage:
     """Blocking: memory for a whole buffer image, aligned to a page and to ``alignment``
-    (``O_DIRECT`` reads land in it)."""
-    return HostImage(layout, HostBuffer(max(layout.nbytes, 1), alignment=alignment))
+    (``O_DIRECT`` reads land in it), in huge pages where ``huge_pages`` (the config's
+    setting) asks for them (``wants_huge_pages``)."""
+    nbytes = max(layout.nbytes, 1)
+    huge = wants_huge_pages(huge_pages, nbytes)
+    return HostImage(layout, HostBuffer(nbytes, alignment=alignment, huge_pages=huge))
 
 
 def allocate_mapped(
@@ -234,6 +257,7 @@ def allocate_mapped(
     mappings: list[FileMapping] = []
     try:
         for rs in layout.slots:
+            raise_if_stopped()
             r = rs.range
             mapping = FileMapping(files[r.file_index], r.start, r.end, writable=writable)
             mappings.append(mapping)
@@ -254,6 +278,7 @@ def allocate_host_images(
     alignment: int,
     prefetch: bool,
     lock: bool = False,
+    huge_pages: HugePages = "off",
 ) -> None:
     """Blocking: every host buffer's image, put in ``into`` (indexed by buffer, as long as
     ``layouts``) as soon as it exists, so that the caller frees it if a later one fails.
@@ -262,9 +287,11 @@ def allocate_host_images(
     ``alignment``); ``writable``: the bytes are swapped in place (such buffers are copies,
     but for lazy ranges); ``prefetch`` asks the kernel to read mapped ranges ahead;
     ``lock`` (mode ``mlock``): the loaded mapped ranges lock their pages as the readers
-    fault them in (``lock_on_fault``)."""
+    fault them in (``lock_on_fault``); ``huge_pages``: the config's setting for anonymous
+    images (``allocate_host``)."""
     into[:] = [None] * len(layouts)
     for layout in layouts:
+        raise_if_stopped()
         if not layout.plan.host:
             continue
         if mapped and (layout.plan.lazy or not writable):
@@ -278,7 +305,7 @@ def allocate_host_images(
             if lock and not layout.plan.lazy:
                 lock_on_fault(image)
         else:
-            into[layout.index] = allocate_host(layout, alignment)
+            into[layout.index] = allocate_host(layout, alignment, huge_pages=huge_pages)
 
 
 class Allocation:

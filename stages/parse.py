@@ -27,7 +27,7 @@ from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError, fr
 from aiogguf.io.files import align_up
 from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
 from aiogguf.io.opener import OpenFiles
-from aiogguf.io.workers import LoadThreads
+from aiogguf.io.workers import LoadThreads, raise_if_stopped
 from aiogguf.records import (
     GGUFArray,
     MetadataEntry,
@@ -65,6 +65,8 @@ MIN_TENSOR_INFO_BYTES: Final = 8 + 4 + 4 + 8
 # an attack on the recursion limit, not data.
 MAX_ARRAY_DEPTH: Final = 16
 SPLIT_MAX_COUNT: Final = 65535  # split.count is a u16
+# The other splits of a set are parsed by this many workers at most, in split order.
+MAX_SPLIT_PARSERS: Final = 8
 
 # Magics of ggml's older formats and of a byte-reversed GGUF, named in the magic error.
 _OTHER_MAGICS: Final = frozenset({b"GGML", b"GGMF", b"GGJT", b"FUGG", b"lmgg", b"fmgg", b"tjgg"})
@@ -75,6 +77,12 @@ FIRST_READ_BYTES: Final = 64 << 10
 GROWTH_FACTOR: Final = 4
 # String arrays at least this long are decoded on first use (``StringItems``).
 LAZY_STRINGS_FROM: Final = 256
+# How often the walk looks whether its load was cancelled (``raise_if_stopped``): every
+# 256 records, every 64 Ki strings of a long array, every 64 MiB read; each far below a
+# second of work.
+_RECORDS_PER_STOP_CHECK_MASK: Final = 255
+_STRINGS_PER_STOP_CHECK: Final = 1 << 16
+_READ_CALL_BYTES: Final = 64 << 20
 
 # value type → (struct code, numpy code, bytes). STRING and ARRAY are not fixed-size.
 _FIXED: Final[dict[ValueType, tuple[str, str, int]]] = {
@@ -210,11 +218,15 @@ class _HeaderParser:
             self.parse_fixed_header()
             self.stage = 1
         while self.stage == 1 and len(self.metadata) < self.n_kv:
+            if not len(self.metadata) & _RECORDS_PER_STOP_CHECK_MASK:
+                raise_if_stopped()
             self.parse_kv()
         if self.stage == 1:
             self.resolve_alignment()
             self.stage = 2
         while len(self.tensors) < self.n_tensors:
+            if not len(self.tensors) & _RECORDS_PER_STOP_CHECK_MASK:
+                raise_if_stopped()
             self.parse_tensor_info()
         return self.finish()
 
@@ -335,6 +347,8 @@ class _HeaderParser:
             self.loadable = False
         items: list[GGUFArray] = []
         for k in range(count):
+            if not k & _RECORDS_PER_STOP_CHECK_MASK:
+                raise_if_stopped()
             item, pos = self.array(pos, f"{field}[{k}]", depth + 1)
             items.append(item)
         return GGUFArray(ValueType.ARRAY, tuple(items)), pos
@@ -377,14 +391,21 @@ class _HeaderParser:
         done, p = self.walked.pop(pos, (0, pos))
         buf, n, u64, limit = self.buf, self.n, self.u64, MAX_STRING_BYTES
         start = p
+        block = i = done
         try:
-            for i in range(done, count):
-                start = p
-                (length,) = u64(buf, start)
-                p = start + 8 + length
-                if p > n or length > limit:
-                    done = i
-                    break
+            while block < count:
+                raise_if_stopped()  # once per block of strings: nothing per string
+                for i in range(block, min(count, block + _STRINGS_PER_STOP_CHECK)):
+                    start = p
+                    (length,) = u64(buf, start)
+                    p = start + 8 + length
+                    if p > n or length > limit:
+                        done = i
+                        break
+                else:
+                    block += _STRINGS_PER_STOP_CHECK
+                    continue
+                break
             else:
                 items = StringItems(
                     buf[pos:p],
@@ -610,7 +631,12 @@ def read_header(path: str, files: OpenFiles) -> ParsedFile:
         target = min(file_size, FIRST_READ_BYTES)
         while True:
             # Through the descriptor, never the name: it is the file the opener allowed.
-            data += _pread_upto(fd, len(data), target - len(data))
+            while len(data) < target:
+                raise_if_stopped()  # a header of GiBs is read in bounded calls
+                part = _pread_upto(fd, len(data), min(target - len(data), _READ_CALL_BYTES))
+                if not part:
+                    break
+                data += part
             if len(data) < target:
                 raise LoadError(
                     path, len(data), f"short read: the file shrank below {target} bytes"
@@ -697,7 +723,9 @@ async def parse_model(
 
     ``path``: a single-file model, or the **first** split of a set.
     ``threads``: the load's threads (see ``parse_file``); the other splits of a set are
-        parsed on threads of their own, up to 8 at once.
+        parsed on threads of their own, up to ``MAX_SPLIT_PARSERS`` at once, in order;
+        the first that fails ends the walk (a ``split.count`` of 65535 with two files
+        present opens three, not 65535).
     ``files``: the load's open files (see ``parse_file``); every split is opened
         through it. Default: a table of its own, closed on return.
     ``first``: ``path`` already parsed (through ``files``), when the caller has it.
@@ -734,28 +762,37 @@ async def parse_model(
     results: list[ParsedFile] = [first]
     found: dict[int, ParsedFile] = {}
     failed: dict[int, GGUFError] = {}
+    # Split numbers in order, taken one at a time by a few workers: ``split.count`` is a
+    # header value (up to 65535), so the work must follow the files that are there, not
+    # the count: once a split fails, no worker takes a new one.
+    todo = iter(range(1, count))
+    n_workers = min(count - 1, MAX_SPLIT_PARSERS)
 
-    async def parse_split(i: int, split_threads: LoadThreads) -> None:
-        try:
-            found[i] = await parse_file(paths[i], threads=split_threads, files=files)
-        except LoadError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
-                failed[i] = SplitError(
-                    paths[i], f"split {i + 1} of {count} is missing (needed by {first.path})"
-                )
-            else:
+    async def parse_splits(split_threads: LoadThreads) -> None:
+        for i in todo:
+            if failed:
+                return
+            try:
+                found[i] = await parse_file(paths[i], threads=split_threads, files=files)
+            except LoadError as exc:
+                if isinstance(exc.__cause__, FileNotFoundError):
+                    failed[i] = SplitError(
+                        paths[i], f"split {i + 1} of {count} is missing (needed by {first.path})"
+                    )
+                else:
+                    failed[i] = exc
+            except GGUFError as exc:
                 failed[i] = exc
-        except GGUFError as exc:
-            failed[i] = exc
 
     async with (
-        LoadThreads(min(count - 1, 8), name="aiogguf-parse") as split_threads,
+        LoadThreads(n_workers, name="aiogguf-parse") as split_threads,
         anyio.create_task_group() as tg,
     ):
-        for i in range(1, count):
-            tg.start_soon(parse_split, i, split_threads)
+        for _ in range(n_workers):
+            tg.start_soon(parse_splits, split_threads)
     if failed:
-        # Report the lowest split, so the message does not depend on scheduling.
+        # The lowest failed split: every lower one was taken before it and has been
+        # parsed, so the message does not depend on scheduling.
         raise failed[min(failed)]
     results.extend(found[i] for i in range(1, count))
     for i, parsed in enumerate(results[1:], start=1):

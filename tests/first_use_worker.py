@@ -6,8 +6,10 @@ interpreter (``python -P first_use_worker.py '{"path": ..., "overrides": {...}, 
 An import hook (the first finder on ``sys.meta_path``) records the thread of every
 import the interpreter has to look for: a module not yet in ``sys.modules``, found or
 not (a failed ``import cupy`` searches the path too). While the loop runs, a ticker
-sleeps 1 ms at a time and records how late it wakes: the loop lag a server would see.
-One JSON object on stdout: per load, the modules first imported on the loop's thread,
+sleeps 1 ms at a time and records how late it wakes (the loop lag a server would see),
+and how much of that its thread spent on a run queue while other work held the cores.
+One JSON object on stdout: the modules first imported on the loop's thread during
+``warm_up``, and per load the modules first imported on the loop's thread,
 those first imported elsewhere, the load's time and its lag (worst, p99).
 """
 
@@ -49,6 +51,7 @@ import aiogguf  # noqa: E402
 
 IMPORT_S = time.perf_counter() - began
 TICK_S = 0.001
+LOOP = [0]  # the loop's thread, once it runs
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -58,16 +61,25 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _tick(lags: list[float]) -> None:
+def _run_queue_s() -> float:
+    """How long this thread has waited on a run queue for a core, in all."""
+    with open("/proc/thread-self/schedstat", encoding="ascii") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+async def _tick(lags: list[float], blocked: list[float]) -> None:
     while True:
-        start = time.perf_counter()
+        start, queued = time.perf_counter(), _run_queue_s()
         await asyncio.sleep(TICK_S)
-        lags.append(max(0.0, time.perf_counter() - start - TICK_S))
+        lag = max(0.0, time.perf_counter() - start - TICK_S)
+        lags.append(lag)
+        # The part of the lag not spent waiting for a core the machine's other work held.
+        blocked.append(max(0.0, lag - (_run_queue_s() - queued)))
 
 
 async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
     path, overrides = task["path"], task.get("overrides", {})
-    loop_thread = threading.get_ident()
+    loop_thread = LOOP[0] = threading.get_ident()
     results: list[dict[str, Any]] = []
     if task.get("warm_up"):
         RECORDER.phase = "warm_up"
@@ -77,7 +89,8 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
     for n in range(loads):
         phase = f"load{n}"
         lags: list[float] = []
-        ticker = asyncio.create_task(_tick(lags))
+        blocked: list[float] = []
+        ticker = asyncio.create_task(_tick(lags, blocked))
         await asyncio.sleep(0)  # the ticker sleeps before the load starts
         RECORDER.phase = phase
         start = time.perf_counter()
@@ -102,6 +115,7 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
                 "lag_max_ms": max(ms, default=0.0),
                 "lag_p99_ms": _percentile(ms, 0.99),
                 "lag_max_loading_ms": max(ms[:loaded], default=0.0),
+                "blocked_max_ms": max(blocked, default=0.0) * 1e3,
                 "ticks": len(ms),
             }
         )
@@ -110,4 +124,5 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     loads = asyncio.run(main(json.loads(sys.argv[1])))
-    print(json.dumps({"import_s": IMPORT_S, "loads": loads}))
+    warm_up_on_loop = [m for m, t, p in RECORDER.records if p == "warm_up" and t == LOOP[0]]
+    print(json.dumps({"import_s": IMPORT_S, "loads": loads, "warm_up_on_loop": warm_up_on_loop}))

@@ -30,8 +30,10 @@ from aiogguf.io.pagecache import drop_from_cache, resident_bytes
 __all__ = [
     "CHUNK_BYTES",
     "GB",
+    "PageCache",
     "direct_gbps",
     "drop_or_warm",
+    "evict",
     "fill_cache",
     "memcpy_gbps",
     "mmap_touch_gbps",
@@ -79,6 +81,62 @@ def fill_cache(path: str | os.PathLike[str], *, small_pages: bool = False) -> No
             offset += n
     finally:
         os.close(fd)
+
+
+def evict(path: str | os.PathLike[str]) -> str | None:
+    """Evict ``path`` from the page cache; returns how (``"posix_fadvise"`` or
+    ``"drop_caches"``, where ``/proc/sys/vm/drop_caches`` is writable), or None when
+    neither emptied it."""
+    if drop_from_cache(path):
+        return "posix_fadvise"
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError:
+        return None
+    return "drop_caches" if resident_bytes(path) == 0 else None
+
+
+class PageCache:
+    """Puts a file's page cache in a stated state before a measurement, rather than
+    taking it as found: what a mapping load costs depends on it more than on the
+    loader. ``"warm"``: evicted and read back in file order (``fill_cache``: large
+    folios where the kernel has them); ``"pages"``: read back with readahead off, in
+    4 KiB pages; ``"cold"``: evicted.
+
+    A warm state is made anew only when the last one made for the file was another, or
+    part of the file has left the cache since: loads leave the cache as they found it,
+    except cold ones (and ``O_DIRECT`` reads, which evict it: call ``forget``). Where the
+    file cannot be evicted (``evictable=False``) warm measurements find it as it is.
+
+    Raises ``RuntimeError`` when a state cannot be made.
+    """
+
+    def __init__(self, evictable: bool = True) -> None:
+        self.evictable = evictable
+        self._made: dict[Path, str] = {}
+
+    def make(self, path: str | os.PathLike[str], state: str) -> None:
+        p = Path(path)
+        size = p.stat().st_size
+        if state == "cold":
+            if evict(p) is None:
+                raise RuntimeError(f"{p}: could not drop it from the page cache")
+        elif not self.evictable:
+            warm_file(p)
+        elif self._made.get(p) != state or resident_bytes(p) < size:
+            if evict(p) is None:
+                raise RuntimeError(f"{p}: could not evict it to cache it anew")
+            fill_cache(p, small_pages=state == "pages")
+            # The first mapping of freshly cached pages costs about twice what later ones
+            # do: mapped once here, no timed measurement is the first.
+            with open_mapping(p, 0, size, populate=True):
+                pass
+        self._made[p] = state
+
+    def forget(self, path: str | os.PathLike[str]) -> None:
+        """Something else changed the file's cache: make the next warm state anew."""
+        self._made.pop(Path(path), None)
 
 
 def drop_or_warm(path: str | os.PathLike[str], cold: bool) -> bool:
@@ -159,9 +217,12 @@ def preadv_fresh_gbps(
     cold: bool = False,
     runs: int = 1,
     chunk_bytes: int = CHUNK_BYTES,
+    huge_pages: bool = False,
 ) -> float:
     """``preadv`` into a new, never-touched page-aligned buffer each run (the first-load
-    limit: page faults are paid inside the read, as they are in a real load)."""
+    limit: page faults are paid inside the read, as they are in a real load).
+    ``huge_pages``: into memory advised for transparent huge pages before its first
+    touch (``HostBuffer(huge_pages=True)``)."""
     p = Path(path)
     nbytes = p.stat().st_size
     warm_or_drop = _prepare(p, cold)
@@ -170,7 +231,7 @@ def preadv_fresh_gbps(
     def prepare() -> None:
         warm_or_drop()
         # Mapping is instant; its pages are backed during the reads, inside the clock.
-        bufs.append(HostBuffer(nbytes))
+        bufs.append(HostBuffer(nbytes, huge_pages=huge_pages))
 
     def cleanup() -> None:
         while bufs:

@@ -26,9 +26,12 @@ import anyio
 import numpy as np
 
 from aiogguf.api import load
+from aiogguf.config import PipelineConfig
 from aiogguf.io.buffers import HostBuffer
+from aiogguf.io.pagecache import drop_from_cache
 from aiogguf.testing.baselines import (
     GB,
+    PageCache,
     direct_gbps,
     drop_or_warm,
     memcpy_gbps,
@@ -47,9 +50,10 @@ __all__ = [
     "PointResult",
     "SweepPoint",
     "SweepResult",
+    "fastest",
     "grid",
-    "limit_for_mode",
     "limit_in_subprocess",
+    "limits_for_mode",
     "load_in_subprocess",
     "measure_in_subprocess",
     "measure_limit",
@@ -62,7 +66,8 @@ __all__ = [
 
 MODES = ("none", "direct", "mmap", "mlock")
 TICK_S = 0.001
-LIMIT_THREADS = 2  # the default reader count: limits and loads use as many threads
+# The default reader count (one per core, up to 16): limits and loads use as many threads.
+LIMIT_THREADS = PipelineConfig().reader_count()
 _WORKER_TIMEOUT_S = 900.0
 # The pause before each measurement of bench/load.py (see ``settle``): Linux reports
 # freed pages after 2 s.
@@ -286,22 +291,43 @@ def load_in_subprocess(
 # --- limits -----------------------------------------------------------------------------
 
 
-def limit_for_mode(mode: str, cold: bool) -> str:
-    """The name of the limit a load in ``mode`` is compared with."""
+def _preadv_name(threads: int, huge: bool, cold: bool) -> str:
+    one = "_1t" if threads == 1 else ""
+    return f"preadv_fresh{one}{'_huge' if huge else ''}{'_cold' if cold else ''}"
+
+
+def limits_for_mode(mode: str, cold: bool, readers: int = LIMIT_THREADS) -> tuple[str, ...]:
+    """The limits a load in ``mode`` with ``readers`` threads is judged by: the fastest
+    of them, each measured in the same run. ``none`` fills fresh memory, which may come
+    in 4 KiB or in huge pages (``huge_pages``): its limit is the faster of ``preadv``
+    into each, on one thread for one reader, else on ``LIMIT_THREADS``. ``direct`` is
+    ``O_DIRECT`` into fresh memory, as the load's own is."""
     if mode == "direct":
-        return "direct"
-    base = "preadv_fresh" if mode == "none" else "np_memmap_touch"
-    return f"{base}_cold" if cold else base
+        return ("direct_fresh",)
+    if mode == "none":
+        threads = 1 if readers == 1 else LIMIT_THREADS
+        return tuple(_preadv_name(threads, huge, cold) for huge in (False, True))
+    return ("np_memmap_touch_cold",) if cold else ("np_memmap_touch",)
 
 
 def _np_memmap_gbps(path: Path, cold: bool = False) -> float:
     return path.stat().st_size / np_memmap_touch_s(path, cold=cold) / GB
 
 
+def _preadv_fresh(threads: int, huge: bool, cold: bool) -> Callable[[Path], float]:
+    return lambda p: preadv_fresh_gbps(p, threads=threads, huge_pages=huge, cold=cold)
+
+
+_MEMORY = {False: "4 KiB-page", True: "huge-page (2 MiB-aligned, MADV_HUGEPAGE)"}
+
 # name → how to measure it on a file, in GB/s.
 _LIMITS: dict[str, Callable[[Path], float]] = {
-    "preadv_fresh": lambda p: preadv_fresh_gbps(p, threads=LIMIT_THREADS),
-    "preadv_fresh_cold": lambda p: preadv_fresh_gbps(p, threads=LIMIT_THREADS, cold=True),
+    **{
+        _preadv_name(threads, huge, cold): _preadv_fresh(threads, huge, cold)
+        for threads in sorted({1, LIMIT_THREADS})
+        for huge in (False, True)
+        for cold in (False, True)
+    },
     "preadv_touched": lambda p: preadv_touched_gbps(p, threads=LIMIT_THREADS),
     "direct": lambda p: direct_gbps(p, threads=LIMIT_THREADS),
     "direct_fresh": lambda p: direct_gbps(p, threads=LIMIT_THREADS, fresh=True),
@@ -312,19 +338,39 @@ _LIMITS: dict[str, Callable[[Path], float]] = {
     "np_memmap_touch_cold": lambda p: _np_memmap_gbps(p, cold=True),
 }
 
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
 LIMIT_NOTES: dict[str, str] = {
-    "preadv_fresh": "preadv, 2 threads, into fresh page-aligned memory (first load)",
-    "preadv_fresh_cold": "the same from a dropped cache (disk + faults)",
-    "preadv_touched": "preadv, 2 threads, into touched memory (reload)",
-    "direct": "O_DIRECT, 2 threads, into touched aligned memory (the disk)",
-    "direct_fresh": "the same into never-touched memory (faults delay each read)",
-    "memcpy": "memory copy, 2 threads",
-    "mmap_touch": "mapping made resident, MADV_POPULATE_READ, 2 threads",
+    **{
+        _preadv_name(threads, huge, cold): (
+            f"preadv, {_threads(threads)}, into fresh {_MEMORY[huge]} memory"
+            + (", from a dropped cache" if cold else "")
+        )
+        for threads in sorted({1, LIMIT_THREADS})
+        for huge in (False, True)
+        for cold in (False, True)
+    },
+    "preadv_touched": f"preadv, {_threads(LIMIT_THREADS)}, into touched 4 KiB-page memory (reload)",
+    "direct": f"O_DIRECT, {_threads(LIMIT_THREADS)}, into touched aligned memory (the disk)",
+    "direct_fresh": (
+        f"O_DIRECT, {_threads(LIMIT_THREADS)}, into fresh 4 KiB-page memory, as a direct load"
+    ),
+    "memcpy": f"memory copy, {_threads(LIMIT_THREADS)}, between touched buffers",
+    "mmap_touch": f"mapping made resident, MADV_POPULATE_READ, {_threads(LIMIT_THREADS)}",
     "mmap_touch_cold": "the same from a dropped cache",
-    "np_memmap_touch": "np.memmap, one byte read per page, 1 thread",
+    "np_memmap_touch": "np.memmap, one byte read per page, 1 thread (the page cache's pages)",
     "np_memmap_touch_cold": "the same from a dropped cache",
     "pinned_h2d": "pinned host → GPU 0 copy (CuPy)",
 }
+
+
+def fastest(limits: Mapping[str, float], names: Sequence[str]) -> tuple[str, float]:
+    """The fastest of ``names`` in ``limits`` (GB/s by name): (its name, its GB/s)."""
+    best = max(names, key=lambda name: limits.get(name, 0.0))
+    return best, limits.get(best, 0.0)
 
 
 def measure_limit(name: str, path: str | os.PathLike[str]) -> float:
@@ -488,13 +534,16 @@ def run_sweep(
     settle_s: float = SETTLE_S,
     say: Callable[[str], None] = lambda _: None,
 ) -> SweepResult:
-    """Load ``path`` at every point, ``runs`` times; each run measures every mode's limit
-    right before that mode's points, so loads and limits interleave in time.
+    """Load ``path`` at every point, ``runs`` times; each run measures every mode's limits
+    (``limits_for_mode``, for each reader count of its points) right before that mode's
+    points, so loads and limits interleave in time; a point is judged by the fastest of
+    its limits.
 
     ``cold`` drops the file from the page cache before every load and every limit run
-    (``posix_fadvise(DONTNEED)``); otherwise the file is made fully resident first
-    (``direct`` reads bypass the cache either way). Limits and loads alike run in a fresh
-    process after ``settle_s`` seconds (see ``settle``).
+    (``posix_fadvise(DONTNEED)``); otherwise the file is put in the same warm state first
+    (``PageCache``: read in file order, then mapped once), which a mapped load's cost
+    depends on (``direct`` reads bypass the cache either way). Limits and loads alike
+    run in a fresh process after ``settle_s`` seconds (see ``settle``).
     """
     p = Path(path)
     size = p.stat().st_size
@@ -503,24 +552,37 @@ def run_sweep(
     samples: dict[SweepPoint, list[LoadSample]] = {pt: [] for pt in points}
     drops: list[bool] = []
     notes: list[str] = []
+    # Only posix_fadvise is tried here: the fallback of evict() drops every file's cache.
+    cache = PageCache(evictable=drop_from_cache(p))
+
+    def cache_for(cold: bool) -> bool:
+        if cold:
+            return drop_or_warm(p, cold=True)
+        cache.make(p, "warm")
+        return True
 
     def limit(name: str) -> float:
         # The page cache is set before the pause, as for a load: a limit that had to
         # read the file first would fill the cache right before its timed run.
-        drop_or_warm(p, cold=name.endswith("_cold"))
+        cache_for(name.endswith("_cold"))
         settle(settle_s, touch_bytes=size, near=p)
         value = limit_in_subprocess(name, p)
         limit_runs.setdefault(name, []).append(value)
         return value
 
+    def mode_limits(mode: str) -> list[str]:
+        readers = sorted({pt.readers for pt in points if pt.mode == mode})
+        names = (name for r in readers for name in limits_for_mode(mode, cold, r))
+        return list(dict.fromkeys(names))
+
     for run in range(runs):
         for name in extra_limits:
             limit(name)
         for mode in modes:
-            name = limit_for_mode(mode, cold)
-            say(f"run {run + 1}/{runs} {mode}: limit {name} {limit(name):.2f} GB/s")
+            for name in mode_limits(mode):
+                say(f"run {run + 1}/{runs} {mode}: limit {name} {limit(name):.2f} GB/s")
             for pt in (q for q in points if q.mode == mode):
-                ok = drop_or_warm(p, cold)
+                ok = cache_for(cold)
                 if cold:
                     drops.append(ok)
                 settle(settle_s, touch_bytes=size, near=p)
@@ -539,10 +601,7 @@ def run_sweep(
     limits = {name: statistics.median(v) for name, v in limit_runs.items()}
     results = tuple(
         PointResult(
-            pt,
-            tuple(samples[pt]),
-            limit_for_mode(pt.mode, cold),
-            limits[limit_for_mode(pt.mode, cold)],
+            pt, tuple(samples[pt]), *fastest(limits, limits_for_mode(pt.mode, cold, pt.readers))
         )
         for pt in points
     )
