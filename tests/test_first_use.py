@@ -137,6 +137,20 @@ def test_warm_up_imports_nothing_on_the_loop(model: SynthModel, overrides: dict[
     assert load["imported_elsewhere"] == []  # warm_up imported it all
 
 
+@pytest.mark.parametrize("mode", ["none", "mmap"])
+def test_a_failed_load_imports_nothing_on_the_loop(
+    model: SynthModel, tmp_path: Path, mode: str
+) -> None:
+    """A load that fails (a file cut short) raises, frees and reports without importing
+    on the loop's thread, the first time as the next."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(model.path.read_bytes()[: model.path.stat().st_size * 3 // 4])
+    answer = _run({"path": str(cut), "overrides": {"mode": mode, "n_gpu_layers": 0}, "loads": 2})
+    for load in answer["loads"]:
+        assert load["error"] == "GGUFFormatError"
+        assert load["imported_on_loop"] == []
+
+
 def test_slow_cupy_is_imported_off_the_loop(model: SynthModel) -> None:
     """Finding the GPUs imports CuPy, which takes a second on a GPU host: on the load's
     thread, never the loop's."""
