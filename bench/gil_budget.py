@@ -19,9 +19,11 @@ no bytes (``keep_bytes=false``), and the host load (``n_gpu_layers=0``, mode ``n
 each with checks on (the default) and off. Targets (issue 23): checks on <= 20 ms/GB (a
 ceiling of 50 GB/s), checks off <= 6 ms/GB.
 
-``--convoy``: a warm host ``none`` load alone and with a pure-Python busy thread beside
-it, at CPython's default switch interval (5 ms), alternated, in one fresh process per
-checks setting; the load must take at most 3x its time alone.
+``--convoy``: a warm host ``none`` load alone, with a pure-Python busy thread beside it
+at CPython's default switch interval (5 ms), and with the same busy loop in another
+process (the control: it takes a core as the thread does, but not the GIL), alternated,
+in one fresh process per checks setting; beside the thread the load must take at most 3x
+its time alone.
 
     python bench/gil_budget.py [--size 1GiB] [--loads 3] [--rate 1000] [--dir DIR]
                                [--cases host_none,...] [--json PATH]
@@ -86,6 +88,11 @@ def _spinner_loop(stop: threading.Event) -> None:
         n += 1
 
 
+def _busy_process() -> subprocess.Popen[bytes]:
+    """The spinner's loop in a process of its own: a core taken, the GIL left alone."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
 def _child(task: Mapping[str, Any]) -> None:
     """One case: warm up, start the spinner, say ``ready``; on ``go``, load ``loads``
     times and print the timings; on ``exit``, end. Convoy: the loads alone and beside a
@@ -95,6 +102,10 @@ def _child(task: Mapping[str, Any]) -> None:
     import aiogguf
 
     path, overrides = task["path"], dict(task["overrides"])
+    if task.get("load_nice") is not None:
+        import aiogguf.io.workers
+
+        aiogguf.io.workers.LOAD_NICE = int(task["load_nice"])
     if task.get("switch_interval_s"):
         sys.setswitchinterval(float(task["switch_interval_s"]))
 
@@ -110,7 +121,7 @@ def _child(task: Mapping[str, Any]) -> None:
         await one_load()  # the process's first load: not measured
         stop = threading.Event()
         if task.get("convoy"):
-            out: dict[str, list[float]] = {"alone_s": [], "busy_s": []}
+            out: dict[str, list[float]] = {"alone_s": [], "busy_s": [], "process_s": []}
             nbytes = 0
             for _ in range(int(task["loads"])):
                 took, nbytes = await one_load()
@@ -122,6 +133,15 @@ def _child(task: Mapping[str, Any]) -> None:
                 spinner.join()
                 stop.clear()
                 out["busy_s"].append(took)
+                # The control: the same loop in another process takes a core as the
+                # thread does, but not the GIL.
+                busy = _busy_process()
+                try:
+                    took, nbytes = await one_load()
+                finally:
+                    busy.kill()
+                    busy.wait()
+                out["process_s"].append(took)
             print(json.dumps({**out, "nbytes": nbytes, "switch_s": sys.getswitchinterval()}))
             return
         spinner = threading.Thread(target=_spinner_loop, args=(stop,), daemon=True)
@@ -221,9 +241,10 @@ def measure_case(
     rate: int,
     spy: str,
     keep_raw: str | None = None,
+    load_nice: int | None = None,
 ) -> dict[str, Any]:
     """One case in a fresh process, sampled by py-spy; never raises."""
-    task = {"path": str(path), "overrides": dict(overrides), "loads": loads}
+    task = {"path": str(path), "overrides": dict(overrides), "loads": loads, "load_nice": load_nice}
     child = _spawn(task)
     assert child.stdin is not None
     assert child.stdout is not None
@@ -309,13 +330,18 @@ def convoy(path: Path, overrides: Mapping[str, Any], *, runs: int) -> dict[str, 
         return {"overrides": dict(overrides), "error": f"child exited {child.returncode}"}
     data = json.loads(out.strip().splitlines()[-1])
     alone, busy = statistics.median(data["alone_s"]), statistics.median(data["busy_s"])
+    process = statistics.median(data["process_s"])
     ratio = busy / alone
     return {
         "overrides": dict(overrides),
         **data,
         "alone_median_s": alone,
         "busy_median_s": busy,
+        "process_median_s": process,
         "ratio": ratio,
+        # What the core alone costs, and what the GIL adds on top of it.
+        "process_ratio": process / alone,
+        "gil_ratio": busy / process,
         "target": CONVOY_TARGET,
         "met": ratio <= CONVOY_TARGET,
     }
@@ -359,7 +385,9 @@ def print_table(result: Mapping[str, Any]) -> None:
             f"\nconvoy, checks {'on' if c['overrides'].get('check_tensors', True) else 'off'}: "
             f"alone {c['alone_median_s']:.2f} s, beside a busy thread {c['busy_median_s']:.2f} s "
             f"(switch interval {c['switch_s'] * 1e3:g} ms): {c['ratio']:.2f}x "
-            f"(target <= {c['target']:g}x: {'met' if c['met'] else 'MISSED'})"
+            f"(target <= {c['target']:g}x: {'met' if c['met'] else 'MISSED'}); beside a busy "
+            f"process (a core, not the GIL) {c['process_median_s']:.2f} s: "
+            f"{c['process_ratio']:.2f}x, so the GIL's part is {c['gil_ratio']:.2f}x"
         )
 
 
@@ -376,6 +404,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="32 MiB, one load per case")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON to PATH")
     parser.add_argument("--keep-raw", metavar="DIR", help="keep py-spy's samples in DIR")
+    parser.add_argument(
+        "--load-nice",
+        type=int,
+        default=None,
+        help="the load threads' nice value (default: the library's, LOAD_NICE)",
+    )
     args = parser.parse_args(argv)
     if args.child:
         _child(json.loads(args.child))
@@ -429,7 +463,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 overrides["sim_gpus"] = [spec]
             _say(f"{name} ...")
             c = measure_case(
-                name, path, overrides, loads=loads, rate=rate, spy=spy, keep_raw=args.keep_raw
+                name,
+                path,
+                overrides,
+                loads=loads,
+                rate=rate,
+                spy=spy,
+                keep_raw=args.keep_raw,
+                load_nice=args.load_nice,
             )
             result["cases"].append(c)
             if "error" in c:

@@ -13,7 +13,6 @@ Each function raises ``OSError`` with the C ``errno`` on failure; callers transl
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 from errno import ENOSYS
@@ -42,7 +41,9 @@ MADV_HUGEPAGE = 14
 # mlock2(2) flag (Linux >= 4.4): lock pages as they are faulted in, none now.
 MLOCK_ONFAULT = 1
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# The symbols the process has loaded, libc's among them: ``ctypes.util.find_library("c")``
+# would start ``ldconfig -p`` (a fork and exec) at every ``import aiogguf``.
+_libc = ctypes.CDLL(None, use_errno=True)
 
 _mlock = _libc.mlock
 _mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)

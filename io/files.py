@@ -51,7 +51,7 @@ DIRECT_ALIGNMENT = 4096
 # the GIL after every call (README, Performance: the convoy). Bounded all the same, so
 # that a reader ends soon after it is asked to (cancellation) and no one call holds a
 # core for long.
-MAX_CALL_BYTES = 16 << 20
+MAX_CALL_BYTES = 64 << 20
 
 
 def align_down(value: int, alignment: int) -> int:

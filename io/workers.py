@@ -20,11 +20,18 @@ A thread takes its next call from a queue as soon as it is free, and hands its r
 the loop without waiting for the loop to take it: with more calls submitted than threads,
 no thread waits for the loop thread, which on a busy 2-core machine may itself be waiting
 for a core (anyio's worker threads get every call through the loop).
+
+A call cannot be abandoned (it may write into memory the load owns), so a cancelled load
+waits for its calls; to keep that wait short, a call whose awaiting task is cancelled is
+*stopped*: its flag is set, and the long loops of the stages (parse, index, plan, layout,
+allocation) call ``raise_if_stopped()`` every so often, which then raises ``Stopped`` out
+of the call. Reads, checks and transfers stop between jobs through flags of their own.
 """
 
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
 import functools
 import itertools
@@ -45,8 +52,10 @@ __all__ = [
     "LOAD_NICE",
     "Call",
     "LoadThreads",
+    "Stopped",
     "at_load_priority",
     "idle_threads",
+    "raise_if_stopped",
     "reserve_threads",
 ]
 
@@ -68,15 +77,33 @@ def at_load_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
 
 
+class Stopped(Exception):
+    """Raised by ``raise_if_stopped`` in a call whose awaiting task was cancelled. It
+    never reaches the task: that raises its own cancellation instead (a shielded
+    waiter of the same call, cleaning up, may see it, and ignores it like any error)."""
+
+
 @dataclass(slots=True)
 class Call(Generic[T]):
     """A call submitted to ``LoadThreads``: its function, and once it has run, its value
-    or error (``LoadThreads.wait`` hands them over)."""
+    or error (``LoadThreads.wait`` hands them over). ``stopped`` is set (from the loop's
+    thread) when the task awaiting it is cancelled."""
 
     fn: Callable[[], T]
     done: anyio.Event = field(default_factory=anyio.Event)
     value: T | None = None
     error: BaseException | None = None
+    stopped: bool = False
+
+
+def raise_if_stopped() -> None:
+    """From a long loop on a load's thread: raise ``Stopped`` if the task awaiting the
+    running call was cancelled. A no-op anywhere else (the loop's thread, a plain
+    thread, a direct call of a stage), so stages call it unconditionally. About 0.1 µs:
+    loops over tensors call it every few hundred items, not every one."""
+    call = getattr(_running, "call", None)
+    if call is not None and call.stopped:
+        raise Stopped
 
 
 class _Lane(Protocol):
@@ -317,11 +344,12 @@ class LoadThreads:
         self._workers: list[_Worker] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._refusal: BaseException | None = None  # a thread of the lane could not start
-        # What the threads asked the loop to run (``_on_loop``), in order, and whether a
-        # wake-up of the loop that will run it is already on its way.
-        self._for_loop: list[Callable[[], object]] = []
-        self._loop_woken = False
-        self._for_loop_lock = threading.Lock()
+        # What the threads asked the loop to run (``_on_loop``), in order, and, held while
+        # a wake-up of the loop that will run it is on its way, ``_woken``. No lock guards
+        # them: a thread that held one could lose the GIL inside it, and the loop would
+        # then wait for that thread to get the GIL back.
+        self._for_loop: collections.deque[Callable[[], object]] = collections.deque()
+        self._woken = threading.Lock()
 
     @property
     def count(self) -> int:
@@ -398,34 +426,25 @@ class LoadThreads:
         while it is on its way runs in the same loop iteration. A wake-up costs the loop
         an iteration, with the GIL, and each of the loop's takes of the GIL can wait a
         switch interval behind a busy thread; per job, that was a cost per byte."""
-        with self._for_loop_lock:
-            self._for_loop.append(fn)
-            if self._loop_woken:
-                return
-            self._loop_woken = True
-        token = self._token
-        assert token is not None
-        _run_sync_soon(token, self._run_for_loop, ())
+        self._for_loop.append(fn)  # atomic, as is every deque append and pop
+        if self._woken.acquire(blocking=False):
+            token = self._token
+            assert token is not None
+            _run_sync_soon(token, self._run_for_loop, ())
 
     def _run_for_loop(self) -> None:
         """On the loop's thread: run what was asked, in order. What the threads ask for
-        meanwhile waits for the next wake-up, so that the loop's other tasks get their
-        turn in between. What raises is raised once the rest has run (the loop logs it)."""
-        with self._for_loop_lock:
-            batch, self._for_loop = self._for_loop, []
+        meanwhile waits for the next wake-up (which they ask for: ``_woken`` is free
+        again before anything runs), so that the loop's other tasks get their turn in
+        between. What raises is raised once the rest has run (the loop logs it)."""
+        self._woken.release()
         first: BaseException | None = None
-        for fn in batch:
+        for _ in range(len(self._for_loop)):
+            fn = self._for_loop.popleft()  # only this thread takes from it
             try:
                 fn()
             except Exception as exc:
                 first = first or exc
-        with self._for_loop_lock:
-            again = bool(self._for_loop)
-            self._loop_woken = again
-        if again:
-            token = self._token
-            assert token is not None
-            _run_sync_soon(token, self._run_for_loop, ())
         if first is not None:
             raise first
 
@@ -465,18 +484,19 @@ class LoadThreads:
         return call
 
     async def wait(self, call: Call[T], *, on_cancel: Callable[[], None] | None = None) -> T:
-        """``call``'s result, or its exception, once it has run (see ``run_sync``)."""
-        if on_cancel is None:
+        """``call``'s result, or its exception, once it has run (see ``run_sync``). If
+        the caller is cancelled meanwhile, the call is stopped (``raise_if_stopped``),
+        ``on_cancel`` is called, the call is still waited for, and the cancellation is
+        raised."""
+        try:
+            await call.done.wait()
+        except anyio.get_cancelled_exc_class():
+            call.stopped = True
+            if on_cancel is not None:
+                on_cancel()
             with anyio.CancelScope(shield=True):
                 await call.done.wait()
-        else:
-            try:
-                await call.done.wait()
-            except anyio.get_cancelled_exc_class():
-                on_cancel()
-                with anyio.CancelScope(shield=True):
-                    await call.done.wait()
-                raise
+            raise
         await anyio.lowlevel.checkpoint_if_cancelled()
         if call.error is not None:
             raise call.error

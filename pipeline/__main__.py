@@ -1,5 +1,5 @@
 import sys
 
-from aiogguf.cli import main
+from aiogguf.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

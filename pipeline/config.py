@@ -170,7 +170,8 @@ class PlacementConfig(_Section):
     split_mode: SplitMode = "layer"
     # -1 with split_mode = "none": no GPU at all (llama.cpp's meaning).
     main_gpu: Int = Field(default=0, ge=-1)
-    tensor_split: tuple[Annotated[Float, Field(ge=0)], ...] = ()
+    # Finite: ``1e999`` is infinity, and every share divided by it put all on one device.
+    tensor_split: tuple[Annotated[Float, Field(ge=0, allow_inf_nan=False)], ...] = ()
     no_host: Bool = False
     override: tuple[OverrideRule, ...] = ()
 
@@ -283,6 +284,25 @@ class ServerConfig(_Section):
     roots: tuple[Annotated[str, Field(min_length=1)], ...] = ()
 
 
+# What a load server lets its clients hold by default (``aiogguf.server_policy``'s
+# ``ServerPolicy`` and ``aiogguf serve``'s flags): enough for any real use of one machine,
+# and no more. Here, not in the server's modules, so the CLI's help needs no aiohttp.
+SERVER_MAX_MODELS = 64
+SERVER_MAX_SHARDS = 256  # gguf-split sets are tens of shards; each is a descriptor
+SERVER_REQUEST_TIMEOUT_S = 10.0
+
+
+def server_max_loaded_bytes() -> int:
+    """80% of this machine's physical memory: the file bytes the models a server holds
+    may total by default. Copies take that much RAM; mapped models (``mmap``) count the
+    same, since their pages are resident once loaded."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 64 * 1024**3
+    return max(ram * 4 // 5, 1)
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity, not the machine's count)."""
     try:
@@ -347,7 +367,8 @@ class SimDeviceConfig(_Section):
 
         Raises ``ConfigError`` naming the spec and the bad key.
         """
-        where = f"--sim-gpu {spec!r}"
+        # A spec of 400 digits is named by its start, not echoed whole.
+        where = f"--sim-gpu {spec!r}" if len(spec) <= 80 else f"--sim-gpu '{spec[:40]}...'"
         fields: dict[str, Any] = {}
         if "=" not in spec:
             fields["free"] = spec.strip()
@@ -427,6 +448,10 @@ class Config(_Section):
             raise ConfigError("(file)", source, f"not UTF-8 text: {exc.reason}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("(file)", source, f"not valid TOML: {exc}") from exc
+        except RecursionError as exc:
+            # tomllib parses arrays and inline tables recursively: 5,000 ``[`` deep ends
+            # the interpreter's stack, which is the file's fault, not the program's.
+            raise ConfigError("(file)", source, "not valid TOML: nested too deeply") from exc
         return cls.from_mapping(data, source=source)
 
     @classmethod

@@ -57,7 +57,7 @@ from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile
 from aiogguf.io.opener import FileOpener, OpenFiles
-from aiogguf.io.workers import LoadThreads, reserve_threads
+from aiogguf.io.workers import LoadThreads, raise_if_stopped, reserve_threads
 from aiogguf.jobs import BufferLayout, ReadJob, StageTimes, TensorSlot
 from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
@@ -512,6 +512,7 @@ class _Front:
         config = self.config
         found = tuple(self.devices) if self.devices is not None else enumerate_devices(config)
         plan = make_plan(index, found, config)
+        raise_if_stopped()
         open_data_files(
             index, self.opened, mode=plan.mode, alignment=config.pipeline.alignment, into=self.files
         )
@@ -568,6 +569,7 @@ class _Front:
             aligned=plan.mode == "direct",
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
+        raise_if_stopped()  # a cancelled load starts no read
         validation, reader, reads, landed = self._start_reads(
             index, plan, layouts, slots, spans, disks, jobs, staged, swapped
         )

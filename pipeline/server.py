@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import math
 import os
 import secrets
 import signal
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -74,7 +76,15 @@ from aiogguf.server_policy import (
     request_config,
     server_base_config,
 )
-from aiogguf.stages.parse import split_count_from_name
+from aiogguf.server_transport import (
+    ConnectionGuard,
+    DescriptorBudget,
+    GuardedSite,
+    default_max_connections,
+    descriptor_limit,
+    raise_descriptor_limit,
+)
+from aiogguf.stages.parse import split_count_from_name, split_paths
 
 __all__ = [
     "LimiterStats",
@@ -195,8 +205,8 @@ class _Request:
     devices: tuple[Device, ...]
     readers: int
     staging_bytes: int
-    opener: PreOpened  # the file checked at the request, and the way to its shards
-    nbytes: int  # file bytes the model will hold (split sets: estimated from the first)
+    opener: PreOpened  # every file of the load, opened (beneath the roots) at the request
+    nbytes: int  # file bytes the model will hold: every shard's real size
 
 
 class _Entry:
@@ -349,6 +359,13 @@ class LoaderRegistry:
         self._stop: anyio.Event | None = None  # made in ``start``, inside the loop
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = False
+        self._close_by: float | None = None  # when ``aclose`` stops waiting for loads
+        # Where ``serve`` runs the app: its open connections, which sit inside the
+        # descriptors kept for serving (see ``descriptor_room``).
+        self.connection_count: Callable[[], int] = lambda: 0
+        # A request's descriptor check and its opening of files, one request at a time:
+        # two requests must not both count the same free descriptors.
+        self.admission_lock = threading.Lock()
 
     @property
     def accepting(self) -> bool:
@@ -372,16 +389,40 @@ class LoaderRegistry:
         finally:
             self._tg = None
 
-    async def aclose(self) -> None:
-        """Cancel every load and close every model; idempotent."""
+    async def aclose(self, timeout_s: float | None = None) -> bool:
+        """Cancel every load and close every model; idempotent. Waits at most
+        ``timeout_s`` (None: as long as it takes) for the loads to end; False when some
+        have not (a thread blocked in a system call): they are left behind, logged."""
         self._closing = True
         if self._stop is not None:
             self._stop.set()
-        if self._supervisor is not None:
+        # One wait for every call: the application's shutdown and its cleanup both
+        # close the registry, and the second must not wait as long again.
+        if timeout_s is not None and self._close_by is None:
+            self._close_by = time.monotonic() + timeout_s
+        ended = True
+        if self._supervisor is not None and not self._supervisor.done():
+            left = None if self._close_by is None else max(self._close_by - time.monotonic(), 0)
             with anyio.CancelScope(shield=True):
-                await self._supervisor
+                # ``asyncio.wait``, not ``await task``: giving up the wait must not
+                # cancel the supervisor, which is already winding the loads down.
+                await asyncio.wait({self._supervisor}, timeout=left)
+            ended = self._supervisor.done()
+            if not ended and left != 0:  # said once, by the call that waited
+                loading = sum(1 for e in self.entries.values() if not e.finished.is_set())
+                logger.warning(
+                    "%d loads did not stop within %.1f s of the shutdown", loading, timeout_s
+                )
         for entry in self.entries.values():
             entry.close_subscribers()
+        return ended
+
+    def descriptor_budget(self) -> DescriptorBudget:
+        """Descriptors kept for serving: as many as ``serve`` lets connections take
+        (``policy.max_connections``, or its default for this process's limit)."""
+        limit = descriptor_limit()
+        connections = self.policy.max_connections or default_max_connections(limit)
+        return DescriptorBudget.for_connections(connections, limit)
 
     def held(self) -> tuple[int, int]:
         """Models loading or ready, and the file bytes they hold or will hold."""
@@ -501,9 +542,21 @@ class LoaderRegistry:
 
 async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Request:
     try:
-        body = json.loads(await request.read())
+        # A body trickled in byte by byte must not hold the request (and its connection)
+        # for ever.
+        with anyio.fail_after(registry.policy.request_timeout_s):
+            raw = await request.read()
+    except TimeoutError as exc:
+        raise RequestRefused(
+            f"request body not received within {registry.policy.request_timeout_s:g} s",
+            status=408,
+        ) from exc
+    try:
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestRefused(f"request body is not valid JSON: {exc}") from exc
+        raise RequestRefused(f"request body is not valid JSON: {_one_line(exc)}") from exc
+    except RecursionError as exc:
+        raise RequestRefused("request body is not valid JSON: nested too deeply") from exc
     if not isinstance(body, dict):
         raise RequestRefused('expected a JSON object like {"path": "model.gguf"}')
     unknown = sorted(set(body) - {"path", "config"})
@@ -521,6 +574,56 @@ async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Req
         return await _prepare_request(registry, path, overrides, threads)
 
 
+# Descriptors one load may hold at once, beyond those of the request's own files: a
+# duplicate of each file in the load, a reopened one for O_DIRECT, and a few of its own.
+_FDS_PER_FILE = 3
+_FDS_PER_LOAD = 8
+
+
+def _load_paths(path: str, policy: ServerPolicy) -> list[str]:
+    """The files a load of ``path`` opens: every shard of a split set named as its first
+    (``m-00001-of-00003.gguf``), else the one file. Raises ``RequestRefused`` (400) for a
+    set of more than ``policy.max_shards`` shards, before any is opened."""
+    count = split_count_from_name(path)
+    if count > policy.max_shards:
+        raise RequestRefused(
+            f"{path}: a split set of {count} shards; this server loads at most {policy.max_shards}"
+        )
+    if count > 1 and path.endswith(f"-00001-of-{count:05d}.gguf"):
+        return split_paths(path, 0, count)
+    # A later shard's name: the load reads this file's header, and fails there if it is
+    # one split of several.
+    return [path]
+
+
+def _open_files(registry: LoaderRegistry, paths: list[str]) -> PreOpened:
+    """Open ``paths`` beneath the roots (blocking: on the request's thread), if the
+    descriptors they need leave the reserve for serving whole; ``RequestRefused`` (403,
+    400, or 503 when descriptors run short)."""
+    need = len(paths) * _FDS_PER_FILE + _FDS_PER_LOAD
+    with registry.admission_lock:
+        room = registry.descriptor_budget().room(registry.connection_count())
+        if room is not None and need > room:
+            raise RequestRefused(
+                f"this server is short of file descriptors: the load needs about {need}, "
+                f"{max(room, 0)} are free beyond those kept for serving; unload a model or "
+                "try again later",
+                status=503,
+            )
+        try:
+            return PreOpened(registry.opener, paths)
+        except PathNotAllowedError as exc:
+            # Said the same way whether or not the file exists: nothing leaks from outside.
+            raise RequestRefused(str(exc), status=403) from exc
+        except LoadError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, OSError) and cause.errno in (errno.EMFILE, errno.ENFILE):
+                raise RequestRefused(
+                    "this server is out of file descriptors; try again later", status=503
+                ) from exc
+            raise RequestRefused(_one_line(exc)) from exc
+
+
 async def _prepare_request(
     registry: LoaderRegistry, path: str, overrides: dict[str, Any], threads: LoadThreads
 ) -> _Request:
@@ -529,20 +632,16 @@ async def _prepare_request(
     if config.pipeline.reader_count() > limiter.max_readers:
         config = config.with_settings({"readers": limiter.max_readers})
     # A relative path is the server's directory's; ``~`` is not expanded.
-    # The file is opened here, once, under the roots: the load reads this descriptor.
-    try:
-        opener = await threads.run_sync(PreOpened, registry.opener, path)
-    except PathNotAllowedError as exc:
-        # Said the same way whether or not the file exists: nothing leaks from outside.
-        raise RequestRefused(str(exc), status=403) from exc
-    except LoadError as exc:
-        raise RequestRefused(_one_line(exc)) from exc
+    paths = _load_paths(path, registry.policy)
+    # Every file is opened here, once, under the roots: the load reads these descriptors,
+    # and the bytes held are counted from their real sizes.
+    opener = await threads.run_sync(_open_files, registry, paths)
     try:
         try:
             devices = await threads.run_sync(enumerate_devices, config)
         except ConfigError as exc:
             raise RequestRefused(_one_line(exc)) from exc
-        splits = split_count_from_name(path)
+        splits = len(paths)
         readers = config.pipeline.readers_for(path) * splits
         gpus = sum(1 for d in devices if d.kind != "cpu")
         staging = 0
@@ -551,7 +650,7 @@ async def _prepare_request(
             # Slots come from each device's pool, which never grows past its cap.
             per_device = readers * pipeline.staging_buffers * pipeline.staging_bytes()
             staging = gpus * min(per_device, pipeline.staging_pool_size)
-        return _Request(path, config, devices, readers, staging, opener, opener.size_bytes * splits)
+        return _Request(path, config, devices, readers, staging, opener, opener.size_bytes)
     except BaseException:
         opener.close()
         raise
@@ -687,13 +786,19 @@ async def _healthz(request: web.Request) -> web.Response:
     )
 
 
+# How long a shutdown waits for the loads to end once cancelled (each stage of a load
+# stops within a second of its cancellation), and then for replies under way.
+_LOAD_STOP_GRACE_S = 1.0
+_REPLY_GRACE_S = 0.3
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     registry = app[_REGISTRY]
     await registry.start()
     try:
         yield
     finally:
-        await registry.aclose()
+        await registry.aclose(_LOAD_STOP_GRACE_S)
         if isinstance(registry.opener, RootedOpener):
             registry.opener.close()
 
@@ -701,7 +806,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 async def _on_shutdown(app: web.Application) -> None:
     # Before connections are drained: ends the event streams, which would otherwise
     # hold the shutdown until their loads finished.
-    await app[_REGISTRY].aclose()
+    await app[_REGISTRY].aclose(_LOAD_STOP_GRACE_S)
 
 
 def create_app(
@@ -769,24 +874,49 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 8765,
     on_started: Callable[[Sequence[Any]], None] | None = None,
-) -> None:
+    on_stopping: Callable[[int], None] | None = None,
+) -> int | None:
     """Serve ``app`` until SIGINT or SIGTERM (or cancellation), then shut it down:
-    every load cancelled, every model closed. ``on_started`` gets the bound addresses.
+    every load cancelled, every model closed, every connection closed, within about
+    1.3 s. ``on_started`` gets the bound addresses; ``on_stopping`` the signal, as the
+    shutdown begins. Returns that signal (None when cancelled).
 
-    Before it listens, the process is warmed up for the app's configuration (devices
-    found, staging pools filled): CUDA's start-up holds the GIL for part of its time,
-    which no client should wait behind."""
-    await warm_up(registry_of(app).config)
-    runner = web.AppRunner(app, handle_signals=False)
+    Before it listens, the soft ``RLIMIT_NOFILE`` is raised to the hard limit and the
+    connection cap set (``policy.max_connections``, by default a quarter of that limit,
+    at most 512): a new connection past the cap closes the oldest one still silent (no
+    whole request head), or gets 503; a request's head must arrive within
+    ``policy.request_timeout_s`` of connecting or of the last reply. Then the process is
+    warmed up for the app's configuration (devices found, staging pools filled): CUDA's
+    start-up holds the GIL for part of its time, which no client should wait behind."""
+    registry = registry_of(app)
+    limit = raise_descriptor_limit()
+    guard = ConnectionGuard(registry.policy.max_connections or default_max_connections(limit))
+    registry.connection_count = lambda: guard.count
+    await warm_up(registry.config)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=_REPLY_GRACE_S)
     await runner.setup()
+    received: int | None = None
     try:
-        site = web.TCPSite(runner, host, port)
+        site = GuardedSite(
+            runner,
+            host,
+            port,
+            guard,
+            # aiohttp's keep-alive timer runs from the connection's start and from each
+            # reply, and partial bytes do not reset it: the deadline for a request's head.
+            keepalive_timeout=registry.policy.request_timeout_s,
+        )
         await site.start()
         if on_started is not None:
             on_started(runner.addresses)
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
-            async for _ in received:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                received = int(signum)
                 break
+        if on_stopping is not None and received is not None:
+            on_stopping(received)
     finally:
         with anyio.CancelScope(shield=True):
             await runner.cleanup()
+            guard.close_all()
+    return received

@@ -13,15 +13,23 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from aiogguf.config import Config, PipelineConfig
+from aiogguf.config import (
+    SERVER_MAX_MODELS,
+    SERVER_MAX_SHARDS,
+    SERVER_REQUEST_TIMEOUT_S,
+    Config,
+    PipelineConfig,
+    server_max_loaded_bytes,
+)
 from aiogguf.errors import ConfigError, from_os_error
 from aiogguf.io.opener import FileOpener
 
@@ -65,6 +73,9 @@ OPT_IN_MODES: frozenset[str] = frozenset({"mlock", "direct"})
 
 HEALTH_ROUTE = "aiogguf-healthz"
 
+logger = logging.getLogger("aiogguf.server")
+
+
 # Every key a request's config could name: those not in the policy's set are refused.
 _ALL_KEYS: frozenset[str] = frozenset(
     {
@@ -94,29 +105,43 @@ class ServerPolicy:
 
     ``token``: every route but ``/healthz`` needs ``Authorization: Bearer <token>``; None:
     no authentication. ``request_keys``/``modes``: what a request's config may set.
-    ``max_models``: loads in flight and ready models together (429 beyond). ``max_loaded_bytes``:
-    file bytes of those (507 beyond). ``max_finished``/``finished_ttl_s``: records of ended
-    loads kept for ``GET``, the least recently used dropped first.
+    ``max_models``: loads in flight and ready models together (429 beyond; default 64).
+    ``max_loaded_bytes``: their file bytes, every shard's real size counted before the
+    load is admitted (507 beyond; default 80% of physical memory); None: no limit.
+    ``max_shards``: files of one split set (400 beyond, before any is opened).
+    ``max_finished``/``finished_ttl_s``: records of ended loads kept for ``GET``, the least
+    recently used dropped first. ``request_timeout_s``: a request's body must arrive
+    within it (408 beyond); where ``aiogguf.server.serve`` runs the app, a connection
+    must also send a request's head within it of connecting or of its last reply.
+    ``max_connections``: open connections where ``serve`` runs the app (None: a quarter
+    of the descriptor limit, at most 512); loads never take the descriptors they need.
     """
 
     token: str | None = None
     request_keys: frozenset[str] = REQUEST_KEYS
     modes: frozenset[str] = DEFAULT_MODES
-    max_models: int | None = None
-    max_loaded_bytes: int | None = None
+    max_models: int | None = SERVER_MAX_MODELS
+    max_loaded_bytes: int | None = field(default_factory=server_max_loaded_bytes)
+    max_shards: int = SERVER_MAX_SHARDS
     max_finished: int = 256
     finished_ttl_s: float = 3600.0
+    request_timeout_s: float = SERVER_REQUEST_TIMEOUT_S
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         unknown = self.modes - DEFAULT_MODES - OPT_IN_MODES
         if unknown:
             raise ValueError(f"unknown load mode(s) {sorted(unknown)} in the allowed modes")
-        for name in ("max_models", "max_loaded_bytes"):
+        for name in ("max_models", "max_loaded_bytes", "max_connections"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_shards < 1:
+            raise ValueError(f"max_shards must be >= 1, got {self.max_shards}")
         if self.max_finished < 0 or self.finished_ttl_s < 0:
             raise ValueError("max_finished and finished_ttl_s must be >= 0")
+        if not 0 < self.request_timeout_s < float("inf"):
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.token is not None and not self.token:
             raise ValueError("the token is empty")
 
@@ -172,36 +197,47 @@ def request_config(base: Config, overrides: Mapping[str, Any], policy: ServerPol
 
 
 class PreOpened:
-    """An opener that hands out the descriptor opened while the request was checked (as
-    a duplicate) for that path, and opens any other file of the load (split shards)
-    through ``opener``. Owns that descriptor: ``close()`` once the load has ended."""
+    """An opener that hands out the descriptors opened while the request was checked (as
+    duplicates) for those paths, and opens any other file of the load through ``opener``.
+    Owns those descriptors: ``close()`` once the load has ended (or is ready).
 
-    def __init__(self, opener: FileOpener, path: str) -> None:
-        """Open ``path`` through ``opener`` (blocking: call it in a worker thread).
+    Every file of a split set is opened here, beneath the roots, before the load is
+    admitted: ``size_bytes`` is what they really hold (a set's first shard may hold no
+    tensor at all), and the load reads exactly the files that were counted."""
 
-        Raises what ``opener.open`` raises."""
+    def __init__(self, opener: FileOpener, paths: Sequence[str]) -> None:
+        """Open ``paths`` through ``opener`` (blocking: call it in a worker thread);
+        ``paths[0]`` is the file the request named.
+
+        Raises what ``opener.open`` raises, naming the path that failed."""
         self._opener = opener
-        self.path = path
-        fd = opener.open(path)
-        self._fd: int | None = fd
+        self.path = paths[0]
+        self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.size_bytes = 0
         try:
-            self.size_bytes = os.fstat(fd).st_size
-        except OSError as exc:
-            os.close(fd)
-            raise from_os_error(exc, path, None, "cannot read the file") from exc
+            for path in paths:
+                fd = opener.open(path)
+                self._fds[path] = fd
+                try:
+                    self.size_bytes += os.fstat(fd).st_size
+                except OSError as exc:
+                    raise from_os_error(exc, path, None, "cannot read the file") from exc
+        except BaseException:
+            self.close()
+            raise
 
     def open(self, path: str) -> int:
-        if path == self.path:
-            with self._lock:
-                if self._fd is not None:
-                    return os.dup(self._fd)
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is not None:
+                return os.dup(fd)
         return self._opener.open(path)
 
     def close(self) -> None:
         with self._lock:
-            fd, self._fd = self._fd, None
-        if fd is not None:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
             os.close(fd)
 
 
@@ -216,7 +252,11 @@ def auth_middleware(token: str) -> Callable[[web.Request, _Handler], Awaitable[A
     async def authenticate(request: web.Request, handler: _Handler) -> web.StreamResponse:
         if request.match_info.route.name == HEALTH_ROUTE:
             return await handler(request)
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        header = request.headers.get("Authorization", "")
+        if not header.isascii():
+            # aiohttp hands undecodable bytes on as surrogates, which no token holds.
+            raise RequestRefused("the Authorization header must be ASCII")
+        scheme, _, given = header.partition(" ")
         # Constant time: how much of a guess matched must not show in the reply's timing.
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
             return web.json_response(
@@ -229,9 +269,17 @@ def auth_middleware(token: str) -> Callable[[web.Request, _Handler], Awaitable[A
     return authenticate
 
 
+# Raised by a request's own bytes, not by a bug: too deep a JSON document, text that
+# does not decode. Answered 400 like any malformed request.
+_MALFORMED = (RecursionError, UnicodeError)
+
+
 @web.middleware
 async def json_errors_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
-    """aiohttp's own errors (unknown route, wrong method, body too large) as JSON too."""
+    """Every error reply as JSON, ``{"error": "one line"}``: aiohttp's own (unknown route,
+    wrong method, body too large), a ``RequestRefused`` from any middleware or handler,
+    and any other exception, which is a 500 and one line in the log (its traceback only
+    when the ``aiogguf.server`` logger is at DEBUG: ``aiogguf serve --debug``)."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -245,3 +293,25 @@ async def json_errors_middleware(request: web.Request, handler: _Handler) -> web
             if k.lower() not in ("content-type", "content-length")
         }
         return web.json_response({"error": reason}, status=exc.status, headers=headers)
+    except RequestRefused as exc:
+        return web.json_response({"error": exc.reason}, status=exc.status)
+    except _MALFORMED as exc:
+        _log_one_line(request, exc, "refused")
+        return web.json_response({"error": f"malformed request: {type(exc).__name__}"}, status=400)
+    except Exception as exc:
+        _log_one_line(request, exc, "failed")
+        return web.json_response(
+            {"error": f"internal error ({type(exc).__name__}); see the server's log"},
+            status=500,
+        )
+
+
+def _log_one_line(request: web.Request, exc: BaseException, what: str) -> None:
+    # The request line is the client's: cut and on one line, so no client can write
+    # lines of its own into the log.
+    target = " ".join(f"{request.method} {request.rel_url}"[:200].split())
+    text = " ".join(str(exc).split())[:300]
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s %s: %s: %s", target, what, type(exc).__name__, text, exc_info=exc)
+    else:
+        logger.error("%s %s: %s: %s", target, what, type(exc).__name__, text)

@@ -23,6 +23,7 @@ from aiogguf.io.buffers import HUGE_PAGE_BYTES, PAGE_BYTES, HostBuffer, huge_pag
 from aiogguf.io.devices.base import DeviceBuffer
 from aiogguf.io.files import DataFile, align_down, align_up
 from aiogguf.io.mapping import FileMapping, MapAdvice, numa_nodes
+from aiogguf.io.workers import raise_if_stopped
 from aiogguf.jobs import BufferLayout, RangeSlot, ReadJob, StageMeter, StageTimes, TensorSlot
 from aiogguf.records import Plan, WeightIndex
 
@@ -153,6 +154,7 @@ def read_jobs(
         start, end = (rs.file_start, rs.file_end) if aligned else (r.start, r.end)
         offset = start
         while offset < end:
+            raise_if_stopped()  # once per job (a model of hundreds of GiB has 10^4)
             n = min(chunk_bytes, end - offset)
             yield ReadJob(
                 seq=seq,
@@ -255,6 +257,7 @@ def allocate_mapped(
     mappings: list[FileMapping] = []
     try:
         for rs in layout.slots:
+            raise_if_stopped()
             r = rs.range
             mapping = FileMapping(files[r.file_index], r.start, r.end, writable=writable)
             mappings.append(mapping)
@@ -288,6 +291,7 @@ def allocate_host_images(
     images (``allocate_host``)."""
     into[:] = [None] * len(layouts)
     for layout in layouts:
+        raise_if_stopped()
         if not layout.plan.host:
             continue
         if mapped and (layout.plan.lazy or not writable):

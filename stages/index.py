@@ -14,7 +14,7 @@ from typing import Final
 
 from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.io.opener import OpenFiles
-from aiogguf.io.workers import LoadThreads
+from aiogguf.io.workers import LoadThreads, raise_if_stopped
 from aiogguf.records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
 from aiogguf.stages.parse import is_split, parse_model, read_header
 
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 U64_LIMIT: Final = 1 << 64
-# llama.cpp's LLAMA_MAX_LAYERS (format §3.4): it refuses a model with more. The plan
+# llama.cpp's LLAMA_MAX_LAYERS (format §1.10): it refuses a model with more. The plan
 # makes a record per layer, so a larger ``block_count`` (or ``blk.N``) is refused here,
 # before anything loops over the layers: a 2 KB header must not ask for 2^31 of them.
 MAX_LAYERS: Final = 512
@@ -216,7 +216,9 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
     by_name: dict[str, TensorEntry] = {}
     highest = -1  # the highest layer a tensor's name gives
     for file_index, parsed in enumerate(files):
-        for info in parsed.tensors:
+        for k, info in enumerate(parsed.tensors):
+            if not k & 255:
+                raise_if_stopped()  # the load was cancelled: stop within 256 tensors
             start = parsed.data_offset + info.offset
             end = start + info.nbytes
             if end >= U64_LIMIT:

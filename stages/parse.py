@@ -27,7 +27,7 @@ from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError, fr
 from aiogguf.io.files import align_up
 from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
 from aiogguf.io.opener import OpenFiles
-from aiogguf.io.workers import LoadThreads
+from aiogguf.io.workers import LoadThreads, raise_if_stopped
 from aiogguf.records import (
     GGUFArray,
     MetadataEntry,
@@ -75,6 +75,12 @@ FIRST_READ_BYTES: Final = 64 << 10
 GROWTH_FACTOR: Final = 4
 # String arrays at least this long are decoded on first use (``StringItems``).
 LAZY_STRINGS_FROM: Final = 256
+# How often the walk looks whether its load was cancelled (``raise_if_stopped``): every
+# 256 records, every 64 Ki strings of a long array, every 64 MiB read; each far below a
+# second of work.
+_RECORDS_PER_STOP_CHECK_MASK: Final = 255
+_STRINGS_PER_STOP_CHECK: Final = 1 << 16
+_READ_CALL_BYTES: Final = 64 << 20
 
 # value type → (struct code, numpy code, bytes). STRING and ARRAY are not fixed-size.
 _FIXED: Final[dict[ValueType, tuple[str, str, int]]] = {
@@ -210,11 +216,15 @@ class _HeaderParser:
             self.parse_fixed_header()
             self.stage = 1
         while self.stage == 1 and len(self.metadata) < self.n_kv:
+            if not len(self.metadata) & _RECORDS_PER_STOP_CHECK_MASK:
+                raise_if_stopped()
             self.parse_kv()
         if self.stage == 1:
             self.resolve_alignment()
             self.stage = 2
         while len(self.tensors) < self.n_tensors:
+            if not len(self.tensors) & _RECORDS_PER_STOP_CHECK_MASK:
+                raise_if_stopped()
             self.parse_tensor_info()
         return self.finish()
 
@@ -335,6 +345,8 @@ class _HeaderParser:
             self.loadable = False
         items: list[GGUFArray] = []
         for k in range(count):
+            if not k & _RECORDS_PER_STOP_CHECK_MASK:
+                raise_if_stopped()
             item, pos = self.array(pos, f"{field}[{k}]", depth + 1)
             items.append(item)
         return GGUFArray(ValueType.ARRAY, tuple(items)), pos
@@ -377,14 +389,21 @@ class _HeaderParser:
         done, p = self.walked.pop(pos, (0, pos))
         buf, n, u64, limit = self.buf, self.n, self.u64, MAX_STRING_BYTES
         start = p
+        block = i = done
         try:
-            for i in range(done, count):
-                start = p
-                (length,) = u64(buf, start)
-                p = start + 8 + length
-                if p > n or length > limit:
-                    done = i
-                    break
+            while block < count:
+                raise_if_stopped()  # once per block of strings: nothing per string
+                for i in range(block, min(count, block + _STRINGS_PER_STOP_CHECK)):
+                    start = p
+                    (length,) = u64(buf, start)
+                    p = start + 8 + length
+                    if p > n or length > limit:
+                        done = i
+                        break
+                else:
+                    block += _STRINGS_PER_STOP_CHECK
+                    continue
+                break
             else:
                 items = StringItems(
                     buf[pos:p],
@@ -610,7 +629,12 @@ def read_header(path: str, files: OpenFiles) -> ParsedFile:
         target = min(file_size, FIRST_READ_BYTES)
         while True:
             # Through the descriptor, never the name: it is the file the opener allowed.
-            data += _pread_upto(fd, len(data), target - len(data))
+            while len(data) < target:
+                raise_if_stopped()  # a header of GiBs is read in bounded calls
+                part = _pread_upto(fd, len(data), min(target - len(data), _READ_CALL_BYTES))
+                if not part:
+                    break
+                data += part
             if len(data) < target:
                 raise LoadError(
                     path, len(data), f"short read: the file shrank below {target} bytes"

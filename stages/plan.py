@@ -19,6 +19,7 @@ from aiogguf.config import Config, LoadMode, NamePattern, PlacementConfig, compi
 from aiogguf.errors import PlacementError
 from aiogguf.io.devices.base import BufferRole, BufferType, Device, all_buffer_types
 from aiogguf.io.mapping import may_lock_past_limit, memlock_limit
+from aiogguf.io.workers import raise_if_stopped
 from aiogguf.records import (
     BufferPlan,
     DeviceSummary,
@@ -354,7 +355,9 @@ def make_plan(index: WeightIndex, devices: Sequence[Device], config: Config) -> 
     placements: list[TensorPlacement] = []
     moved_first: tuple[TensorEntry, str, str] | None = None
     n_moved = 0
-    for tensor in index.tensors:
+    for k, tensor in enumerate(index.tensors):
+        if not k & 255:
+            raise_if_stopped()  # the load was cancelled: stop within 256 tensors
         layer = _placement_layer(tensor, n_layer)
         candidates = cpu_list if layer is None else layer_lists[layer]
         lazy_wanted = lazy_mode == "on" or (
@@ -529,6 +532,8 @@ def coalesce_ranges(
             nonzero.append(nonzero[-1] + (t.nbytes > 0))
         open_ranges: dict[_GroupKey, tuple[int, int, list[str], int]] = {}
         for pos, t in enumerate(entries):
+            if not pos & 1023:
+                raise_if_stopped()
             key = group_of[t.name]
             current = open_ranges.get(key)
             if current is not None:

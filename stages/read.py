@@ -40,7 +40,7 @@ from aiogguf.io.byteswap import can_convert, to_native
 from aiogguf.io.files import DataFile, FileAdvice, open_file
 from aiogguf.io.mapping import FileMapping
 from aiogguf.io.opener import OpenFiles
-from aiogguf.io.workers import Call, LoadThreads
+from aiogguf.io.workers import Call, LoadThreads, raise_if_stopped
 from aiogguf.jobs import BufferLayout, ReadJob, StageTimes
 from aiogguf.records import Plan, WeightIndex
 
@@ -320,6 +320,7 @@ class Reader:
         useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
         previous = 0
         for lo in range(0, len(useful), CHECK_PIECE_BYTES):
+            raise_if_stopped()  # a job of a slow disk is cut short, piece by piece
             hi = min(lo + CHECK_PIECE_BYTES, len(useful))
             if read:
                 self._files[job.file_index].read_into(useful[lo:hi], job.useful_start + lo)
@@ -484,10 +485,19 @@ class HostReads:
         for feed in self._feeds:
             feed.stop()
 
+    def _halt(self) -> None:
+        """On the loop's thread, when the load is cancelled or has failed: ``stop``, and
+        every reader leaves the job it is reading at its next piece
+        (``raise_if_stopped``). Not for a reader's own failure (``stop``): the other
+        readers' calls would then fail with ``Stopped`` before its error is seen."""
+        self.stop()
+        for call in self._calls:
+            call.stopped = True
+
     async def _wait_reads(self) -> None:
         try:
             for call in self._calls:
-                await self._threads.wait(call, on_cancel=self.stop)
+                await self._threads.wait(call, on_cancel=self._halt)
         except BaseException:
             await self._stop_and_wait()
             raise
@@ -507,7 +517,7 @@ class HostReads:
         if self._waited:
             return
         self._waited = True
-        self.stop()
+        self._halt()
         with anyio.CancelScope(shield=True):
             for call in self._calls:
                 with contextlib.suppress(Exception):

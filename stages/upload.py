@@ -351,9 +351,10 @@ class Uploader:
         destination, whatever ``fill`` raises, ``LoadError`` when a device
         fails, and the simulated device's ``RingViolation`` when the ring is broken."""
         self._check_open()
+        for device in {dest.device for _, dest in jobs}:
+            self._target(device)  # once per device: a protocol check is slow
         for job, dest in jobs:
-            self._target(dest.device)
-            self._check_job(job, dest)
+            _check_job(job, dest, self.slot_bytes)
         queue = deque(job_dest for job_dest in jobs if job_dest[0].nbytes)
         if not queue:
             return
@@ -463,17 +464,6 @@ class Uploader:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _check_job(self, job: ReadJob, dest: DeviceBuffer) -> None:
-        if job.nbytes > self.slot_bytes:
-            raise ValueError(
-                f"job {job.seq}: {job.nbytes} bytes > staging slot size {self.slot_bytes}"
-            )
-        if job.buffer_offset < 0 or job.buffer_offset + job.nbytes > dest.nbytes:
-            raise ValueError(
-                f"job {job.seq}: bytes [{job.buffer_offset}, {job.buffer_offset + job.nbytes})"
-                f" fall outside the {dest.nbytes}-byte buffer on {dest.device}"
-            )
-
     def _target(self, name: str) -> UploadTarget:
         device = self._devices.get(name)
         if device is None:
@@ -495,6 +485,16 @@ def _asynchronous(target: UploadTarget) -> bool:
     """Whether copies to ``target`` are queued (llama.cpp's upload-backend negotiation)."""
     caps = target.caps
     return caps.async_copies and caps.events and target.host_buffer_type is not None
+
+
+def _check_job(job: ReadJob, dest: DeviceBuffer, slot_bytes: int) -> None:
+    if job.nbytes > slot_bytes:
+        raise ValueError(f"job {job.seq}: {job.nbytes} bytes > staging slot size {slot_bytes}")
+    if job.buffer_offset < 0 or job.buffer_offset + job.nbytes > dest.nbytes:
+        raise ValueError(
+            f"job {job.seq}: bytes [{job.buffer_offset}, {job.buffer_offset + job.nbytes})"
+            f" fall outside the {dest.nbytes}-byte buffer on {dest.device}"
+        )
 
 
 def _close_all(buffers: list[DeviceBuffer]) -> None:

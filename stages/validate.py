@@ -24,6 +24,7 @@ dtypes because CuPy has no byte-swapped dtypes); big-endian files are converted 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from bisect import bisect_left, bisect_right
@@ -41,7 +42,7 @@ from aiogguf.errors import TensorFailure
 from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.files import DataFile
 from aiogguf.io.ggml_types import GGMLType, ScaleField, ScaleKind, TypeKind
-from aiogguf.io.workers import LoadThreads
+from aiogguf.io.workers import LoadThreads, raise_if_stopped
 from aiogguf.jobs import BufferLayout, ReadJob, StageMeter, StageTimes, TensorSlot
 from aiogguf.records import WeightIndex
 from aiogguf.stages.allocate import TensorSpans
@@ -153,6 +154,18 @@ class _Screen:
 
 
 _SIGNED = {1: numpy.int8, 2: numpy.int16, 4: numpy.int32}
+
+
+def _column_slices(cols: Sequence[int]) -> tuple[slice, ...]:
+    """``cols`` (increasing) as slices, each a run of equal steps: one view each."""
+    runs: list[list[int]] = []
+    for col in cols:
+        run = runs[-1] if runs else None
+        if run is not None and (len(run) == 1 or col - run[-1] == run[1] - run[0]):
+            run.append(col)
+        else:
+            runs.append([col])
+    return tuple(slice(run[0], run[-1] + 1, run[1] - run[0] if len(run) > 1 else 1) for run in runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +438,14 @@ class _Scanner:
             self.mode = _Scan.NONE
         self.slice_bytes = max(slice_bytes // self.unit_bytes, 1) * self.unit_bytes
         self.host = xp is numpy
+        # The host screens, each with the block columns it reads (a field's screen byte
+        # per block), as column slices: fields with the same screen are screened together.
+        columns: dict[_Screen, list[int]] = {}
+        for field, check in self.fields:
+            columns.setdefault(check.screen, []).append(field.offset + check.screen_byte)
+        self.screens = tuple(
+            (screen, _column_slices(sorted(cols))) for screen, cols in columns.items()
+        )
 
     def scan(self, data: Bytes, scratch: _Scratch) -> _Found:
         """Scan ``data``, a whole number of units, slice by slice; indices relative to it.
@@ -433,7 +454,7 @@ class _Scanner:
         ``data`` whatever its size, where slices cost a few calls each, and every numpy
         call costs the GIL (design §1.7). Only data the screen does not clear is scanned
         slice by slice (the full scan writes scratch arrays, kept in the cache)."""
-        if self.host and self._clear(data, scratch):
+        if self.host and self._clear(data):
             return _NOTHING
         count = nans = 0
         first, what = 0, ""
@@ -448,30 +469,31 @@ class _Scanner:
         return _Found(count, first, what, nans) if count else _NOTHING
 
     def _scan_slice(self, data: Bytes, scratch: _Scratch) -> _Found:
-        if self.host and self._clear(data, scratch):
+        if self.host and self._clear(data):
             return _NOTHING
         if self.mode is _Scan.ELEMENTS:
             assert self.element_check is not None
             return self.element_check.scan(data, self.xp, scratch)
         return self._scan_scales(data)
 
-    def _clear(self, data: numpy.ndarray[Any, Any], scratch: _Scratch) -> bool:
+    def _clear(self, data: numpy.ndarray[Any, Any]) -> bool:
         """Host fast path: True only if every unit of ``data`` is good."""
         if self.mode is _Scan.ELEMENTS:
             assert self.element_check is not None
             return self.element_check.clear(data)
-        return self._scales_clear(data, scratch)
+        return self._scales_clear(data)
 
-    def _scales_clear(self, data: numpy.ndarray[Any, Any], scratch: _Scratch) -> bool:
+    def _scales_clear(self, data: numpy.ndarray[Any, Any]) -> bool:
         """Host fast path: True only if every checked scale of every block is good."""
         blocks = data.reshape(-1, self.type.block_bytes)
-        # Gathered into a contiguous column first: the two reductions then run on it at
-        # full speed instead of striding through the blocks twice.
-        column = scratch.get("uint8", blocks.shape[0])
-        for field, check in self.fields:
-            numpy.copyto(column, blocks[:, field.offset + check.screen_byte])
-            if not check.screen.clear(column):
-                return False
+        # The reductions stride through the blocks, all the columns of one screen at once:
+        # each numpy call costs the GIL twice (a release and a take, which can wait a
+        # switch interval behind a busy thread), whatever its size, so the fewest calls
+        # win over gathering a contiguous column first.
+        for screen, slices in self.screens:
+            for columns in slices:
+                if not screen.clear(blocks[:, columns]):
+                    return False
         return True
 
     def _scan_scales(self, data: Bytes) -> _Found:
@@ -505,6 +527,12 @@ class _Scanner:
         else:
             problem = f"found {tally.first_what}"
         return TensorFailure(name, self.type.name, problem, tally.first_index, tally.count)
+
+
+@functools.cache
+def _scanner(type: GGMLType, xp: ModuleType, slice_bytes: int) -> _Scanner:
+    """The scanner of a type: made once per process (a load makes a check per tensor)."""
+    return _Scanner(type, xp, slice_bytes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -547,7 +575,7 @@ class TensorChecker:
         self._scratch = _Scratch(xp)
         if slice_bytes is None:
             slice_bytes = HOST_SLICE_BYTES if xp is numpy else DEVICE_SLICE_BYTES
-        self._scanner = _Scanner(type, xp, slice_bytes)
+        self._scanner = _scanner(type, xp, slice_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -696,7 +724,7 @@ class PieceCheck:
         self.type = type
         self.nbytes = nbytes
         self.offset = offset
-        self._scanner = _Scanner(type, numpy, HOST_SLICE_BYTES)
+        self._scanner = _scanner(type, numpy, HOST_SLICE_BYTES)
         # A tensor that fails before any value is looked at needs no scan at all.
         self._scan = precheck(name, type, nbytes) is None and self._scanner.mode is not _Scan.NONE
         self._units = nbytes // self._scanner.unit_bytes
@@ -849,6 +877,7 @@ def _update_from_file(checker: TensorChecker, source: FileBytes, start: int, nby
     from the file. Raises ``LoadError`` if the file ends early or a read fails."""
     scratch = _piece_scratch()
     for lo in range(start, start + nbytes, HOST_SLICE_BYTES):
+        raise_if_stopped()  # a call reads up to CALL_BYTES: from a slow disk, seconds
         piece = scratch[: min(HOST_SLICE_BYTES, start + nbytes - lo)]
         source.file.read_into(piece.data, source.offset + lo)
         checker.update(piece)

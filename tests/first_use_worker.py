@@ -6,7 +6,8 @@ interpreter (``python -P first_use_worker.py '{"path": ..., "overrides": {...}, 
 An import hook (the first finder on ``sys.meta_path``) records the thread of every
 import the interpreter has to look for: a module not yet in ``sys.modules``, found or
 not (a failed ``import cupy`` searches the path too). While the loop runs, a ticker
-sleeps 1 ms at a time and records how late it wakes: the loop lag a server would see.
+sleeps 1 ms at a time and records how late it wakes (the loop lag a server would see),
+and how much of that its thread spent on a run queue while other work held the cores.
 One JSON object on stdout: per load, the modules first imported on the loop's thread,
 those first imported elsewhere, the load's time and its lag (worst, p99).
 """
@@ -58,11 +59,20 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _tick(lags: list[float]) -> None:
+def _run_queue_s() -> float:
+    """How long this thread has waited on a run queue for a core, in all."""
+    with open("/proc/thread-self/schedstat", encoding="ascii") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+async def _tick(lags: list[float], blocked: list[float]) -> None:
     while True:
-        start = time.perf_counter()
+        start, queued = time.perf_counter(), _run_queue_s()
         await asyncio.sleep(TICK_S)
-        lags.append(max(0.0, time.perf_counter() - start - TICK_S))
+        lag = max(0.0, time.perf_counter() - start - TICK_S)
+        lags.append(lag)
+        # The part of the lag not spent waiting for a core the machine's other work held.
+        blocked.append(max(0.0, lag - (_run_queue_s() - queued)))
 
 
 async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
@@ -77,7 +87,8 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
     for n in range(loads):
         phase = f"load{n}"
         lags: list[float] = []
-        ticker = asyncio.create_task(_tick(lags))
+        blocked: list[float] = []
+        ticker = asyncio.create_task(_tick(lags, blocked))
         await asyncio.sleep(0)  # the ticker sleeps before the load starts
         RECORDER.phase = phase
         start = time.perf_counter()
@@ -102,6 +113,7 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
                 "lag_max_ms": max(ms, default=0.0),
                 "lag_p99_ms": _percentile(ms, 0.99),
                 "lag_max_loading_ms": max(ms[:loaded], default=0.0),
+                "blocked_max_ms": max(blocked, default=0.0) * 1e3,
                 "ticks": len(ms),
             }
         )

@@ -21,10 +21,17 @@ WORKER = Path(__file__).with_name("first_use_worker.py")
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 SIM_OFFLOAD: dict[str, Any] = {"mode": "none", "n_gpu_layers": -1, "sim_gpus": ["1GiB"]}
 HOST: dict[str, Any] = {"mode": "none", "n_gpu_layers": 0}
+MAPPED: dict[str, Any] = {"mode": "mmap", "n_gpu_layers": 0}
+DIRECT: dict[str, Any] = {"mode": "direct", "n_gpu_layers": 0}  # or its fallback, none
 # CuPy's import takes about a second on a GPU host; the stand-in's sleeps this long.
 CUPY_IMPORT_S = 0.5
 # Issue 23's must-show: a first load after ``import aiogguf`` alone, with a slow CuPy.
 FIRST_LOAD_LAG_MS = 20.0
+# And every load after ``warm_up``, host and simulated offload.
+WARM_LAG_MS = 10.0
+# On a shared machine any one process can lose its cores for longer than these; a stall
+# of the load's own shows in every process, so a timing test passes on one of three.
+TRIES = 3
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +52,12 @@ OPTIONAL = (
     "rich",
     "uvloop",
 )
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
+    path = tmp_path_factory.mktemp("first-use") / "big.gguf"
+    return write_synthetic_model(path, size_bytes="64MiB", seed=4)
 
 
 def _run(task: dict[str, Any], *, slow_cupy: bool = False) -> dict[str, Any]:
@@ -90,7 +103,9 @@ def test_import_brings_the_loader_and_leaves_the_optional_parts_out() -> None:
     assert left_in == set()
 
 
-@pytest.mark.parametrize("overrides", [HOST, SIM_OFFLOAD], ids=["host", "sim_offload"])
+@pytest.mark.parametrize(
+    "overrides", [HOST, SIM_OFFLOAD, MAPPED, DIRECT], ids=["host", "sim_offload", "mmap", "direct"]
+)
 def test_loads_import_nothing_on_the_loop(model: SynthModel, overrides: dict[str, Any]) -> None:
     """``import aiogguf`` brings what a load needs: the first load of the process and the
     next one import no module at all on the loop's thread (the hook would see it)."""
@@ -118,8 +133,65 @@ def test_slow_cupy_is_imported_off_the_loop(model: SynthModel) -> None:
 @pytest.mark.timing
 def test_first_load_with_a_slow_cupy_keeps_the_loop_responsive(model: SynthModel) -> None:
     """Issue 23's must-show: worst lag under 20 ms during a fresh process's first load
-    after ``import aiogguf`` alone, while CuPy's import sleeps."""
-    answer = _run({"path": str(model.path), "overrides": {"mode": "none"}}, slow_cupy=True)
-    (first,) = answer["loads"]
-    assert first["ticks"] > 100  # the ticker ran through the import
-    assert first["lag_max_ms"] < FIRST_LOAD_LAG_MS, first
+    after ``import aiogguf`` alone, while CuPy's import sleeps (in one of up to three
+    processes, as below)."""
+    worst: list[float] = []
+    for _ in range(TRIES):
+        task = {"path": str(model.path), "overrides": {"mode": "none"}}
+        (first,) = _run(task, slow_cupy=True)["loads"]
+        assert first["ticks"] > 100  # the ticker ran through the import
+        worst.append(first["lag_max_ms"])
+        if worst[-1] < FIRST_LOAD_LAG_MS:
+            return
+    pytest.fail(f"every first load's worst lag was >= {FIRST_LOAD_LAG_MS} ms: {worst}")
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("overrides", [HOST, SIM_OFFLOAD], ids=["host", "sim_offload"])
+def test_loads_after_warm_up_have_no_stall_of_their_own(
+    big_model: SynthModel, overrides: dict[str, Any]
+) -> None:
+    """After ``warm_up``, no load (the first, the next ones) stalls the loop 10 ms or
+    more in every one of up to three fresh processes: a stall the load causes would
+    repeat in each, while the machine's other work lands on one now and then. What the
+    loop's thread spent waiting for a core is left out: on a shared machine the other
+    processes' work alone makes idle loops lag more than that."""
+    worst: list[float] = []
+    for _ in range(TRIES):
+        task = {"path": str(big_model.path), "overrides": overrides, "loads": 3, "warm_up": True}
+        loads = _run(task)["loads"]
+        assert all(load["imported_on_loop"] == [] for load in loads)
+        worst.append(max(load["blocked_max_ms"] for load in loads))
+        if worst[-1] < WARM_LAG_MS:
+            return
+    pytest.fail(f"every process had a load that stalled the loop >= {WARM_LAG_MS} ms: {worst}")
+
+
+# Five fresh interpreters, a few loads each: run apart.
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_loop_lag_bench_reports_every_load(tmp_path: Path) -> None:
+    # bench/loop_lag.py is a script, not part of the package: run it as a user would.
+    script = Path(__file__).resolve().parent.parent / "bench" / "loop_lag.py"
+    args = ["--quick", "--dir", str(tmp_path), "--loads", "2", "--cupy-import-s", "0.3"]
+    proc = subprocess.run(
+        [sys.executable, "-P", str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    cases = {"host_warm", "host_first", "sim_warm", "sim_first", "slow_cupy"}
+    assert set(result["cases"]) == cases
+    for name, case in result["cases"].items():
+        assert case["ok_runs"] == 1, case["errors"]
+        assert len(case["loads"]) == (1 if name == "slow_cupy" else 2)
+        for load in case["loads"]:
+            assert load["imported_on_loop"] == []
+            assert load["lag_max_ms"] >= load["lag_p99_ms"] >= 0
+            assert load["lag_max_ms"] >= load["blocked_max_ms"]
+    (slow,) = result["cases"]["slow_cupy"]["loads"]
+    assert slow["seconds"] >= 0.3  # the load waited for CuPy's import, off the loop
+    assert len(result["targets"]) == 3

@@ -88,3 +88,29 @@ def test_quick_run_prints_every_case(tmp_path: Path) -> None:
         assert all(len(row) == 2 for row in case["samples"]["functions"])
     assert "ceiling GB/s" in proc.stderr  # the table
     assert "host_none_checks_off" in proc.stderr
+
+
+@pytest.mark.slow
+def test_quick_convoy_reports_each_way_of_loading(tmp_path: Path) -> None:
+    out = tmp_path / "convoy.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-P", str(BENCH / "gil_budget.py"), "--convoy", "--quick"),
+            *("--dir", str(tmp_path), "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [c["overrides"]["check_tensors"] for c in result["convoy"]] == [True, False]
+    for c in result["convoy"]:
+        # One load each way per run: alone, beside a busy thread, beside a busy process.
+        assert len(c["alone_s"]) == len(c["busy_s"]) == len(c["process_s"]) == 1
+        assert c["ratio"] == pytest.approx(c["busy_median_s"] / c["alone_median_s"])
+        assert c["gil_ratio"] == pytest.approx(c["busy_median_s"] / c["process_median_s"])
+        assert c["switch_s"] == pytest.approx(0.005)  # CPython's default, left alone
+        assert c["met"] == (c["ratio"] <= 3.0)
+    assert "so the GIL's part is" in proc.stderr

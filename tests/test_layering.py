@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.engine": 4,
     "aiogguf.api": 5,
     "aiogguf.server_policy": 6,
+    "aiogguf.server_transport": 6,
     "aiogguf.server": 6,
     "aiogguf.cli": 7,
     "aiogguf.testing": 6,  # the demo and benchmark harness: above the API, below the CLI

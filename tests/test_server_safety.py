@@ -129,7 +129,8 @@ def _config_with_roots(root: Path) -> Path:
 
 @pytest.mark.asyncio
 async def test_split_shards_are_held_to_the_roots(tmp_path: Path) -> None:
-    """Finding 2: shards were never checked; one symlinked outside was read."""
+    """Finding 2: shards were never checked; one symlinked outside was read. Every
+    shard is opened when the request is admitted (issue #24): refused at once, 403."""
     served, outside = tmp_path / "served", tmp_path / "outside"
     served.mkdir()
     outside.mkdir()
@@ -140,10 +141,8 @@ async def test_split_shards_are_held_to_the_roots(tmp_path: Path) -> None:
     shard.symlink_to(outside / "m-00002-of-00003.gguf")
     async with running(create_app(roots=[served])) as url, aiohttp.ClientSession() as http:
         status, body = await post(http, url, served / "m-00001-of-00003.gguf")
-        assert status == 201, body
-        state = await settled(http, url, body["id"])
-        assert state["state"] == "failed"
-        assert state["error"] == f"{shard}: not under a served root"
+        assert status == 403, body
+        assert_reveals_nothing(body, shard)
 
 
 class ReadWatch:

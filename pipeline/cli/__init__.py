@@ -1,9 +1,16 @@
 """The ``aiogguf`` command line. Each subcommand lives in its own module with
-``add_arguments(parser)`` and ``run(args) -> int``."""
+``add_arguments(parser)`` and ``run(args) -> int``.
+
+The console script enters through ``aiogguf_entry`` (outside this package), which takes
+Ctrl-C over before ``import aiogguf``; ``console_main`` keeps it while the commands'
+modules import, ``main`` handles it once a command runs (``_exit_promptly_on_interrupt``),
+and ``console_main`` again while the interpreter ends.
+"""
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
 import signal
@@ -35,6 +42,30 @@ EXIT_OK, EXIT_FAILURE, EXIT_INVALID, EXIT_WARNED, EXIT_INTERRUPTED = 0, 1, 2, 3,
 # How long an interrupted command may take to unwind before the process is ended.
 INTERRUPT_GRACE_S = 0.8
 _interrupt_reported = threading.Event()
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C while nothing of the command runs (its modules import, or it is over):
+    the process ends at once, one line, no traceback."""
+    os.write(2, b"aiogguf: interrupted\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
+def console_main() -> int:
+    """``main`` for the console script and ``python -m aiogguf``: Ctrl-C at any moment
+    exits 130 with one line."""
+    if threading.current_thread() is not threading.main_thread():
+        return main()
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        return main()
+    finally:
+        # The command is over: a Ctrl-C while the interpreter waits for threads ends the
+        # process at once. Once it tears down, Python puts the default action back (a
+        # Ctrl-C there would kill it, status -2, in silence) unless the signal is
+        # ignored: atexit runs before that.
+        signal.signal(signal.SIGINT, _interrupted)
+        atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,8 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status.
 
     ``argv`` None (the console script, ``python -m aiogguf``): the command line, and
-    Ctrl-C ends the process within a second. A list: those arguments (for tests and
-    embedding), and signals are left alone.
+    Ctrl-C ends the process with status 130 within a second. A list: those arguments
+    (for tests and embedding), and signals are left alone.
+
+    Exit statuses: 0 done, 1 a failure of the program, 2 bad input (a value, a file, a
+    full disk: one line), 3 done with warnings (``plan --strict``), 130 interrupted.
     """
     args = build_parser().parse_args(argv)
     if argv is None and threading.current_thread() is threading.main_thread():
@@ -108,9 +142,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aiogguf {args.command}: interrupted", file=sys.stderr, flush=True)
         _interrupt_reported.set()
         return EXIT_INTERRUPTED
+    except OSError as exc:
+        # A file the command could not read or write (a full disk, a missing folder):
+        # the input's fault, said in one line; a bug shows up as any other exception.
+        if args.debug:
+            raise
+        print(f"aiogguf {args.command}: {_os_error_line(exc)}", file=sys.stderr)
+        return EXIT_INVALID
     except Exception as exc:
         if args.debug:
             raise
         print(f"aiogguf {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     return status
+
+
+def _os_error_line(exc: OSError) -> str:
+    """``PATH: why`` (``/tmp/m.gguf: No space left on device``), on one line."""
+    why = exc.strerror or str(exc) or type(exc).__name__
+    name = exc.filename if exc.filename is not None else None
+    line = f"{os.fsdecode(name)}: {why}" if name is not None else why
+    return " ".join(line.split())

@@ -7,6 +7,8 @@ command runs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 from rich.console import Console
@@ -34,8 +36,17 @@ def run(args: argparse.Namespace) -> int:
     size = positive_size(args.size, "--size")
     path = default_demo_path(args.dir, size_bytes=size, seed=args.seed)
     t0 = time.perf_counter()
-    with console.status(f"writing a {format_bytes(size)} synthetic model to {path}"):
-        synth, written = ensure_synthetic_model(path, size_bytes=size, seed=args.seed)
+    try:
+        with console.status(f"writing a {format_bytes(size)} synthetic model to {path}"):
+            synth, written = ensure_synthetic_model(path, size_bytes=size, seed=args.seed)
+    except OSError as exc:
+        # A full disk (or a folder it may not write): the half-written model is removed,
+        # so it takes no space, and the CLI says why in one line (exit 2).
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        if exc.filename is None:
+            exc.filename = os.fspath(path)
+        raise
     took = time.perf_counter() - t0
     verb = f"wrote in {took:.1f} s" if written else "reusing"
     console.print(

@@ -5,7 +5,12 @@ cancelling every load and closing every model first.
 
 It refuses to start rather than serve unsafely: without ``--root`` (or ``[server] roots``)
 unless ``--allow-any-path`` is given, and on an address other than loopback without
-``--token-file`` unless ``--insecure`` is given; both escapes print a warning.
+``--token-file`` unless ``--insecure`` is given; both escapes print a warning. What
+clients may hold is bounded by default (models, their bytes, shards of a set,
+connections, time to send a request); every bound has a flag.
+
+Exit status: 0 after SIGTERM, 130 after SIGINT, 2 for a bad flag (one line), 1 when a
+shutdown had to be cut short (a load blocked in a system call past the deadline).
 """
 
 from __future__ import annotations
@@ -13,15 +18,32 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
+import logging
 import os
+import signal
+import stat
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from aiogguf.config import load_config
-from aiogguf.units import parse_size
+from aiogguf.config import (
+    SERVER_MAX_MODELS,
+    SERVER_MAX_SHARDS,
+    SERVER_REQUEST_TIMEOUT_S,
+    load_config,
+    server_max_loaded_bytes,
+)
+from aiogguf.units import format_bytes, parse_size
 
-EXIT_INVALID = 2
+EXIT_FAILURE, EXIT_INVALID, EXIT_INTERRUPTED = 1, 2, 130
+# From the signal to the end of the process, whatever the loads are doing: the loads
+# stop within a second and replies under way get 0.3 s more; past this, a load is stuck in
+# the kernel and the process ends without it (the kernel frees what it held).
+SHUTDOWN_DEADLINE_S = 1.6
+# A token is a line; a token file of more is a wrong path (a model, a log).
+_MAX_TOKEN_FILE_BYTES = 4096
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,13 +91,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-models",
         type=int,
+        default=SERVER_MAX_MODELS,
         metavar="N",
-        help="models loading or ready at once; beyond: 429 (default: no limit)",
+        help="models loading or ready at once; beyond: 429 (default: %(default)s)",
     )
     parser.add_argument(
         "--max-loaded-bytes",
         metavar="SIZE",
-        help="file bytes of the models loading or ready; beyond: 507 (default: no limit)",
+        help="file bytes of the models loading or ready, every shard counted, copies and "
+        "mapped models alike; beyond: 507 (default: 80%% of physical memory, here "
+        f"{format_bytes(server_max_loaded_bytes())})",
+    )
+    parser.add_argument(
+        "--max-shards",
+        type=int,
+        default=SERVER_MAX_SHARDS,
+        metavar="N",
+        help="files of one split set; beyond: 400, before any is opened (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="open connections; past it a new one closes the oldest that has not sent a "
+        "request, or gets 503 (default: a quarter of the descriptor limit, at most 512)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=SERVER_REQUEST_TIMEOUT_S,
+        metavar="S",
+        help="seconds a connection has to send a request's head (from connecting, or "
+        "from its last reply: also the keep-alive timeout) and then its body "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--max-loads", type=int, default=4, metavar="N", help="loads at once (default: 4)"
@@ -108,19 +156,44 @@ def _is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
-def _read_token(path: str) -> str:
+def _read_token(path: str) -> tuple[str, str | None]:
+    """The token in ``path``, and a warning when others may read the file.
+
+    Opened non-blocking and checked with ``fstat`` before a byte is read: a FIFO (or a
+    device) would hang the server before it listens."""
     try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _Refused(f"--token-file {path}: cannot read: {exc}") from exc
-    if not token or any(c.isspace() for c in token):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        raise _Refused(f"--token-file {path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Refused(f"--token-file {path}: not a regular file")
+        if st.st_size > _MAX_TOKEN_FILE_BYTES:
+            raise _Refused(f"--token-file {path}: {st.st_size} bytes; a token file holds one token")
+        data = os.read(fd, _MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as exc:
+        raise _Refused(f"--token-file {path}: cannot read: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    try:
+        token = data.decode("ascii").strip()
+    except UnicodeDecodeError as exc:
+        raise _Refused(f"--token-file {path}: expected one ASCII token") from exc
+    if not token or any(c.isspace() or not c.isprintable() for c in token):
         raise _Refused(f"--token-file {path}: expected one token with no spaces")
-    return token
+    warning = None
+    if st.st_mode & 0o077:
+        warning = (
+            f"--token-file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets others than its "
+            f"owner read or change the token; chmod 600 {path}"
+        )
+    return token, warning
 
 
-def _checked(args: argparse.Namespace, roots: Sequence[str]) -> str | None:
-    """Refuse what would make an unsafe or broken server; the token, if any."""
+def _checked(args: argparse.Namespace, roots: Sequence[str]) -> tuple[str, str | None] | None:
+    """Refuse what would make an unsafe or broken server; the token, if any, with a
+    warning about its file."""
     if not 0 <= args.port <= 65535:
         raise _Refused(f"--port {args.port}: expected a port in 0-65535")
     for root in roots:
@@ -137,7 +210,7 @@ def _checked(args: argparse.Namespace, roots: Sequence[str]) -> str | None:
             f"--host {args.host} is not a loopback address: give --token-file FILE, "
             "or pass --insecure"
         )
-    for name in ("max_models", "max_loads", "max_readers"):
+    for name in ("max_models", "max_loads", "max_readers", "max_shards", "max_connections"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise _Refused(f"--{name.replace('_', '-')} {value}: expected at least 1")
@@ -154,23 +227,33 @@ def run(args: argparse.Namespace) -> int:
             f"aiogguf serve: needs aiohttp (pip install 'aiogguf[server]'): {exc}",
             file=sys.stderr,
         )
-        return 1
+        return EXIT_FAILURE
     from aiogguf.api import run as run_loop
 
     config = load_config(args.config)  # a ConfigError is one line, exit 2
     try:
-        token = _checked(args, [*args.root, *config.server.roots])
-        limiter = LoadLimiter(args.max_loads, args.max_readers, parse_size(args.max_staging))
-        max_bytes = parse_size(args.max_loaded_bytes) if args.max_loaded_bytes else None
+        checked = _checked(args, [*args.root, *config.server.roots])
+        token, token_warning = checked if checked is not None else (None, None)
+        limiter = LoadLimiter(args.max_loads, args.max_readers, _size(args.max_staging))
+        max_bytes = (
+            _size(args.max_loaded_bytes)
+            if args.max_loaded_bytes is not None
+            else server_max_loaded_bytes()
+        )
         policy = ServerPolicy(
             token=token,
             modes=DEFAULT_MODES | frozenset(args.allow_mode),
             max_models=args.max_models,
             max_loaded_bytes=max_bytes,
+            max_shards=args.max_shards,
+            max_connections=args.max_connections,
+            request_timeout_s=args.request_timeout,
         )
     except (_Refused, ValueError) as exc:
         print(f"aiogguf serve: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    if token_warning is not None:
+        print(f"aiogguf serve: warning: {token_warning}", file=sys.stderr)
     if args.allow_any_path and not args.root and not config.server.roots:
         print(
             "aiogguf serve: warning: --allow-any-path: clients may load any file this "
@@ -183,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
             "list and unload models",
             file=sys.stderr,
         )
+    _log_to_stderr(debug=args.debug)
     app = create_app(
         config=config,
         limiter=limiter,
@@ -197,11 +281,70 @@ def run(args: argparse.Namespace) -> int:
             shown = f"[{host}]" if ":" in host else host
             print(f"aiogguf serve: listening on http://{shown}:{port}", flush=True)
 
+    received: list[int] = []
+
     async def main() -> None:
-        await serve(app, host=args.host, port=args.port, on_started=started)
+        signum = await serve(
+            app, host=args.host, port=args.port, on_started=started, on_stopping=_deadline
+        )
+        if signum is not None:
+            received.append(signum)
 
     # The loop runner turns SIGINT into cancellation first, so shutdown has run.
     with contextlib.suppress(KeyboardInterrupt):
         run_loop(main)
     print("aiogguf serve: stopped", flush=True)
-    return 0
+    return EXIT_INTERRUPTED if received == [signal.SIGINT] else 0
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise _Refused(str(exc)) from exc
+
+
+def _deadline(signum: int) -> None:
+    """From the signal on, the process ends within ``SHUTDOWN_DEADLINE_S``: a daemon
+    thread ends it then if the shutdown has not (a load's thread blocked in the kernel
+    holds the interpreter at exit, since load threads are not daemons)."""
+    began = time.monotonic()
+
+    def watchdog() -> None:
+        time.sleep(SHUTDOWN_DEADLINE_S)
+        print(
+            f"aiogguf serve: the shutdown took more than {time.monotonic() - began:.1f} s "
+            "(a load blocked in a system call); ending the process",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(EXIT_FAILURE)
+
+    threading.Thread(target=watchdog, name="aiogguf-shutdown", daemon=True).start()
+
+
+class _OneLineFormatter(logging.Formatter):
+    """A record on one line: an exception it carries becomes ``: Type: message``, its
+    traceback left out (``--debug`` keeps it). Client bytes never make log lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return " ".join(super().format(record).split())
+        plain = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        text = f"{super().format(plain)}: {type(exc).__name__}: {exc}"
+        return " ".join(text.split())
+
+
+def _log_to_stderr(*, debug: bool) -> None:
+    """The server's log on stderr (aiogguf's, aiohttp's and the event loop's), one line
+    per event; tracebacks only with ``--debug``."""
+    handler = logging.StreamHandler(sys.stderr)
+    fmt = "aiogguf serve: %(levelname)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt) if debug else _OneLineFormatter(fmt))
+    for name in ("aiogguf", "asyncio", "aiohttp"):
+        log = logging.getLogger(name)
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG if debug else logging.WARNING)
+        log.propagate = False
