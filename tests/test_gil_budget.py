@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,23 @@ def _module() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _quick_run(folder: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """``gil_budget.py --quick [args]``: the process and its JSON."""
+    out = folder / "out.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-P", str(BENCH / "gil_budget.py"), "--quick", *args),
+            *("--dir", str(folder), "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, json.loads(out.read_text())
 
 
 BOOT = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
@@ -63,19 +81,7 @@ def test_quick_run_prints_every_case(tmp_path: Path) -> None:
     spy = Path(sys.executable).parent / "py-spy"
     if not spy.exists() and shutil.which("py-spy") is None:
         pytest.skip("py-spy is not installed (the dev and bench extras have it)")
-    out = tmp_path / "gil.json"
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-P", str(BENCH / "gil_budget.py"), "--quick"),
-            *("--dir", str(tmp_path), "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    proc, result = _quick_run(tmp_path)
     assert json.loads(proc.stdout) == result
     gil = _module()
     assert [c["case"] for c in result["cases"]] == list(gil.CASES)
@@ -92,19 +98,7 @@ def test_quick_run_prints_every_case(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_quick_convoy_reports_each_way_of_loading(tmp_path: Path) -> None:
-    out = tmp_path / "convoy.json"
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-P", str(BENCH / "gil_budget.py"), "--convoy", "--quick"),
-            *("--dir", str(tmp_path), "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    proc, result = _quick_run(tmp_path, "--convoy")
     assert [c["overrides"]["check_tensors"] for c in result["convoy"]] == [True, False]
     for c in result["convoy"]:
         # One load each way per run: alone, beside a busy thread, beside a busy process.
