@@ -1078,6 +1078,14 @@ class Validation:
             for name in layout.plan.tensors
         }
         self._piece_failures: list[TensorFailure] = []
+        # Whether some tensor is checked whole (the collector's task group is entered
+        # only then: a load checked piece by piece has no use for it).
+        self._whole = enabled and any(
+            name not in self._pieces
+            for layout in layouts
+            if not layout.plan.lazy
+            for name in layout.plan.tensors
+        )
 
     @property
     def by_pieces(self) -> bool:
@@ -1086,7 +1094,7 @@ class Validation:
         return bool(self._pieces)
 
     async def __aenter__(self) -> Validation:
-        if self.enabled:  # with checks off nothing is ever submitted
+        if self._whole:  # else nothing is ever submitted
             await self._collector.__aenter__()
         return self
 
@@ -1096,7 +1104,7 @@ class Validation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        if not self.enabled:
+        if not self._whole:
             return None
         return await self._collector.__aexit__(exc_type, exc, tb)
 
