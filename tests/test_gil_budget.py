@@ -58,6 +58,9 @@ RAW = "\n".join(
         f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/stages/validate.py:146) 4",
         f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/stages/validate.py:151) 2",
         "thread (10): MainThread;<module> (x.py:1);BaseEventLoop._run_once (base_events.py:1) 3",
+        # The load's one-off front: counted, and counted apart too.
+        f"thread (15): aiogguf-load-0;{BOOT};_Front.parse_and_plan (engine.py:505);"
+        "make_plan (aiogguf/stages/plan.py:380) 4",
         "not a sample line",
     ]
 )
@@ -66,14 +69,20 @@ RAW = "\n".join(
 def test_samples_are_sorted_into_spinner_excluded_and_counted() -> None:
     gil = _module()
     s = gil.count_samples(RAW)
-    assert s["total"] == 500 + 7 + 5 + 9 + 4 + 2 + 3
+    assert s["total"] == 500 + 7 + 5 + 9 + 4 + 2 + 3 + 4
     assert s["spinner"] == 500
     assert s["excluded"] == {"SimCopyStream._run": 7, "SimCopyStream.copy_async": 5}
-    assert s["counted"] == 18
+    assert s["counted"] == 22
+    assert s["front"] == 4
     # Lines of one function are summed; the most frequent first.
     assert s["functions"][0] == ("DataFile._pread_loop (files.py)", 9)
     assert ("_Screen.clear (validate.py)", 6) in s["functions"]
-    assert dict(s["threads"]) == {"aiogguf-transfer": 9, "aiogguf-reader": 6, "MainThread": 3}
+    assert dict(s["threads"]) == {
+        "aiogguf-transfer": 9,
+        "aiogguf-reader": 6,
+        "aiogguf-load": 4,
+        "MainThread": 3,
+    }
 
 
 @pytest.mark.slow
@@ -89,6 +98,8 @@ def test_quick_run_prints_every_case(tmp_path: Path) -> None:
         assert case["gb_loaded"] > 0
         assert case["samples"]["spinner"] > 0  # the spinner ran beside the loads
         assert case["gil_ms_per_gb"] >= 0
+        assert case["front_ms_per_load"] >= 0
+        assert case["rest_ms_per_gb"] <= case["gil_ms_per_gb"]
         assert case["target_ms_per_gb"] in (gil.TARGET_ON_MS, gil.TARGET_OFF_MS)
         assert isinstance(case["met"], bool)
         assert all(len(row) == 2 for row in case["samples"]["functions"])
