@@ -65,6 +65,8 @@ MIN_TENSOR_INFO_BYTES: Final = 8 + 4 + 4 + 8
 # an attack on the recursion limit, not data.
 MAX_ARRAY_DEPTH: Final = 16
 SPLIT_MAX_COUNT: Final = 65535  # split.count is a u16
+# The other splits of a set are parsed by this many workers at most, in split order.
+MAX_SPLIT_PARSERS: Final = 8
 
 # Magics of ggml's older formats and of a byte-reversed GGUF, named in the magic error.
 _OTHER_MAGICS: Final = frozenset({b"GGML", b"GGMF", b"GGJT", b"FUGG", b"lmgg", b"fmgg", b"tjgg"})
@@ -721,7 +723,9 @@ async def parse_model(
 
     ``path``: a single-file model, or the **first** split of a set.
     ``threads``: the load's threads (see ``parse_file``); the other splits of a set are
-        parsed on threads of their own, up to 8 at once.
+        parsed on threads of their own, up to ``MAX_SPLIT_PARSERS`` at once, in order;
+        the first that fails ends the walk (a ``split.count`` of 65535 with two files
+        present opens three, not 65535).
     ``files``: the load's open files (see ``parse_file``); every split is opened
         through it. Default: a table of its own, closed on return.
     ``first``: ``path`` already parsed (through ``files``), when the caller has it.
@@ -758,28 +762,37 @@ async def parse_model(
     results: list[ParsedFile] = [first]
     found: dict[int, ParsedFile] = {}
     failed: dict[int, GGUFError] = {}
+    # Split numbers in order, taken one at a time by a few workers: ``split.count`` is a
+    # header value (up to 65535), so the work must follow the files that are there, not
+    # the count: once a split fails, no worker takes a new one.
+    todo = iter(range(1, count))
+    n_workers = min(count - 1, MAX_SPLIT_PARSERS)
 
-    async def parse_split(i: int, split_threads: LoadThreads) -> None:
-        try:
-            found[i] = await parse_file(paths[i], threads=split_threads, files=files)
-        except LoadError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
-                failed[i] = SplitError(
-                    paths[i], f"split {i + 1} of {count} is missing (needed by {first.path})"
-                )
-            else:
+    async def parse_splits(split_threads: LoadThreads) -> None:
+        for i in todo:
+            if failed:
+                return
+            try:
+                found[i] = await parse_file(paths[i], threads=split_threads, files=files)
+            except LoadError as exc:
+                if isinstance(exc.__cause__, FileNotFoundError):
+                    failed[i] = SplitError(
+                        paths[i], f"split {i + 1} of {count} is missing (needed by {first.path})"
+                    )
+                else:
+                    failed[i] = exc
+            except GGUFError as exc:
                 failed[i] = exc
-        except GGUFError as exc:
-            failed[i] = exc
 
     async with (
-        LoadThreads(min(count - 1, 8), name="aiogguf-parse") as split_threads,
+        LoadThreads(n_workers, name="aiogguf-parse") as split_threads,
         anyio.create_task_group() as tg,
     ):
-        for i in range(1, count):
-            tg.start_soon(parse_split, i, split_threads)
+        for _ in range(n_workers):
+            tg.start_soon(parse_splits, split_threads)
     if failed:
-        # Report the lowest split, so the message does not depend on scheduling.
+        # The lowest failed split: every lower one was taken before it and has been
+        # parsed, so the message does not depend on scheduling.
         raise failed[min(failed)]
     results.extend(found[i] for i in range(1, count))
     for i, parsed in enumerate(results[1:], start=1):

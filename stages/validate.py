@@ -981,8 +981,11 @@ class ValidationCollector:
                     metered = self._meter.clock() if self._meter is not None else 0.0
                     if isinstance(data, FileBytes):
                         await self._threads.run_sync(_update_from_file, checker, data, start, n)
-                    else:
+                    elif xp is numpy:
                         await self._threads.run_sync(checker.update, data[start : start + step])
+                    else:
+                        chunk = data[start : start + step]
+                        await self._threads.run_sync(_update_on_its_device, checker, chunk)
                     self.busy_s += time.perf_counter() - began
                     self.bytes_checked += n
                     if self._meter is not None:
@@ -1002,6 +1005,14 @@ class ValidationCollector:
     def failures(self) -> tuple[TensorFailure, ...]:
         """Every failure found so far, in submission order."""
         return tuple(self._results[seq] for seq in sorted(self._results))
+
+
+def _update_on_its_device(checker: TensorChecker, chunk: Bytes) -> None:
+    """Blocking: ``checker.update(chunk)`` with the chunk's device current. A check thread
+    has no device of its own (CuPy makes device 0 current), and CuPy refuses to run a
+    kernel on an array of another device."""
+    with chunk.device:  # a cupy.cuda.Device
+        checker.update(chunk)
 
 
 # ---------------------------------------------------------------------------------------

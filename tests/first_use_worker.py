@@ -8,7 +8,8 @@ import the interpreter has to look for: a module not yet in ``sys.modules``, fou
 not (a failed ``import cupy`` searches the path too). While the loop runs, a ticker
 sleeps 1 ms at a time and records how late it wakes (the loop lag a server would see),
 and how much of that its thread spent on a run queue while other work held the cores.
-One JSON object on stdout: per load, the modules first imported on the loop's thread,
+One JSON object on stdout: the modules first imported on the loop's thread during
+``warm_up``, and per load the modules first imported on the loop's thread,
 those first imported elsewhere, the load's time and its lag (worst, p99).
 """
 
@@ -50,6 +51,7 @@ import aiogguf  # noqa: E402
 
 IMPORT_S = time.perf_counter() - began
 TICK_S = 0.001
+LOOP = [0]  # the loop's thread, once it runs
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -77,7 +79,7 @@ async def _tick(lags: list[float], blocked: list[float]) -> None:
 
 async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
     path, overrides = task["path"], task.get("overrides", {})
-    loop_thread = threading.get_ident()
+    loop_thread = LOOP[0] = threading.get_ident()
     results: list[dict[str, Any]] = []
     if task.get("warm_up"):
         RECORDER.phase = "warm_up"
@@ -92,10 +94,15 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
         await asyncio.sleep(0)  # the ticker sleeps before the load starts
         RECORDER.phase = phase
         start = time.perf_counter()
-        async with aiogguf.load(path, **overrides) as model:
-            seconds = time.perf_counter() - start
-            loaded = len(lags)
-            tensors = len(model.tensors)
+        error, tensors = None, 0
+        try:
+            async with aiogguf.load(path, **overrides) as model:
+                loaded = len(lags)
+                tensors = len(model.tensors)
+        except aiogguf.GGUFError as exc:  # a failed load's paths must not import either
+            error = type(exc).__name__
+        seconds = time.perf_counter() - start
+        loaded = len(lags) if error else loaded
         RECORDER.phase = "between"
         ticker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -108,6 +115,7 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
                 "load": n,
                 "seconds": seconds,
                 "tensors": tensors,
+                "error": error,
                 "imported_on_loop": on_loop,
                 "imported_elsewhere": elsewhere,
                 "lag_max_ms": max(ms, default=0.0),
@@ -122,4 +130,5 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     loads = asyncio.run(main(json.loads(sys.argv[1])))
-    print(json.dumps({"import_s": IMPORT_S, "loads": loads}))
+    warm_up_on_loop = [m for m, t, p in RECORDER.records if p == "warm_up" and t == LOOP[0]]
+    print(json.dumps({"import_s": IMPORT_S, "loads": loads, "warm_up_on_loop": warm_up_on_loop}))

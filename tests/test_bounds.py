@@ -4,18 +4,22 @@ against a cap named in docs/format.md, before anything uses it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gguf_fields import metadata_value_field, set_field
 
 from aiogguf.config import Config
-from aiogguf.errors import GGUFFormatError
+from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.io.devices.cpu import CpuDevice
-from aiogguf.stages.index import MAX_LAYERS, build_index
+from aiogguf.records import ParsedFile
+from aiogguf.stages import parse as parse_module
+from aiogguf.stages.index import MAX_LAYERS, build_index, open_index
 from aiogguf.stages.parse import parse_header
 from aiogguf.stages.plan import make_plan
 
@@ -89,3 +93,28 @@ def test_plan_of_the_largest_allowed_layer_count_is_small(reference_dir: Path) -
     finally:
         tracemalloc.stop()
     assert peak < 16 << 20
+
+
+@pytest.mark.asyncio
+async def test_split_count_drives_no_work_beyond_the_files_there(
+    reference_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first split whose ``split.count`` says 65535 (a 1.7 MB file, its siblings
+    missing) made one task per split, each failing to open its file: 17 s and 700 MB.
+    Now the splits are parsed by a few workers in order, which stop at the first
+    missing one."""
+    source = reference_dir / "tiny-llama-Q4_K_M-split-00001-of-00003.gguf"
+    buf = source.read_bytes()
+    path = tmp_path / "m-00001-of-65535.gguf"
+    path.write_bytes(set_field(buf, metadata_value_field(buf, "split.count"), 65535))
+    tried: list[str] = []
+    original = parse_module.parse_file
+
+    async def counted(split: str | os.PathLike[str], **kwargs: Any) -> ParsedFile:
+        tried.append(os.fspath(split))
+        return await original(split, **kwargs)
+
+    monkeypatch.setattr(parse_module, "parse_file", counted)
+    with pytest.raises(SplitError, match=r"split 2 of 65535 is missing"):
+        await open_index(path)
+    assert len(tried) <= 1 + 8  # the first, and at most one per worker

@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiogguf.cli import main
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
+from aiogguf.units import MAX_SIZE, parse_size
 
 BIG = "9" * 400 + "GiB"
 ENDS_WITHIN_S = 30
@@ -192,3 +195,22 @@ def test_ctrl_c_at_any_moment_of_the_start_exits_130(command: list[str], tmp_pat
         assert proc.returncode == 130, (delay_ms, err)
         assert "Traceback" not in err, (delay_ms, err)
         assert err.count("\n") == 1, (delay_ms, err)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(max_size=60)
+    | st.from_regex(r"\s*\d{1,500}(\.\d{1,60})?\s*[a-zA-Z]{0,3}\s*", fullmatch=True)
+    | st.integers()
+)
+def test_a_size_is_a_bounded_count_of_bytes_or_one_line_of_refusal(value: str | int) -> None:
+    """``parse_size`` turned 400 digits into infinity, then raised OverflowError."""
+    refusal = ""
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        refusal = str(exc)
+        size = 0
+    assert "\n" not in refusal
+    assert len(refusal) < 200
+    assert 0 <= size <= MAX_SIZE

@@ -9,6 +9,7 @@ lowered ``RLIMIT_NOFILE``, on 127.0.0.1, and stop by themselves."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -18,11 +19,12 @@ import signal
 import socket
 import stat
 import statistics
+import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,25 +33,21 @@ import aiohttp
 import anyio
 import gguf
 import pytest
-from server_helpers import running
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_helpers import post, running
 
 import aiogguf.server
 from aiogguf.server import ServerPolicy, create_app, registry_of
+from aiogguf.server_policy import REQUEST_KEYS
+from aiogguf.server_transport import ConnectionGuard, GuardedSite
 from aiogguf.testing.synth import write_synthetic_model
 
 HERE = Path(__file__).resolve().parent
 MiB = 1024**2
 # Generous: these tell "ends" from "hangs", not fast from slow.
 ENDS_WITHIN_S = 30
-
-
-async def post(
-    http: aiohttp.ClientSession, url: str, path: Path | str, **config: Any
-) -> tuple[int, dict[str, Any]]:
-    async with http.post(f"{url}/models", json={"path": str(path), "config": config}) as r:
-        assert r.content_type == "application/json", await r.text()
-        body: dict[str, Any] = await r.json()
-        return r.status, body
 
 
 def empty_first_shard(path: Path, count: int) -> None:
@@ -174,10 +172,12 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve_process(*args: str, nofile: tuple[int, int] | None = None) -> Iterator[Served]:
-    """``aiogguf serve --port 0 ARGS`` (under ``RLIMIT_NOFILE`` ``nofile``), up and
-    listening; terminated (killed if it must be) on the way out."""
-    prologue = "import sys\n"
+def serve_process(
+    *args: str, nofile: tuple[int, int] | None = None, prologue: str = ""
+) -> Iterator[Served]:
+    """``aiogguf serve --port 0 ARGS`` (under ``RLIMIT_NOFILE`` ``nofile``, after running
+    ``prologue``), up and listening; terminated (killed if it must be) on the way out."""
+    prologue = "import sys\n" + prologue
     if nofile is not None:
         prologue += f"import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, {nofile})\n"
     code = prologue + (
@@ -375,9 +375,84 @@ def test_a_slowloris_that_reconnects_at_once_is_still_answered(tmp_path: Path) -
     """The attackers the cap closes connect again at once: every probe is still
     answered (some wait for a SYN the kernel's full accept queue dropped)."""
     attack = slowloris(tmp_path, seconds=6.0, again=True)
+    latencies = sorted(attack.latencies_ms)
+    print(
+        f"healthz under a reconnecting slowloris: {len(latencies)} probes, median "
+        f"{statistics.median(latencies):.1f} ms, 90th {latencies[len(latencies) * 9 // 10]:.1f}"
+        f" ms, max {latencies[-1]:.1f} ms; server descriptors at most {attack.max_fds}; "
+        f"attacker {attack.attacker}"
+    )
     assert attack.failures == []
     assert attack.max_fds < 200
     assert attack.attacker["opened"] > SLOWLORIS_CONNECTIONS
+
+
+@contextlib.asynccontextmanager
+async def guarded_server(
+    tmp_path: Path, max_connections: int, timeout_s: float
+) -> AsyncIterator[tuple[int, ConnectionGuard]]:
+    """The app behind serve's connection handler on 127.0.0.1: its port and its guard."""
+    app = create_app(roots=[tmp_path], policy=ServerPolicy(request_timeout_s=timeout_s))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    guard = ConnectionGuard(max_connections)
+    try:
+        await GuardedSite(runner, "127.0.0.1", 0, guard, keepalive_timeout=timeout_s).start()
+        yield runner.addresses[0][1], guard
+    finally:
+        await runner.cleanup()
+
+
+SLOW_BODY = b'POST /models HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"path"'
+
+
+@pytest.mark.asyncio
+async def test_a_request_must_arrive_within_the_timeout(tmp_path: Path) -> None:
+    """There was no header timeout: a client that never finished its request head held
+    its connection for ever. A head trickled past the timeout is cut; a body, 408."""
+    async with guarded_server(tmp_path, 8, timeout_s=0.5) as (port, _):
+        head = await anyio.connect_tcp("127.0.0.1", port)
+        await head.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        received = b""
+        with anyio.fail_after(ENDS_WITHIN_S):
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                while True:
+                    received += await head.receive()
+        assert received == b""  # closed, no reply
+        await head.aclose()
+        async with await anyio.connect_tcp("127.0.0.1", port) as body:
+            await body.send(SLOW_BODY)
+            with anyio.fail_after(ENDS_WITHIN_S):
+                reply = await body.receive()
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert b"application/json" in reply
+
+
+@pytest.mark.asyncio
+async def test_with_every_connection_busy_a_new_one_gets_503(tmp_path: Path) -> None:
+    async with guarded_server(tmp_path, 2, timeout_s=10) as (port, guard):
+        busy = []
+        for _ in range(2):  # a request each, whose body is still on its way
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+            await stream.send(SLOW_BODY)
+            busy.append(stream)
+        with anyio.fail_after(ENDS_WITHIN_S):
+            while guard.count < 2:  # noqa: ASYNC110 (the guard counts accepts; no event)
+                await anyio.sleep(0.01)
+        request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        url = f"http://127.0.0.1:{port}"
+        status, content_type, reply = await anyio.to_thread.run_sync(raw_request, url, request)
+        assert status == 503
+        assert content_type.startswith("application/json")
+        assert "connections" in json.loads(reply)["error"]
+        for stream in busy:
+            await stream.aclose()
+        # A slot is free again once a busy connection has gone.
+        with anyio.fail_after(ENDS_WITHIN_S):
+            while guard.count:  # noqa: ASYNC110 (sockets close asynchronously; no event)
+                await anyio.sleep(0.01)
+        status, _, _ = await anyio.to_thread.run_sync(raw_request, url, request)
+        assert status == 200
 
 
 # --- finding 5: every reply JSON, one log line -------------------------------------------
@@ -525,25 +600,61 @@ def test_a_token_file_others_may_read_is_warned_of(tmp_path: Path) -> None:
 
 # --- SIGTERM with loads under way ---------------------------------------------------------
 
+# Loads held in a stage of their own in the server's process: one step of the stage's
+# loop slowed (as tests/test_cancel_stages.py does in-process): 40,000 tensors at 0.5 ms
+# each to parse (20 s), 256 read jobs at 50 ms each (13 s).
+HOLD_STAGES = """
+import functools, time
+from aiogguf.stages.parse import _HeaderParser
+from aiogguf.stages.read import Reader
+
+def slowed(fn, delay_s):
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        time.sleep(delay_s)
+        return fn(*args, **kwargs)
+    return step
+
+_HeaderParser.parse_tensor_info = slowed(_HeaderParser.parse_tensor_info, 0.0005)
+Reader.read = slowed(Reader.read, 0.05)
+"""
+
+
+def many_tensors(path: Path, n_tensors: int) -> None:
+    """A llama file of ``n_tensors`` F32 tensors of 8 elements, all in layer 0."""
+
+    def gstr(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    kvs = gstr("general.architecture") + struct.pack("<I", 8) + gstr("llama")
+    kvs += gstr("llama.block_count") + struct.pack("<II", 4, 1)
+    infos = b"".join(
+        gstr(f"blk.0.t{i}.weight") + struct.pack("<IQIQ", 1, 8, 0, 32 * i) for i in range(n_tensors)
+    )
+    head = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, 2) + kvs + infos
+    head += b"\0" * (-len(head) % 32)
+    path.write_bytes(head + b"\0" * (32 * n_tensors))
+
 
 def sigterm_during_loads(tmp_path: Path) -> tuple[float, int, list[str]]:
-    """``serve`` with a load copying to a GPU at 1 MiB/s (each 16 MiB copy blocks its
-    thread for 16 s) and another queued behind it; SIGTERM once the first is copying.
-    Seconds from the signal to the end of the process, its status, its stderr."""
-    model = tmp_path / "m.gguf"
-    write_synthetic_model(model, size_bytes="48MiB", seed=1, n_layer=2)
-    config = tmp_path / "slow.toml"
-    config.write_text(
-        '[[device]]\nname = "g0"\nfree = "4GiB"\nbandwidth = "1MiB"\n[pipeline]\nreaders = 1\n'
-    )
+    """``serve`` with one load parsing, one reading and one queued; SIGTERM once each
+    is in its stage. Seconds from the signal to the end of the process, its status,
+    its stderr."""
+    many_tensors(tmp_path / "many.gguf", 40_000)
+    write_synthetic_model(tmp_path / "m.gguf", size_bytes="16MiB", seed=1, n_layer=2)
+    config = tmp_path / "jobs.toml"
+    config.write_text('[pipeline]\nchunk_size = "64KiB"\n')
     with serve_process(
-        "--root", str(tmp_path), "--config", str(config), "--max-loads", "1"
+        *("--root", str(tmp_path), "--config", str(config), "--max-loads", "2"),
+        prologue=HOLD_STAGES,
     ) as served:
-        ids = [http_post(served.port, {"path": str(model)})[1]["id"] for _ in range(2)]
-        wait_until(lambda: load_state(served, ids[0])["bytes_done"] > 0)
-        assert load_state(served, ids[0])["state"] == "loading"
-        queued = load_state(served, ids[1])
-        assert queued["queued"], queued
+        parsing = http_post(served.port, {"path": str(tmp_path / "many.gguf")})[1]["id"]
+        wait_until(lambda: load_state(served, parsing)["stage"] == "parse")
+        reading = http_post(served.port, {"path": str(tmp_path / "m.gguf")})[1]["id"]
+        wait_until(lambda: load_state(served, reading)["bytes_done"] > 0)
+        queued = http_post(served.port, {"path": str(tmp_path / "m.gguf")})[1]["id"]
+        assert load_state(served, queued)["queued"]
+        assert load_state(served, parsing)["stage"] == "parse"
         began = time.monotonic()
         served.proc.send_signal(signal.SIGTERM)
         try:
@@ -551,7 +662,6 @@ def sigterm_during_loads(tmp_path: Path) -> tuple[float, int, list[str]]:
         except subprocess.TimeoutExpired:
             pytest.fail(f"serve still running {ENDS_WITHIN_S} s after SIGTERM")
         took = time.monotonic() - began
-    time.sleep(0.1)
     return took, status, served.stderr
 
 
@@ -559,8 +669,8 @@ def test_serve_ends_soon_after_sigterm_with_loads_under_way(tmp_path: Path) -> N
     """After SIGTERM a server with a load under way was still running 15 s later."""
     took, status, stderr = sigterm_during_loads(tmp_path)
     assert took < 10, took
-    assert status in (0, 1), stderr
-    assert not any("Traceback" in line for line in stderr), stderr
+    assert status == 0, stderr
+    assert stderr == [], stderr
 
 
 @pytest.mark.timing
@@ -568,4 +678,68 @@ def test_serve_ends_within_2s_of_sigterm(tmp_path: Path) -> None:
     took, status, stderr = sigterm_during_loads(tmp_path)
     print(f"serve ended {took:.2f} s after SIGTERM, status {status}")
     assert took < 2.0
-    assert not any("Traceback" in line for line in stderr), stderr
+    assert status == 0, stderr
+
+
+# --- any request: a JSON reply, never a 500 -------------------------------------------------
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+BODIES = st.one_of(
+    st.binary(max_size=200),
+    JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "path": st.text(max_size=30) | JSON_VALUES,
+            "config": st.dictionaries(
+                st.sampled_from(sorted(REQUEST_KEYS)) | st.text(max_size=12), JSON_VALUES
+            )
+            | JSON_VALUES,
+        },
+    ).map(lambda v: json.dumps(v).encode()),
+)
+HEADER_VALUES = st.binary(max_size=40).filter(lambda b: b"\r" not in b and b"\n" not in b)
+
+
+@pytest.fixture(scope="module")
+def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server with a token on 127.0.0.1, on an event loop of its own thread."""
+    root = tmp_path_factory.mktemp("any-request")
+    write_synthetic_model(root / "m.gguf", size_bytes="256KiB", seed=1, n_layer=1)
+    loop = asyncio.new_event_loop()
+    urls: list[str] = []
+    ready, stop = threading.Event(), asyncio.Event()
+
+    async def serve_until_stopped() -> None:
+        app = create_app(roots=[root], policy=ServerPolicy(token="t0ken", max_models=4))
+        async with running(app, guarded=True) as url:
+            urls.append(url)
+            ready.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve_until_stopped(),))
+    thread.start()
+    try:
+        assert ready.wait(ENDS_WITHIN_S)
+        yield urls[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(ENDS_WITHIN_S)
+        loop.close()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=BODIES, auth=st.just(b"Bearer t0ken") | HEADER_VALUES)
+def test_any_request_gets_a_json_reply_and_never_a_500(
+    live_url: str, body: bytes, auth: bytes
+) -> None:
+    status, content_type, reply = raw_request(live_url, post_bytes(body, auth=auth))
+    assert content_type.startswith("application/json"), (status, reply[:200])
+    data = json.loads(reply)
+    assert status != 500, data
+    if status >= 400:
+        assert "\n" not in data["error"]

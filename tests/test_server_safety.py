@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
-from server_helpers import running
+from server_helpers import post, running
 
 import aiogguf.server
 from aiogguf.server import LoadLimiter, ServerPolicy, create_app, registry_of
@@ -32,15 +32,6 @@ from aiogguf.server_policy import REQUEST_KEYS
 from aiogguf.testing.synth import write_synthetic_model
 
 SECRET = b"root:$6$hash-of-a-password:19000:0:99999:7:::\n"
-
-
-async def post(
-    http: aiohttp.ClientSession, url: str, path: Path | str, **config: Any
-) -> tuple[int, dict[str, Any]]:
-    async with http.post(f"{url}/models", json={"path": str(path), "config": config}) as r:
-        assert r.content_type == "application/json", await r.text()
-        body: dict[str, Any] = await r.json()
-        return r.status, body
 
 
 async def settled(http: aiohttp.ClientSession, url: str, load_id: str) -> dict[str, Any]:
