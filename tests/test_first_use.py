@@ -69,6 +69,11 @@ def _run(task: dict[str, Any], *, slow_cupy: bool = False) -> dict[str, Any]:
     if slow_cupy:
         env["PYTHONPATH"] = str(STAND_INS)
         env["STAND_IN_CUPY_IMPORT_S"] = str(CUPY_IMPORT_S)
+        # What is measured here is where the import runs. CUDA's start-up, which the
+        # stand-in models too (0.33 s with the GIL held, as on a GPU host), stalls any
+        # loop of the process whichever thread runs it: that is what ``warm_up`` is for
+        # (tests/test_first_gpu_load.py shows that it holds the GIL).
+        env["STAND_IN_CUPY_INIT_S"] = env["STAND_IN_CUPY_CONTEXT_S"] = "0"
     # -P and a neutral folder: the repository root holds a folder named io.
     proc = subprocess.run(
         [sys.executable, "-P", str(WORKER), json.dumps(task)],
