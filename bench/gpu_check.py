@@ -18,15 +18,22 @@ and a short table (stderr):
    during the load), without and after ``aiogguf.warm_up``, alternated;
 6. ``warm_loads``: loads of the same file in one process after ``warm_up`` and a first
    load, at the default config with ``check_tensors`` on and off, alternated, medians;
-   then one load at each slot size of ``SLOT_SIZES`` (figures for choosing the default);
+   then one load at each slot size of ``SLOT_SIZES`` (figures for choosing the default),
+   each after a ``warm_up`` at that size that fills the staging pool, whose cap is sized
+   for the loads' threads × ``staging_buffers`` slots of it (at the default 1 GiB cap, 16
+   threads × 2 slots of 64 MiB would not fit, and lanes without a slot would poll);
 7. each load's ratio to the raw pipeline at the loads' thread count
-   (``min(os.cpu_count(), 16)``: ``readers = "auto"``), and the issue's targets.
+   (``min(os.cpu_count(), 16)``: ``readers = "auto"``, or ``--threads``), and the issue's
+   targets, among them that no timed load after ``warm_up`` pinned a byte and that no
+   load of a model the process loaded before allocated device memory (``pinned``: what
+   each load's report says it pinned and allocated).
 
 Bytes are verified: in the first load of each kind every tensor's fingerprint is
 computed where it lives (with CuPy on the GPU) and compared with the file's.
 
     python bench/gpu_check.py [--size 8GiB] [--dir /tmp/aiogguf-gpu] [--json out.json]
     python bench/gpu_check.py --quick      # small model, one repetition: a dry run
+    python bench/gpu_check.py --threads 2  # loads and the raw pipeline at 2 threads
 
 Each measurement runs in its own ``try``: a failure is recorded in the JSON (``errors``
 and the step's ``error``) and the run goes on. Repetitions that would overrun
@@ -307,8 +314,23 @@ def raw_pipeline(
 
 # --- loads, in subprocesses --------------------------------------------------------------
 
-LOAD = {"n_gpu_layers": -1, "mode": "none"}
+LOAD: dict[str, Any] = {"n_gpu_layers": -1, "mode": "none"}
 SLOT_SIZES = ("16MiB", "32MiB", "64MiB")
+# Loads of a model the process loaded before: none may allocate device memory (the
+# arena keeps it) or pin (the pool keeps the slots). A first load after ``warm_up`` must
+# not pin either; without ``warm_up`` it pays both, by design.
+REPEAT_LABELS = (
+    "check_on",
+    "check_off",
+    "verify_check_off",
+    *(f"slot_{slot}" for slot in SLOT_SIZES),
+)
+WARM_LABELS = ("after_warm_up", *REPEAT_LABELS)
+
+
+def pool_bytes(slot: str, threads: int, slots_per_thread: int) -> int:
+    """A staging pool that holds every slot of a load: threads × slots of ``slot``."""
+    return threads * slots_per_thread * parse_size(slot)
 
 
 def _load_steps(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -316,7 +338,12 @@ def _load_steps(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def first_loads(
-    path: Path, expected: Path | None, runs: int, run: Run, timeout_s: float
+    path: Path,
+    expected: Path | None,
+    runs: int,
+    run: Run,
+    timeout_s: float,
+    load: dict[str, Any] = LOAD,
 ) -> dict[str, Any]:
     """Fresh processes: the load alone, or ``warm_up`` then the load; alternated."""
     samples: dict[str, list[dict[str, Any]]] = {"before_warm_up": [], "after_warm_up": []}
@@ -334,8 +361,8 @@ def first_loads(
                 continue
             steps: list[dict[str, Any]] = []
             if kind == "after_warm_up":
-                steps.append({"op": "warm_up", "overrides": dict(LOAD)})
-            steps.append({"op": "load", "overrides": dict(LOAD), "verify": r == 0, "label": kind})
+                steps.append({"op": "warm_up", "overrides": dict(load)})
+            steps.append({"op": "load", "overrides": dict(load), "verify": r == 0, "label": kind})
             task = {"path": str(path), "expected": str(expected) if expected else None}
             result = driver.run_driver({**task, "steps": steps}, min(timeout_s, run.left_s()))
             last_s = result.get("wall_s", last_s)
@@ -366,12 +393,23 @@ def first_loads(
 
 
 def warm_loads(
-    path: Path, expected: Path | None, runs: int, run: Run, timeout_s: float
+    path: Path,
+    expected: Path | None,
+    runs: int,
+    run: Run,
+    timeout_s: float,
+    load: dict[str, Any] = LOAD,
+    threads: int = MAX_THREADS,
 ) -> dict[str, Any]:
-    """One process: ``warm_up``, a first load (verified), then checks on/off alternated."""
+    """One process: ``warm_up``, a first load (verified), then checks on/off alternated,
+    then each slot size with its pool filled first (``threads`` × ``staging_buffers``
+    slots)."""
+    from aiogguf.config import Config
+
+    per_thread = Config().with_overrides(**load).pipeline.staging_buffers
     steps: list[dict[str, Any]] = [
-        {"op": "warm_up", "overrides": dict(LOAD)},
-        {"op": "load", "overrides": dict(LOAD), "verify": True, "label": "prime"},
+        {"op": "warm_up", "overrides": dict(load)},
+        {"op": "load", "overrides": dict(load), "verify": True, "label": "prime"},
     ]
     for r in range(runs):
         order = [True, False] if r % 2 == 0 else [False, True]
@@ -379,24 +417,26 @@ def warm_loads(
             steps.append(
                 {
                     "op": "load",
-                    "overrides": {**LOAD, "check_tensors": check},
+                    "overrides": {**load, "check_tensors": check},
                     "label": f"check_{'on' if check else 'off'}",
                 }
             )
     # Slot sizes around the issue's range, one load each: figures for choosing the default.
+    # ``warm_up`` at the size fills the pool first (evicting the last size's slots), so
+    # the timed load pins nothing; the cap holds every thread's slots.
     for slot in SLOT_SIZES:
-        steps.append(
-            {
-                "op": "load",
-                "overrides": {**LOAD, "staging_buffer_size": slot},
-                "label": f"slot_{slot}",
-            }
-        )
+        sized = {
+            **load,
+            "staging_buffer_size": slot,
+            "staging_pool_size": pool_bytes(slot, threads, per_thread),
+        }
+        steps.append({"op": "warm_up", "overrides": sized, "label": f"fill_{slot}"})
+        steps.append({"op": "load", "overrides": sized, "label": f"slot_{slot}"})
     # Verified again at the end: the fastest path (no checks) after reuse of the pool.
     steps.append(
         {
             "op": "load",
-            "overrides": {**LOAD, "check_tensors": False},
+            "overrides": {**load, "check_tensors": False},
             "verify": True,
             "label": "verify_check_off",
         }
@@ -418,6 +458,7 @@ def warm_loads(
         "slot_sizes": {
             slot: driver.summarise(by_label.get(f"slot_{slot}", []))["gbps"] for slot in SLOT_SIZES
         },
+        "slot_pool_bytes": {slot: pool_bytes(slot, threads, per_thread) for slot in SLOT_SIZES},
         "samples": loads,
         "warm_up": [s for s in result["steps"] if s.get("op") == "warm_up"],
         "process": {k: result.get(k) for k in ("returncode", "error", "wall_s", "stderr_tail")},
@@ -441,7 +482,14 @@ def api_missing(result: dict[str, Any]) -> list[str]:
 
     missing = [
         f"aiogguf.{name}"
-        for name in ("warm_up", "warm_up_sync", "release_staging", "release_staging_sync")
+        for name in (
+            "warm_up",
+            "warm_up_sync",
+            "release_staging",
+            "release_staging_sync",
+            "release_device_memory",
+            "release_device_memory_sync",
+        )
         if not hasattr(aiogguf, name)
     ]
     samples = (result.get("warm_loads") or {}).get("samples") or []
@@ -457,6 +505,22 @@ def _all_loads(result: dict[str, Any]) -> list[dict[str, Any]]:
         for group in samples.values() if isinstance(samples, dict) else [samples]:
             loads.extend(group)
     return loads
+
+
+def pinned_in_loads(result: dict[str, Any]) -> dict[str, dict[str, list[int]]]:
+    """Per load label: the bytes each such load pinned and the device memory it allocated
+    (its report's uploads, summed over devices)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for s in _all_loads(result):
+        uploads = (s.get("report") or {}).get("uploads")
+        if not s.get("ok") or not isinstance(uploads, list):
+            continue
+        entry = out.setdefault(s.get("label", "?"), {"pinned": [], "device_allocated": []})
+        entry["pinned"].append(sum(int(u.get("pinned_bytes_allocated", 0)) for u in uploads))
+        entry["device_allocated"].append(
+            sum(int(u.get("device_bytes_allocated", 0)) for u in uploads)
+        )
+    return out
 
 
 def failed_loads(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -534,6 +598,11 @@ def ratios_and_targets(result: dict[str, Any], loads_threads: int) -> dict[str, 
 
     p99 = [v for v in lag_p99 if v is not None]
     after_max = [v for v in lag_after if v is not None]
+    pinned = result.get("pinned") or {}
+    warm = [pinned[label] for label in WARM_LABELS if label in pinned]
+    warm_pinned = sum(sum(p["pinned"]) for p in warm) if warm else None
+    repeat = [pinned[label] for label in REPEAT_LABELS if label in pinned]
+    repeat_allocated = sum(sum(p["device_allocated"]) for p in repeat) if repeat else None
     targets = {
         f"warm full offload >= {WARM_VS_RAW} x raw pipeline (T={loads_threads})": target(
             ratios["warm_check_on_vs_raw"], least=WARM_VS_RAW
@@ -550,6 +619,10 @@ def ratios_and_targets(result: dict[str, Any], loads_threads: int) -> dict[str, 
         ),
         f"worst loop lag < {LAG_MAX_AFTER_WARM_UP_MS:g} ms after warm_up / when warm": target(
             max(after_max) if after_max else None, most=LAG_MAX_AFTER_WARM_UP_MS
+        ),
+        "bytes pinned inside timed loads after warm_up = 0": target(warm_pinned, most=1),
+        "device bytes allocated by timed loads of a model loaded before = 0": target(
+            repeat_allocated, most=1
         ),
         "every verified byte matched the file": {
             "value": None,
@@ -589,6 +662,13 @@ def print_table(result: dict[str, Any]) -> None:
             f"{name:<22}{f(block.get('gbps'), '7.2f')}{f(block.get('lag_p99_ms'), '9.1f')}"
             f"{f(block.get('lag_max_ms'), '8.1f')}  {runs}"
         )
+    sizes = (result.get("warm_loads") or {}).get("slot_sizes") or {}
+    out(
+        "slot sizes, pool filled first  "
+        + "  ".join(f"{k}: {f(v, '.2f')}" for k, v in sizes.items())
+    )
+    for label, p in (result.get("pinned") or {}).items():
+        out(f"  {label}: pinned {p['pinned']} B, device memory allocated {p['device_allocated']} B")
     for name, value in (result.get("ratios") or {}).items():
         if isinstance(value, float):
             out(f"  {name}: {value:.2f}")
@@ -609,11 +689,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=None, help="repetitions (default 3)")
     parser.add_argument("--budget", type=float, default=225.0, help="seconds (default 225)")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON to PATH")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="loads' readers (default: one per core, <= 16)"
+    )
     args = parser.parse_args(argv)
     size = parse_size(args.size or ("256MiB" if args.quick else "8GiB"))
     runs = args.runs if args.runs is not None else (1 if args.quick else 3)
     cpus = os.cpu_count() or 1
-    loads_threads = min(cpus, MAX_THREADS)
+    loads_threads = args.threads or min(cpus, MAX_THREADS)
+    load = {**LOAD, "readers": args.threads} if args.threads else dict(LOAD)
 
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -626,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "runs": runs,
             "cpu_count": cpus,
+            "threads": loads_threads,
             "python": sys.version.split()[0],
         }
     )
@@ -684,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     result["pinned_copy"] = run.phase(
         "pinned_copy", lambda: pinned_copy(cupy, copy_bytes, copy_repeats)
     )
-    counts = thread_counts(cpus)
+    counts = thread_counts(loads_threads)
     result["raw_pipeline"] = run.phase(
         "raw_pipeline", lambda: raw_pipeline(cupy, path, counts, 1 if args.quick else 2, run)
     )
@@ -694,12 +779,14 @@ def main(argv: list[str] | None = None) -> int:
     result["kernel_cache_files"] = kernel_cache_files()
     timeout_s = 150.0
     result["first_load"] = run.phase(
-        "first_load", lambda: first_loads(path, expected, runs, run, timeout_s)
+        "first_load", lambda: first_loads(path, expected, runs, run, timeout_s, load)
     )
     result["warm_loads"] = run.phase(
-        "warm_loads", lambda: warm_loads(path, expected, runs, run, timeout_s)
+        "warm_loads",
+        lambda: warm_loads(path, expected, runs, run, timeout_s, load, loads_threads),
     )
     result["api_missing"] = api_missing(result)
+    result["pinned"] = pinned_in_loads(result)
     result["verification"] = verification(result)
     for label, error in failed_loads(result):
         result["errors"].append(f"load {label}: {error.splitlines()[0] if error else '?'}")

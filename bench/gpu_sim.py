@@ -22,8 +22,11 @@ second one right after it (``warm``). Prints (JSON on stdout, a table on stderr)
 medians of both, the offload's ratio to the host load of the same kind and to the sim's
 modelled ceiling (copies alone: ``bytes / (bytes / bandwidth + copies x latency)``; the
 first load of a process also pins the pool), the offload's allocate-stage time (where
-the sim backs its device memory), and ``pinned_bytes_allocated`` of the first and the
-second load of the first offload process (the second must pin nothing). Last, the loop
+the sim backs its device memory), and ``pinned_bytes_allocated`` and
+``device_bytes_allocated`` of the first and the second load of each offload process (the
+second must pin nothing and allocate nothing: its slots come from the staging pool, its
+device memory from the arena the first load's close filled; each allocation it made
+would be a device-wide synchronisation). Last, the loop
 lag of a first load in a fresh process whose ``import cupy`` is a stand-in that sleeps
 ``--cupy-import-s`` (releasing the GIL, as CuPy's start-up mostly does) and then finds
 no CuPy: device discovery off the event loop keeps the worst lag under 20 ms. Knobs the
@@ -130,13 +133,16 @@ def slot_geometry(samples: list[dict[str, Any]]) -> tuple[int, int, str]:
     return slot, slot * pipeline.staging_buffers, "default config"
 
 
-def pinned_allocated(step: dict[str, Any]) -> Any:
+def pinned_allocated(step: dict[str, Any], field: str = "pinned_bytes_allocated") -> Any:
+    """What a load step's uploads say it allocated (``field``), summed over devices."""
     uploads = (step.get("report") or {}).get("uploads")
     if not step.get("ok"):
         return {"error": step.get("error")}
     if not isinstance(uploads, list):
         return "missing"
-    return sum(int(u.get("pinned_bytes_allocated", 0)) for u in uploads)
+    if uploads and field not in uploads[0]:
+        return "missing"
+    return sum(int(u.get(field, 0)) for u in uploads)
 
 
 def slow_cupy_first_load(path: Path, import_s: float) -> dict[str, Any]:
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     host = {"mode": "none", "n_gpu_layers": 0}
     errors: list[str] = []
     samples: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
-    pairs: list[list[dict[str, Any]]] = []  # the offload processes' two loads
+    pairs: dict[str, list[list[dict[str, Any]]]] = {}  # each offload process's two loads
 
     def one(kind: str, overrides: dict[str, Any]) -> None:
         settle(settle_s, touch_bytes=size, near=path)
@@ -219,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             errors.append(f"{kind}: {result['error']}: {result.get('stderr_tail', '')[-300:]}")
         loads = [s for s in result["steps"] if s.get("op") == "load"]
         failed = {"ok": False, "error": result.get("error") or "no load ran"}
-        if kind == "sim_offload":
-            pairs.append(loads)
+        if kind.startswith("sim_offload"):
+            pairs.setdefault(kind, []).append(loads)
         for label, name in (("first", kind), ("warm", f"{kind}_warm")):
             s = next((s for s in loads if s.get("label") == label), failed)
             samples[name].append(s)
@@ -243,13 +249,22 @@ def main(argv: list[str] | None = None) -> int:
         for kind, overrides in order:
             one(kind, overrides)
 
-    # One process, two offloads: the second must find the pool filled by the first.
-    pair = pairs[0] if pairs else []
+    # One process, two offloads: the second must find the pool and the arena filled by
+    # the first (the first offload process; every offload process's figures beside it).
+    pair = (pairs.get("sim_offload") or [[]])[0]
     second_process = {
         "pinned_bytes_allocated": [pinned_allocated(s) for s in pair],
+        "device_bytes_allocated": [pinned_allocated(s, "device_bytes_allocated") for s in pair],
         "gbps": [s.get("gbps") for s in pair],
         "lag_max_ms": [s.get("lag_ms", {}).get("max") for s in pair],
         "uploads": [(s.get("report") or {}).get("uploads") for s in pair],
+        "every_process": {
+            kind: {
+                field: [[pinned_allocated(s, field) for s in p] for p in processes]
+                for field in ("pinned_bytes_allocated", "device_bytes_allocated")
+            }
+            for kind, processes in pairs.items()
+        },
     }
 
     stand_in = slow_cupy_first_load(path, args.cupy_import_s)
@@ -282,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pinned = second_process["pinned_bytes_allocated"]
     second_pinned = pinned[1] if len(pinned) > 1 else None
+    allocated = second_process["device_bytes_allocated"]
+    second_allocated = allocated[1] if len(allocated) > 1 else None
     result: dict[str, Any] = {
         "path": str(path),
         "tensor_bytes": synth.tensor_bytes,
@@ -320,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             "second load in a process pins 0 bytes": {
                 "value": second_pinned,
                 "met": second_pinned == 0 if isinstance(second_pinned, int) else None,
+            },
+            "second load in a process allocates 0 device bytes": {
+                "value": second_allocated,
+                "met": second_allocated == 0 if isinstance(second_allocated, int) else None,
             },
         },
         "errors": errors,
@@ -387,6 +408,7 @@ def print_table(result: dict[str, Any]) -> None:
     out(f"offload / modelled copy ceiling: {f(result['ratio_offload_vs_copy_ceiling'])}")
     p = result["second_process"]
     out(f"pinned bytes allocated by load 1 and 2 of a process: {p['pinned_bytes_allocated']}")
+    out(f"device bytes allocated by load 1 and 2 of a process: {p['device_bytes_allocated']}")
     for name, t in result["targets"].items():
         state = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         out(f"  [{state:>6}] {name}: {t['value']}")

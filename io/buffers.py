@@ -185,14 +185,26 @@ class _HeldByViews:
     something for it to free."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: weakref.WeakSet[object] = weakref.WeakSet()
+        # Reentrant: a watched object can die (and its callback run) during a garbage
+        # collection started on a thread that holds the lock.
+        self._lock = threading.RLock()
+        # By id, not a WeakSet: a WeakSet hashes its members, and numpy arrays (the
+        # simulated device's memory) cannot be hashed. Backends pass objects of their own
+        # where the memory's owner cannot be weakly referenced (CuPy's ``Memory``).
+        self._held: dict[int, weakref.ref[object]] = {}
         self._unknown = False  # memory that cannot be watched was held
 
     def add(self, memory: object) -> None:
+        key = id(memory)
+
+        def gone(ref: weakref.ref[object]) -> None:
+            with self._lock:
+                if self._held.get(key) is ref:
+                    del self._held[key]
+
         with self._lock:
             try:
-                self._held.add(memory)
+                self._held[key] = weakref.ref(memory, gone)
             except TypeError:  # no weak references to it: assume it is held
                 self._unknown = True
 

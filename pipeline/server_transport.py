@@ -184,6 +184,8 @@ _BUSY_REPLY = (
 )
 _BUSY_BODY = json.dumps({"error": "too many open connections; try again later"}).encode()
 _HEAD_END = b"\r\n\r\n"
+# How long a connection refused for want of a slot stays, for the client to read its 503.
+_REFUSED_LINGER_S = 0.2
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -212,7 +214,13 @@ class GuardedHandler(web.RequestHandler):
             transport.write(
                 _BUSY_REPLY + f"Content-Length: {len(_BUSY_BODY)}\r\n\r\n".encode() + _BUSY_BODY
             )
-            transport.close()
+            # Closing now, with the client's request unread, would send a reset that can
+            # overtake the reply: half-close, read and drop what comes, and end the
+            # connection when the client does (aiohttp's eof_received lets the transport
+            # close), or after a moment.
+            if transport.can_write_eof():
+                transport.write_eof()
+            asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, transport.abort)
             return
         super().connection_made(transport)
 

@@ -94,10 +94,15 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
         await asyncio.sleep(0)  # the ticker sleeps before the load starts
         RECORDER.phase = phase
         start = time.perf_counter()
-        async with aiogguf.load(path, **overrides) as model:
-            seconds = time.perf_counter() - start
-            loaded = len(lags)
-            tensors = len(model.tensors)
+        error, tensors = None, 0
+        try:
+            async with aiogguf.load(path, **overrides) as model:
+                loaded = len(lags)
+                tensors = len(model.tensors)
+        except aiogguf.GGUFError as exc:  # a failed load's paths must not import either
+            error = type(exc).__name__
+        seconds = time.perf_counter() - start
+        loaded = len(lags) if error else loaded
         RECORDER.phase = "between"
         ticker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -110,6 +115,7 @@ async def main(task: dict[str, Any]) -> list[dict[str, Any]]:
                 "load": n,
                 "seconds": seconds,
                 "tensors": tensors,
+                "error": error,
                 "imported_on_loop": on_loop,
                 "imported_elsewhere": elsewhere,
                 "lag_max_ms": max(ms, default=0.0),

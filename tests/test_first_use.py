@@ -69,6 +69,11 @@ def _run(task: dict[str, Any], *, slow_cupy: bool = False) -> dict[str, Any]:
     if slow_cupy:
         env["PYTHONPATH"] = str(STAND_INS)
         env["STAND_IN_CUPY_IMPORT_S"] = str(CUPY_IMPORT_S)
+        # What is measured here is where the import runs. CUDA's start-up, which the
+        # stand-in models too (0.33 s with the GIL held, as on a GPU host), stalls any
+        # loop of the process whichever thread runs it: that is what ``warm_up`` is for
+        # (tests/test_first_gpu_load.py shows that it holds the GIL).
+        env["STAND_IN_CUPY_INIT_S"] = env["STAND_IN_CUPY_CONTEXT_S"] = "0"
     # -P and a neutral folder: the repository root holds a folder named io.
     proc = subprocess.run(
         [sys.executable, "-P", str(WORKER), json.dumps(task)],
@@ -130,6 +135,20 @@ def test_warm_up_imports_nothing_on_the_loop(model: SynthModel, overrides: dict[
     (load,) = answer["loads"]
     assert load["imported_on_loop"] == []
     assert load["imported_elsewhere"] == []  # warm_up imported it all
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap"])
+def test_a_failed_load_imports_nothing_on_the_loop(
+    model: SynthModel, tmp_path: Path, mode: str
+) -> None:
+    """A load that fails (a file cut short) raises, frees and reports without importing
+    on the loop's thread, the first time as the next."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(model.path.read_bytes()[: model.path.stat().st_size * 3 // 4])
+    answer = _run({"path": str(cut), "overrides": {"mode": mode, "n_gpu_layers": 0}, "loads": 2})
+    for load in answer["loads"]:
+        assert load["error"] == "GGUFFormatError"
+        assert load["imported_on_loop"] == []
 
 
 def test_slow_cupy_is_imported_off_the_loop(model: SynthModel) -> None:

@@ -20,6 +20,7 @@ from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
+MiB = 1024**2
 
 
 def _module(name: str) -> ModuleType:
@@ -134,10 +135,12 @@ def test_gpu_check_without_a_gpu_says_so(tmp_path: Path) -> None:
 
 def test_gpu_check_runs_through_on_the_cupy_stand_in(tmp_path: Path) -> None:
     # Every phase on CuPy's names over host memory: a mistake in the script shows up
-    # here, not in the few minutes a GPU is lent for.
+    # here, not in the few minutes a GPU is lent for. A 96 MiB model and two transfer
+    # threads, so that the loads reuse their slots, as they do on a GPU.
     out = tmp_path / "out.json"
     script = str(BENCH / "gpu_check.py")
-    args = ["--quick", "--size", "16MiB", "--dir", str(tmp_path), "--json", str(out)]
+    args = ["--quick", "--size", "96MiB", "--threads", "2"]
+    args += ["--dir", str(tmp_path), "--json", str(out)]
     proc = subprocess.run(
         [sys.executable, script, *args],
         capture_output=True,
@@ -161,10 +164,29 @@ def test_gpu_check_runs_through_on_the_cupy_stand_in(tmp_path: Path) -> None:
         # Every tensor but the token embeddings (kept on the CPU, as llama.cpp does).
         assert load["tensors_on_gpu"] == load["tensors"] - 1
     assert result["api_missing"] == []
+    # Each slot size ran after a warm_up that filled a pool sized for 2 threads x 2 slots.
+    warm = result["warm_loads"]
+    assert all(gbps is not None for gbps in warm["slot_sizes"].values()), warm["slot_sizes"]
+    assert warm["slot_pool_bytes"] == {"16MiB": 64 * MiB, "32MiB": 128 * MiB, "64MiB": 256 * MiB}
+    # What every timed load pinned and allocated is reported; after warm_up, nothing.
+    pinned = result["pinned"]
+    assert pinned["before_warm_up"]["pinned"][0] > 0
+    assert pinned["before_warm_up"]["device_allocated"][0] > 0
+    assert pinned["after_warm_up"]["pinned"] == [0]
+    for label in ("check_on", "check_off", "slot_16MiB", "slot_32MiB", "slot_64MiB"):
+        assert set(pinned[label]["pinned"]) == {0}, (label, pinned[label])
+        assert set(pinned[label]["device_allocated"]) == {0}, (label, pinned[label])
+    # Two transfer threads, two slots each, and more copies than slots: slots reused.
+    (upload,) = warm["check_on"]["uploads"][0]
+    assert upload["slots"] == 4
+    assert upload["copies"] > upload["slots"]
     # Every target is judged (on a CPU most are missed: what counts is that none is
     # left without a figure).
     targets = result["targets"]
     assert targets["every verified byte matched the file"]["met"] is True
+    assert targets["bytes pinned inside timed loads after warm_up = 0"]["met"] is True
+    name = "device bytes allocated by timed loads of a model loaded before = 0"
+    assert targets[name]["met"] is True
     assert all(t["met"] is not None for t in targets.values())
     assert all(t["value"] is not None for name, t in targets.items() if "byte" not in name)
 

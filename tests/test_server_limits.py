@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import aiohttp
 import anyio
 import gguf
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import post, running
@@ -40,6 +41,7 @@ from server_helpers import post, running
 import aiogguf.server
 from aiogguf.server import ServerPolicy, create_app, registry_of
 from aiogguf.server_policy import REQUEST_KEYS
+from aiogguf.server_transport import ConnectionGuard, GuardedSite
 from aiogguf.testing.synth import write_synthetic_model
 
 HERE = Path(__file__).resolve().parent
@@ -373,9 +375,84 @@ def test_a_slowloris_that_reconnects_at_once_is_still_answered(tmp_path: Path) -
     """The attackers the cap closes connect again at once: every probe is still
     answered (some wait for a SYN the kernel's full accept queue dropped)."""
     attack = slowloris(tmp_path, seconds=6.0, again=True)
+    latencies = sorted(attack.latencies_ms)
+    print(
+        f"healthz under a reconnecting slowloris: {len(latencies)} probes, median "
+        f"{statistics.median(latencies):.1f} ms, 90th {latencies[len(latencies) * 9 // 10]:.1f}"
+        f" ms, max {latencies[-1]:.1f} ms; server descriptors at most {attack.max_fds}; "
+        f"attacker {attack.attacker}"
+    )
     assert attack.failures == []
     assert attack.max_fds < 200
     assert attack.attacker["opened"] > SLOWLORIS_CONNECTIONS
+
+
+@contextlib.asynccontextmanager
+async def guarded_server(
+    tmp_path: Path, max_connections: int, timeout_s: float
+) -> AsyncIterator[tuple[int, ConnectionGuard]]:
+    """The app behind serve's connection handler on 127.0.0.1: its port and its guard."""
+    app = create_app(roots=[tmp_path], policy=ServerPolicy(request_timeout_s=timeout_s))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    guard = ConnectionGuard(max_connections)
+    try:
+        await GuardedSite(runner, "127.0.0.1", 0, guard, keepalive_timeout=timeout_s).start()
+        yield runner.addresses[0][1], guard
+    finally:
+        await runner.cleanup()
+
+
+SLOW_BODY = b'POST /models HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"path"'
+
+
+@pytest.mark.asyncio
+async def test_a_request_must_arrive_within_the_timeout(tmp_path: Path) -> None:
+    """There was no header timeout: a client that never finished its request head held
+    its connection for ever. A head trickled past the timeout is cut; a body, 408."""
+    async with guarded_server(tmp_path, 8, timeout_s=0.5) as (port, _):
+        head = await anyio.connect_tcp("127.0.0.1", port)
+        await head.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        received = b""
+        with anyio.fail_after(ENDS_WITHIN_S):
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                while True:
+                    received += await head.receive()
+        assert received == b""  # closed, no reply
+        await head.aclose()
+        async with await anyio.connect_tcp("127.0.0.1", port) as body:
+            await body.send(SLOW_BODY)
+            with anyio.fail_after(ENDS_WITHIN_S):
+                reply = await body.receive()
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert b"application/json" in reply
+
+
+@pytest.mark.asyncio
+async def test_with_every_connection_busy_a_new_one_gets_503(tmp_path: Path) -> None:
+    async with guarded_server(tmp_path, 2, timeout_s=10) as (port, guard):
+        busy = []
+        for _ in range(2):  # a request each, whose body is still on its way
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+            await stream.send(SLOW_BODY)
+            busy.append(stream)
+        with anyio.fail_after(ENDS_WITHIN_S):
+            while guard.count < 2:  # noqa: ASYNC110 (the guard counts accepts; no event)
+                await anyio.sleep(0.01)
+        request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        url = f"http://127.0.0.1:{port}"
+        status, content_type, reply = await anyio.to_thread.run_sync(raw_request, url, request)
+        assert status == 503
+        assert content_type.startswith("application/json")
+        assert "connections" in json.loads(reply)["error"]
+        for stream in busy:
+            await stream.aclose()
+        # A slot is free again once a busy connection has gone.
+        with anyio.fail_after(ENDS_WITHIN_S):
+            while guard.count:  # noqa: ASYNC110 (sockets close asynchronously; no event)
+                await anyio.sleep(0.01)
+        status, _, _ = await anyio.to_thread.run_sync(raw_request, url, request)
+        assert status == 200
 
 
 # --- finding 5: every reply JSON, one log line -------------------------------------------

@@ -14,7 +14,8 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
   GPU's memory is there from the start. ``release_cached_memory()`` (called by
   ``release_device_memory``) gives the cache back to the OS;
 * it carries a real GPU's costs, so that a design that is slow on a GPU is slow here
-  too: pinning a staging slot sleeps ``pin_s_per_gib`` per GiB, and a copy takes
+  too: pinning a staging slot sleeps ``pin_s_per_gib`` per GiB, one pin at a time per
+  device (the driver serialises them), and a copy takes
   ``copy_latency_us`` plus ``nbytes / bandwidth`` (plus a random delay up to
   ``max_delay_ms``), or the host copy's own time where that is longer; the copies of
   all its streams share the one ``bandwidth``, as they share a PCIe link. The defaults are
@@ -219,6 +220,7 @@ class SimDevice:
         self._usage = SimUsage(0, 0, 0, 0)
         self._streams_opened = 0
         self._open_streams: weakref.WeakSet[SimCopyStream] = weakref.WeakSet()
+        self._pin_lock = threading.Lock()  # a driver pins one buffer at a time
         self._syncs = SimSyncs(0, 0.0)
         self.memory_cache = SimMemoryCache(name, memory_cache_bytes)
 
@@ -323,10 +325,12 @@ class SimDevice:
 
     def open_staging_slot(self, index: int, nbytes: int, alignment: int) -> SimStagingSlot:
         """A staging slot; takes as long as pinning ``nbytes`` takes on the modelled GPU
-        (when the device has a pinned host buffer type)."""
+        (when the device has a pinned host buffer type), one pin at a time: the driver
+        serialises them, so threads that pin side by side wait for each other."""
         slot = SimStagingSlot(self, index, nbytes, alignment)
         if self.host_buffer_type is not None and self.pin_s_per_gib:
-            time.sleep(nbytes / 1024**3 * self.pin_s_per_gib)
+            with self._pin_lock:
+                time.sleep(nbytes / 1024**3 * self.pin_s_per_gib)
         return slot
 
     def new_event(self) -> SimEvent:

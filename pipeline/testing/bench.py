@@ -29,6 +29,7 @@ from aiogguf.api import load
 from aiogguf.config import PipelineConfig
 from aiogguf.io.buffers import HostBuffer
 from aiogguf.io.pagecache import drop_from_cache
+from aiogguf.io.workers import at_load_priority
 from aiogguf.testing.baselines import (
     GB,
     PageCache,
@@ -233,6 +234,10 @@ def worker_main() -> None:
         seconds, nbytes, peak = gguf_py_copy(task["path"])
         out: dict[str, Any] = {"seconds": seconds, "nbytes": nbytes, "peak_rss_bytes": peak}
     elif task["task"] == "limit":
+        # At the priority of a load's readers (its threads inherit it): on a busy
+        # machine a thread at nice 0 gets three times the share of the cores that one at
+        # the readers' nice gets, and a load's ratio to its limit would measure that.
+        at_load_priority()
         out = {"gbps": measure_limit(task["name"], task["path"])}
     elif task["task"] == "touch":
         with HostBuffer(int(task["nbytes"]), prefault=True) as buffer:
@@ -379,7 +384,8 @@ def measure_limit(name: str, path: str | os.PathLike[str]) -> float:
 
 
 def limit_in_subprocess(name: str, path: str | os.PathLike[str]) -> float:
-    """``measure_limit`` in a fresh process, like the loads it is compared with."""
+    """``measure_limit`` in a fresh process, like the loads it is compared with, at the
+    CPU priority of a load's readers (``LOAD_NICE``)."""
     return float(
         measure_in_subprocess({"task": "limit", "name": name, "path": os.fspath(path)})["gbps"]
     )

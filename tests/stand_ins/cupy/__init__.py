@@ -6,7 +6,9 @@ a CPU, so that a mistake in them shows up before a GPU is lent, not on it. It pr
 nothing about CUDA: device memory is host memory, a "device" array is a numpy array over
 it (``ndarray``, a numpy subclass with a ``device``), every copy is a ``memmove`` done
 when it is queued, so every event is complete as soon as it is recorded, and pinning
-pins nothing. ``STAND_IN_CUPY_DEVICES`` says how many devices it shows (default 1);
+pins nothing (but takes its time: ``cuda``'s docstring says what CUDA's start-up and
+pinning cost it). Kernels (ufuncs, reductions) refuse an array whose device is not the
+current one, as CuPy's do. ``STAND_IN_CUPY_DEVICES`` says how many devices it shows (default 1);
 ``STAND_IN_CUPY_IMPORT_S`` makes its import sleep that long (default 0), as CuPy's own
 import takes about a second on a GPU host: a first load that imports it on the event
 loop's thread stalls the loop that long.
@@ -68,6 +70,35 @@ class ndarray(_np.ndarray):  # CuPy's name
     def get(self) -> _np.ndarray:
         """A host copy."""
         return _np.array(self.view(_np.ndarray))
+
+    # A kernel runs on the current device: as CuPy does, an array on another device is
+    # refused (views, slices and ``get`` run no kernel and work anywhere).
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        out = kwargs.get("out", ())
+        _on_current_device((*inputs, *(out if isinstance(out, tuple) else (out,))))
+        inputs = tuple(_plain(x) for x in inputs)
+        if "out" in kwargs:
+            kwargs["out"] = tuple(_plain(x) for x in kwargs["out"])
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        flat = [y for x in args for y in (x if isinstance(x, list | tuple) else (x,))]
+        _on_current_device((*flat, *kwargs.values()))
+        return super().__array_function__(func, types, args, kwargs)
+
+
+def _plain(x: Any) -> Any:
+    return x.view(_np.ndarray) if isinstance(x, ndarray) else x
+
+
+def _on_current_device(arrays: Any) -> None:
+    now = cuda.current()
+    for array in arrays:
+        if isinstance(array, ndarray) and array._device.id != now:
+            raise ValueError(
+                f"The device where the array resides ({array._device.id}) is different "
+                f"from the current device ({now})."
+            )
 
 
 def asnumpy(array: Any) -> _np.ndarray:

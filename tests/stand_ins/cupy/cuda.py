@@ -1,4 +1,14 @@
-"""``cupy.cuda`` of the stand-in: devices, memory, streams and events over host memory."""
+"""``cupy.cuda`` of the stand-in: devices, memory, streams and events over host memory.
+
+It carries what CUDA's start-up costs a process on a GPU host, as CUDA pays it (issue
+23): the driver's start-up (``cuInit``, on the first runtime call) and each device's
+first context (on the first call that needs one: memory, a stream, an event, its memory
+figures) hold the GIL, ``STAND_IN_CUPY_INIT_S`` (default 0.2) and
+``STAND_IN_CUPY_CONTEXT_S`` (default 0.13) seconds, in one C call that keeps it (not a
+``time.sleep``, which lets go of it); pinning host memory takes
+``STAND_IN_CUPY_PIN_S_PER_GIB`` (default 1.1) seconds per GiB, one pin at a time per
+device, the GIL let go. Set them to 0 for a stand-in without the costs.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +22,44 @@ from typing import Any
 
 _current = threading.local()
 MEMORY_TOTAL = 80 * 1024**3
+INIT_S = float(os.environ.get("STAND_IN_CUPY_INIT_S", "0.2"))
+CONTEXT_S = float(os.environ.get("STAND_IN_CUPY_CONTEXT_S", "0.13"))
+PIN_S_PER_GIB = float(os.environ.get("STAND_IN_CUPY_PIN_S_PER_GIB", "1.1"))
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+# A PyDLL keeps the GIL during its calls: libc's nanosleep through it is a C call that
+# blocks every Python thread, as CUDA's start-up does.
+_nanosleep = ctypes.PyDLL(None).nanosleep
+_started: set[int] = set()  # -1: the driver; i: device i's context
+_start_lock = threading.RLock()
+_pin_locks = {i: threading.Lock() for i in range(64)}
+
+
+def _hold_gil(seconds: float) -> None:
+    if seconds > 0:
+        whole = int(seconds)
+        _nanosleep(ctypes.byref(_Timespec(whole, int((seconds - whole) * 1e9))), None)
+
+
+def _start(what: int, seconds: float) -> None:
+    """The driver's (``what`` -1) or a device's first start, once per process."""
+    if what in _started:
+        return
+    with _start_lock:
+        if what not in _started:
+            if what >= 0:
+                _start(-1, INIT_S)
+            _hold_gil(seconds)
+            _started.add(what)
+
+
+def _context() -> None:
+    """The current device's context, created on first use."""
+    _start(current(), CONTEXT_S)
 
 
 def _count() -> int:
@@ -27,6 +75,7 @@ class CUDARuntimeError(RuntimeError):
 
 
 def _check_device(ordinal: int) -> int:
+    _start(-1, INIT_S)
     if not 0 <= ordinal < _count():
         raise CUDARuntimeError(f"cudaErrorInvalidDevice: invalid device ordinal {ordinal}")
     return ordinal
@@ -81,6 +130,7 @@ class Memory:
     __slots__ = ("_block", "device_id", "ptr", "size")
 
     def __init__(self, size: int) -> None:
+        _context()
         self.device_id = current()
         self.size = size
         self._block, self.ptr = _host_memory(size)
@@ -116,9 +166,13 @@ class MemoryPointer:
 
 
 class PinnedMemory:
-    """Pinned host memory: plain host memory on the stand-in (the pointer holds it)."""
+    """Pinned host memory: plain host memory on the stand-in (the pointer holds it).
+    Pinning takes its modelled time, one pin at a time per device."""
 
     def __init__(self, size: int, flags: int = 0) -> None:
+        _context()
+        with _pin_locks[current()]:
+            time.sleep(size / 1024**3 * PIN_S_PER_GIB)
         self.size = size
 
 
@@ -143,6 +197,8 @@ class Stream:
     null: Stream  # the legacy default stream (CuPy's ``Stream.null``)
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
+        if not null:  # the null stream is made at import: it needs no context yet
+            _context()
         self.device_id = current()
         self.ptr = 0 if null else id(self)
 
@@ -162,6 +218,7 @@ class Event:
     def __init__(
         self, block: bool = False, disable_timing: bool = False, interprocess: bool = False
     ) -> None:
+        _context()
         self.disable_timing = disable_timing
         self.recorded_at: float | None = None
 
@@ -194,6 +251,7 @@ class runtime:  # CuPy's name
 
     @staticmethod
     def getDeviceCount() -> int:
+        _start(-1, INIT_S)
         return _count()
 
     @staticmethod
@@ -207,6 +265,7 @@ class runtime:  # CuPy's name
 
     @staticmethod
     def memGetInfo() -> tuple[int, int]:
+        _context()
         return MEMORY_TOTAL, MEMORY_TOTAL
 
     @staticmethod
