@@ -73,6 +73,7 @@ from aiogguf.server_policy import (
     ServerPolicy,
     auth_middleware,
     json_errors_middleware,
+    one_line,
     request_config,
     server_base_config,
 )
@@ -668,7 +669,7 @@ _KEEPALIVE_S = 15.0
 
 
 def _error(status: int, reason: str) -> web.Response:
-    return web.json_response({"error": reason}, status=status)
+    return web.json_response({"error": one_line(reason)}, status=status)
 
 
 def _entry(request: web.Request) -> _Entry | web.Response:

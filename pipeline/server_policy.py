@@ -43,6 +43,7 @@ __all__ = [
     "ServerPolicy",
     "auth_middleware",
     "json_errors_middleware",
+    "one_line",
     "request_config",
     "server_base_config",
 ]
@@ -90,10 +91,24 @@ _ALL_KEYS: frozenset[str] = frozenset(
 )
 
 
+# Line breaks and other control characters as escapes: a reason quotes what the client
+# sent (a config key, a path), and a reply or log line must stay one line whatever it was.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, 0x85)} | {
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: control characters and line separators escaped."""
+    return text.translate(_ESCAPES)
+
+
 class RequestRefused(Exception):
     """A request the server will not run: its HTTP status and a one-line reason."""
 
     def __init__(self, reason: str, status: int = 400) -> None:
+        reason = one_line(reason)
         super().__init__(reason)
         self.reason = reason
         self.status = status
@@ -292,7 +307,7 @@ async def json_errors_middleware(request: web.Request, handler: _Handler) -> web
             for k, v in exc.headers.items()
             if k.lower() not in ("content-type", "content-length")
         }
-        return web.json_response({"error": reason}, status=exc.status, headers=headers)
+        return web.json_response({"error": one_line(reason)}, status=exc.status, headers=headers)
     except RequestRefused as exc:
         return web.json_response({"error": exc.reason}, status=exc.status)
     except _MALFORMED as exc:

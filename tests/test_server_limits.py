@@ -743,3 +743,14 @@ def test_any_request_gets_a_json_reply_and_never_a_500(
     assert status != 500, data
     if status >= 400:
         assert "\n" not in data["error"]
+
+
+@pytest.mark.parametrize("key", ["\n", "a\r\nb", "\u2028", "\x00"])
+def test_a_refusal_quoting_a_control_character_stays_one_line(live_url: str, key: str) -> None:
+    body = json.dumps({"path": "m.gguf", "config": {key: 1}}).encode()
+    status, content_type, reply = raw_request(live_url, post_bytes(body, auth=b"Bearer t0ken"))
+    assert status == 400
+    assert content_type.startswith("application/json")
+    error = json.loads(reply)["error"]
+    assert error.splitlines() == [error]
+    assert "\x00" not in error
