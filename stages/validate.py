@@ -156,18 +156,6 @@ class _Screen:
 _SIGNED = {1: numpy.int8, 2: numpy.int16, 4: numpy.int32}
 
 
-def _column_slices(cols: Sequence[int]) -> tuple[slice, ...]:
-    """``cols`` (increasing) as slices, each a run of equal steps: one view each."""
-    runs: list[list[int]] = []
-    for col in cols:
-        run = runs[-1] if runs else None
-        if run is not None and (len(run) == 1 or col - run[-1] == run[1] - run[0]):
-            run.append(col)
-        else:
-            runs.append([col])
-    return tuple(slice(run[0], run[-1] + 1, run[1] - run[0] if len(run) > 1 else 1) for run in runs)
-
-
 @dataclass(frozen=True, slots=True)
 class _ScaleCheck:
     bad: Callable[[Bytes, int], BoolArray]
@@ -438,13 +426,9 @@ class _Scanner:
             self.mode = _Scan.NONE
         self.slice_bytes = max(slice_bytes // self.unit_bytes, 1) * self.unit_bytes
         self.host = xp is numpy
-        # The host screens, each with the block columns it reads (a field's screen byte
-        # per block), as column slices: fields with the same screen are screened together.
-        columns: dict[_Screen, list[int]] = {}
-        for field, check in self.fields:
-            columns.setdefault(check.screen, []).append(field.offset + check.screen_byte)
+        # The host screens, each with the block column it reads (a field's screen byte).
         self.screens = tuple(
-            (screen, _column_slices(sorted(cols))) for screen, cols in columns.items()
+            (check.screen, field.offset + check.screen_byte) for field, check in self.fields
         )
 
     def scan(self, data: Bytes, scratch: _Scratch) -> _Found:
@@ -486,15 +470,12 @@ class _Scanner:
     def _scales_clear(self, data: numpy.ndarray[Any, Any]) -> bool:
         """Host fast path: True only if every checked scale of every block is good."""
         blocks = data.reshape(-1, self.type.block_bytes)
-        # The reductions stride through the blocks, all the columns of one screen at once:
-        # each numpy call costs the GIL twice (a release and a take, which can wait a
-        # switch interval behind a busy thread), whatever its size, so the fewest calls
-        # win over gathering a contiguous column first.
-        for screen, slices in self.screens:
-            for columns in slices:
-                if not screen.clear(blocks[:, columns]):
-                    return False
-        return True
+        # The reductions stride through the blocks, one column each: each numpy call
+        # costs the GIL twice (a release and a take, which can wait a switch interval
+        # behind a busy thread), whatever its size, so no copy into a contiguous column
+        # first (a 1-D strided reduction costs about what the copy does; a 2-D one over
+        # two columns at once costs several times that).
+        return all(screen.clear(blocks[:, column]) for screen, column in self.screens)
 
     def _scan_scales(self, data: Bytes) -> _Found:
         xp = self.xp
@@ -1108,6 +1089,14 @@ class Validation:
             for name in layout.plan.tensors
         }
         self._piece_failures: list[TensorFailure] = []
+        # Whether some tensor is checked whole (the collector's task group is entered
+        # only then: a load checked piece by piece has no use for it).
+        self._whole = enabled and any(
+            name not in self._pieces
+            for layout in layouts
+            if not layout.plan.lazy
+            for name in layout.plan.tensors
+        )
 
     @property
     def by_pieces(self) -> bool:
@@ -1116,7 +1105,7 @@ class Validation:
         return bool(self._pieces)
 
     async def __aenter__(self) -> Validation:
-        if self.enabled:  # with checks off nothing is ever submitted
+        if self._whole:  # else nothing is ever submitted
             await self._collector.__aenter__()
         return self
 
@@ -1126,7 +1115,7 @@ class Validation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        if not self.enabled:
+        if not self._whole:
             return None
         return await self._collector.__aexit__(exc_type, exc, tb)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,23 @@ def _module() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _quick_run(folder: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """``gil_budget.py --quick [args]``: the process and its JSON."""
+    out = folder / "out.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-P", str(BENCH / "gil_budget.py"), "--quick", *args),
+            *("--dir", str(folder), "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, json.loads(out.read_text())
 
 
 BOOT = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
@@ -40,6 +58,9 @@ RAW = "\n".join(
         f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/stages/validate.py:146) 4",
         f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/stages/validate.py:151) 2",
         "thread (10): MainThread;<module> (x.py:1);BaseEventLoop._run_once (base_events.py:1) 3",
+        # The load's one-off front: counted, and counted apart too.
+        f"thread (15): aiogguf-load-0;{BOOT};_Front.parse_and_plan (engine.py:505);"
+        "make_plan (aiogguf/stages/plan.py:380) 4",
         "not a sample line",
     ]
 )
@@ -48,14 +69,20 @@ RAW = "\n".join(
 def test_samples_are_sorted_into_spinner_excluded_and_counted() -> None:
     gil = _module()
     s = gil.count_samples(RAW)
-    assert s["total"] == 500 + 7 + 5 + 9 + 4 + 2 + 3
+    assert s["total"] == 500 + 7 + 5 + 9 + 4 + 2 + 3 + 4
     assert s["spinner"] == 500
     assert s["excluded"] == {"SimCopyStream._run": 7, "SimCopyStream.copy_async": 5}
-    assert s["counted"] == 18
+    assert s["counted"] == 22
+    assert s["front"] == 4
     # Lines of one function are summed; the most frequent first.
     assert s["functions"][0] == ("DataFile._pread_loop (files.py)", 9)
     assert ("_Screen.clear (validate.py)", 6) in s["functions"]
-    assert dict(s["threads"]) == {"aiogguf-transfer": 9, "aiogguf-reader": 6, "MainThread": 3}
+    assert dict(s["threads"]) == {
+        "aiogguf-transfer": 9,
+        "aiogguf-reader": 6,
+        "aiogguf-load": 4,
+        "MainThread": 3,
+    }
 
 
 @pytest.mark.slow
@@ -63,19 +90,7 @@ def test_quick_run_prints_every_case(tmp_path: Path) -> None:
     spy = Path(sys.executable).parent / "py-spy"
     if not spy.exists() and shutil.which("py-spy") is None:
         pytest.skip("py-spy is not installed (the dev and bench extras have it)")
-    out = tmp_path / "gil.json"
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-P", str(BENCH / "gil_budget.py"), "--quick"),
-            *("--dir", str(tmp_path), "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    proc, result = _quick_run(tmp_path)
     assert json.loads(proc.stdout) == result
     gil = _module()
     assert [c["case"] for c in result["cases"]] == list(gil.CASES)
@@ -83,6 +98,8 @@ def test_quick_run_prints_every_case(tmp_path: Path) -> None:
         assert case["gb_loaded"] > 0
         assert case["samples"]["spinner"] > 0  # the spinner ran beside the loads
         assert case["gil_ms_per_gb"] >= 0
+        assert case["front_ms_per_load"] >= 0
+        assert case["rest_ms_per_gb"] <= case["gil_ms_per_gb"]
         assert case["target_ms_per_gb"] in (gil.TARGET_ON_MS, gil.TARGET_OFF_MS)
         assert isinstance(case["met"], bool)
         assert all(len(row) == 2 for row in case["samples"]["functions"])
@@ -92,19 +109,7 @@ def test_quick_run_prints_every_case(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_quick_convoy_reports_each_way_of_loading(tmp_path: Path) -> None:
-    out = tmp_path / "convoy.json"
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-P", str(BENCH / "gil_budget.py"), "--convoy", "--quick"),
-            *("--dir", str(tmp_path), "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    proc, result = _quick_run(tmp_path, "--convoy")
     assert [c["overrides"]["check_tensors"] for c in result["convoy"]] == [True, False]
     for c in result["convoy"]:
         # One load each way per run: alone, beside a busy thread, beside a busy process.
