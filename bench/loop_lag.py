@@ -18,7 +18,9 @@ Cases, ``--runs`` times in alternated order, each a fresh process after ``--sett
   (``keep_bytes=false``, as ``bench/gpu_sim.py`` judges it);
 - ``slow_cupy``: one host load without ``warm_up`` while the CuPy stand-in
   (``tests/stand_ins/cupy``) sleeps ``--cupy-import-s`` in its import (a load looks for
-  GPUs whatever its placement).
+  GPUs whatever its placement). The stand-in's CUDA start-up, which holds the GIL as
+  CUDA's does (0.2 s, and 0.13 s per device), is set to 0: it stalls the loop from any
+  thread, and ``warm_up`` is where a server pays it.
 
 Prints, per case and load (first, second, ...): the median over runs of the worst lag,
 of the p99 and of the worst ``blocked`` part, the worst over runs, and the idle loop's
@@ -155,6 +157,7 @@ def run_case(
     if slow_cupy:
         paths.append(str(STAND_INS))
         env["STAND_IN_CUPY_IMPORT_S"] = str(cupy_import_s)
+        env["STAND_IN_CUPY_INIT_S"] = env["STAND_IN_CUPY_CONTEXT_S"] = "0"
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     try:

@@ -15,7 +15,10 @@ Reuse is safe by construction:
   open, or of an array kept past its model's close, is never handed out;
 * before a block is handed out again, the events recorded behind the last copies of
   every stream that wrote into it (``used_by``) and the device's default stream (the
-  block's ``fence``, recorded when it came back) have completed.
+  block's ``fence``, recorded when it came back; on CUDA the legacy default stream also
+  waits for every blocking stream) have completed. Work a user queued on the arrays on
+  a non-blocking stream of their own is not seen: it must be synchronised before the
+  model is closed (the README says so).
 
 The arena is bounded. It keeps idle memory only while the device can spare it: at most
 ``cap_bytes`` idle (by default nine tenths of the device's memory), and none while the
