@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import shutil
 import signal
@@ -320,7 +321,8 @@ def measure_case(
             if gb and seen_rate
             else None
         ),
-        ceiling_gbps=1e3 / ms_per_gb if ms_per_gb else None,
+        # No sample at all (a quick run of a few milliseconds): no GIL time was seen.
+        ceiling_gbps=None if ms_per_gb is None else 1e3 / ms_per_gb if ms_per_gb else math.inf,
         target_ms_per_gb=target,
         met=ms_per_gb is not None and ms_per_gb <= target,
     )
@@ -362,6 +364,10 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def print_table(result: Mapping[str, Any]) -> None:
     cases = result.get("cases") or []
     if cases:
@@ -374,9 +380,9 @@ def print_table(result: Mapping[str, Any]) -> None:
                 _say(f"{c['case']:<24}  ERROR {c['error']}")
                 continue
             _say(
-                f"{c['case']:<24}{c['gil_ms_per_gb']:>10.1f}{c['ceiling_gbps']:>14.1f}"
+                f"{c['case']:<24}{_num(c['gil_ms_per_gb']):>10}{_num(c['ceiling_gbps']):>14}"
                 f"{c['target_ms_per_gb']:>8.0f}  {'yes' if c['met'] else 'NO ':<4}"
-                f"  ({c['front_ms_per_load']:.1f}; {c['rest_ms_per_gb']:.1f})"
+                f"  ({_num(c['front_ms_per_load'])}; {_num(c['rest_ms_per_gb'])})"
             )
         for c in cases:
             if "error" in c:
