@@ -202,11 +202,9 @@ def main() -> None:
     if args.path:
         path = Path(args.path)
     else:
-        from aiogguf.testing.synth import ensure_synthetic_model
+        from aiogguf.testing.synth import ensure_bench_model
 
-        size = parse_size(args.size)
-        path = Path(args.dir) / f"bench-{format_bytes(size).replace(' ', '')}.gguf"
-        ensure_synthetic_model(path, size_bytes=size, seed=0)
+        path, _ = ensure_bench_model(args.dir, args.size)
     file_bytes = path.stat().st_size
     sizes = [min(parse_size(s), file_bytes) for s in args.sizes.split(",") if s.strip()]
     result = run(path, sizes, args.runs, args.settle, say)

@@ -50,8 +50,8 @@ from aiogguf.testing.bench import (
     measure_in_subprocess,
     settle,
 )
-from aiogguf.testing.synth import ensure_synthetic_model
-from aiogguf.units import format_bytes, parse_size
+from aiogguf.testing.synth import ensure_bench_model
+from aiogguf.units import format_bytes
 
 MiB = 1 << 20
 
@@ -389,10 +389,8 @@ def main() -> None:
     if args.path:
         path = Path(args.path)
     else:
-        size = parse_size(args.size)
-        path = Path(args.dir) / f"bench-{format_bytes(size).replace(' ', '')}.gguf"
         t0 = time.perf_counter()
-        _, written = ensure_synthetic_model(path, size_bytes=size, seed=0)
+        path, written = ensure_bench_model(args.dir, args.size)
         say(f"{'wrote' if written else 'reusing'} {path} ({time.perf_counter() - t0:.1f} s)")
     names = [c for c in args.cases.split(",") if c]
     unknown = [c for c in names if c not in CASES]

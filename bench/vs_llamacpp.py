@@ -675,16 +675,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NO_PEER
     say(f"llama-cpp-python {info['version']}, llama.cpp load modes: {info['load_modes']}")
 
-    from aiogguf.testing.synth import ensure_synthetic_model
-    from aiogguf.units import format_bytes, parse_size
+    from aiogguf.testing.synth import ensure_bench_model
 
     if args.path:
         model_path = Path(args.path)
     else:
-        size = parse_size(args.size)
-        model_path = Path(args.dir) / f"bench-{format_bytes(size).replace(' ', '')}.gguf"
         t0 = time.perf_counter()
-        _, written = ensure_synthetic_model(model_path, size_bytes=size, seed=0)
+        model_path, written = ensure_bench_model(args.dir, args.size)
         say(f"{'wrote' if written else 'reusing'} {model_path} ({time.perf_counter() - t0:.1f} s)")
 
     probe = _probe(args.extra_bufts, say)

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aiogguf.io.ggml_types import GGML_TYPES, GGMLType, ScaleField, ScaleKind, ggml_type_by_name
-from aiogguf.units import format_size, parse_size
+from aiogguf.units import format_bytes, format_size, parse_size
 
 __all__ = [
     "PRESET_NAMES",
@@ -40,6 +40,7 @@ __all__ = [
     "SynthModel",
     "SynthTensor",
     "default_demo_path",
+    "ensure_bench_model",
     "ensure_synthetic_model",
     "write_synthetic_model",
 ]
@@ -911,3 +912,13 @@ def _model_from_sidecar(path: Path, saved: dict[str, Any]) -> SynthModel:
         tensors=tensors,
         **{k: m[k] for k in _SCALAR_FIELDS},
     )
+
+
+def ensure_bench_model(directory: str | os.PathLike[str], size: int | str) -> tuple[Path, bool]:
+    """The benchmarks' shared synthetic model of ``size`` bytes in ``directory``
+    (``bench-2GiB.gguf``, seed 0), so that every benchmark loads the same file. Returns
+    ``(path, written)``; raises as ``ensure_synthetic_model``."""
+    size_bytes = parse_size(size)
+    path = Path(directory) / f"bench-{format_bytes(size_bytes).replace(' ', '')}.gguf"
+    _, written = ensure_synthetic_model(path, size_bytes=size_bytes, seed=0)
+    return path, written
