@@ -398,6 +398,7 @@ async def test_cli_serve_stops_on_sigint(tmp_path: Path) -> None:
                 while True:
                     rest += await output.receive()
         assert b"stopped" in rest, rest
+        assert b"aiogguf serve: interrupted\n" in rest, rest  # one line, as any command
 
 
 @pytest.mark.asyncio

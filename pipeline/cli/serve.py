@@ -294,7 +294,11 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         run_loop(main)
     print("aiogguf serve: stopped", flush=True)
-    return EXIT_INTERRUPTED if received == [signal.SIGINT] else 0
+    if received == [signal.SIGINT]:
+        # As every command says it, whether Ctrl-C came before or after the server listened.
+        print("aiogguf serve: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    return 0
 
 
 def _size(text: str) -> int:
