@@ -16,7 +16,6 @@ shutdown had to be cut short (a load blocked in a system call past the deadline)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import logging
 import os
@@ -290,9 +289,12 @@ def run(args: argparse.Namespace) -> int:
         if signum is not None:
             received.append(signum)
 
-    # The loop runner turns SIGINT into cancellation first, so shutdown has run.
-    with contextlib.suppress(KeyboardInterrupt):
+    # The loop runner turns SIGINT into cancellation first, so shutdown has run; a SIGINT
+    # before ``serve`` installs its handler comes out of the runner as KeyboardInterrupt.
+    try:
         run_loop(main)
+    except KeyboardInterrupt:
+        received.append(signal.SIGINT)
     print("aiogguf serve: stopped", flush=True)
     if received == [signal.SIGINT]:
         # As every command says it, whether Ctrl-C came before or after the server listened.
