@@ -197,7 +197,7 @@ class PipelineConfig(_Section):
     # Staging slots per transfer thread and device; a slot's size is independent of the
     # size of the read calls that fill it.
     staging_buffers: Int = Field(default=2, ge=1, le=MAX_STAGING_BUFFERS)
-    staging_buffer_size: PositiveSize = Field(default=16 * 1024**2, le=MAX_CHUNK_BYTES)
+    staging_buffer_size: PositiveSize = Field(default=32 * 1024**2, le=MAX_CHUNK_BYTES)
     # Cap of each device's process-wide pool of pinned slots, shared by every load.
     staging_pool_size: PositiveSize = 1024**3
     validate_workers: Int = Field(default=2, ge=1, le=MAX_THREADS)

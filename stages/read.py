@@ -58,12 +58,12 @@ __all__ = [
 
 
 # With checks on, buffered reads land in pieces this large, each checked right after its
-# read while it is still in the CPU's cache (the readers' pieces, and the piece each
-# check reaches back over, fit a server CPU's L3). Every piece costs the GIL a read call
-# and a few numpy calls, and the GIL a load holds per GB caps its rate whatever its
-# thread count (README, Performance: the GIL budget): pieces are as large as the cache
-# allows.
-CHECK_PIECE_BYTES = 16 << 20
+# read. Every piece costs the GIL a read call and a numpy call per tensor in it, and the
+# GIL a load holds per GB caps its rate whatever its thread count (README, Performance:
+# the GIL budget), so a piece is a whole default job: the checks' reductions read only
+# a column of each block, at memory speed, and need no cache to keep up with the disk.
+# Bounded still, so that a stop reaches a reader of a slow disk within a second.
+CHECK_PIECE_BYTES = 64 << 20
 
 
 def open_data_files(

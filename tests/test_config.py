@@ -181,7 +181,7 @@ def test_sizes_accept_strings_and_ints(tmp_path: Path) -> None:
 
 
 def test_staging_bytes_are_aligned() -> None:
-    assert PipelineConfig().staging_bytes() == 16 * 1024**2
+    assert PipelineConfig().staging_bytes() == 32 * 1024**2
     assert PipelineConfig(staging_buffer_size=4096).staging_bytes() == 4096
     assert PipelineConfig(staging_buffer_size=10_000).staging_bytes() == 8192
     assert PipelineConfig(staging_buffer_size=10_000, alignment=8192).staging_bytes() == 8192

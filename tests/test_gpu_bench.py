@@ -139,7 +139,7 @@ def test_gpu_check_runs_through_on_the_cupy_stand_in(tmp_path: Path) -> None:
     # threads, so that the loads reuse their slots, as they do on a GPU.
     out = tmp_path / "out.json"
     script = str(BENCH / "gpu_check.py")
-    args = ["--quick", "--size", "96MiB", "--threads", "2"]
+    args = ["--quick", "--size", "192MiB", "--threads", "2"]
     args += ["--dir", str(tmp_path), "--json", str(out)]
     proc = subprocess.run(
         [sys.executable, script, *args],

@@ -455,8 +455,8 @@ async def test_serve_warms_the_process_up_before_it_listens(tmp_path: Path) -> N
             await listening.wait()
             tg.cancel_scope.cancel()
     assert not scope.cancelled_caught
-    # Two transfer threads, two 16 MiB slots each: pinned before the first request.
-    assert pinned_when_listening == [2 * 2 * 16 * 1024**2]
+    # Two transfer threads, two 32 MiB slots each: pinned before the first request.
+    assert pinned_when_listening == [2 * 2 * 32 * 1024**2]
 
 
 @pytest.mark.timing
