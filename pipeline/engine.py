@@ -293,14 +293,17 @@ class _Load:
                 ready_send.send_nowait(names)
 
         landed.attach(host_landed)
-        async with anyio.create_task_group() as tg:
-            if uploader is not None:
-                tg.start_soon(self.allocation.run, uploader.allocate)
-            if device_jobs:
-                assert uploader is not None
-                tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
-            tg.start_soon(self._host, reads, ready_send)
-            tg.start_soon(self._validate_loop, ready_recv, validation)
+        try:
+            async with anyio.create_task_group() as tg:
+                if uploader is not None:
+                    tg.start_soon(self.allocation.run, uploader.allocate)
+                if device_jobs:
+                    assert uploader is not None
+                    tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
+                tg.start_soon(self._host, reads, ready_send)
+                tg.start_soon(self._validate_loop, ready_recv, validation)
+        finally:
+            landed.detach()
 
     @staticmethod
     async def _host(reads: HostReads, ready: MemoryObjectSendStream[list[str]]) -> None:
@@ -445,6 +448,11 @@ class _Landed:
         early, self._early = self._early, []
         for job in early:
             sink(job)
+
+    def detach(self) -> None:
+        """Every read has ended: drop the sink (a closure over the load, which holds
+        this), so that no reference cycle outlives the load."""
+        self._sink = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,14 @@ class Model:
         self._images = list(images)
         self._slots = slots
         self._state = ModelState.OPEN
-        self.tensors: Mapping[str, Any] = _Tensors(self)
+
+    @property
+    def tensors(self) -> Mapping[str, Any]:
+        """Tensor name → array on its device, in the index's order; arrays are views
+        of the model's buffers, valid while it is open."""
+        # Made on each access: a view kept as an attribute would be a reference cycle,
+        # and a cycle leaves a closed model's records to the cyclic collector.
+        return _Tensors(self)
 
     @property
     def metadata(self) -> Mapping[str, MetadataValue]:

@@ -502,6 +502,7 @@ class HostReads:
             await self._stop_and_wait()
             raise
         self._waited = True
+        self._calls = []  # each holds a bound method of this object: a reference cycle
 
     async def abandon(self) -> None:
         """Stop the reads ``start`` started and wait for them, unless ``finish`` already
@@ -522,6 +523,7 @@ class HostReads:
             for call in self._calls:
                 with contextlib.suppress(Exception):
                     await self._threads.wait(call)
+        self._calls = []
 
     async def _check_apart(self, jobs: MemoryObjectReceiveStream[ReadJob]) -> None:
         """One check task of a file whose reads are checked apart (``O_DIRECT`` reads)."""
