@@ -15,7 +15,7 @@ from typing import TypeAlias, overload
 import numpy as np
 import numpy.typing as npt
 
-from aiogguf.errors import GGUFFormatError
+from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.fastinit import fast_init
 from aiogguf.io.byteswap import ByteOrder
 from aiogguf.io.ggml_types import GGMLType
@@ -221,6 +221,20 @@ class ParsedFile:
     def get(self, key: str) -> MetadataValue | None:
         entry = self.metadata.get(key)
         return entry.value if entry is not None else None
+
+    def split_int(self, key: str) -> int | None:
+        """The integer value of a split key (``split.count``, ``split.no``,
+        ``split.tensors.count``), or None when the file has none.
+
+        Raises ``SplitError``: the key holds something other than an integer.
+        """
+        entry = self.metadata.get(key)
+        if entry is None:
+            return None
+        value = entry.value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SplitError(self.path, f"{key} must be an integer, found {entry.type.json_name}")
+        return value
 
 
 class TensorClass(StrEnum):
