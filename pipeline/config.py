@@ -247,6 +247,18 @@ class PipelineConfig(_Section):
         alignment (O_DIRECT reads land in slots)."""
         return self.staging_buffer_size - self.staging_buffer_size % self.alignment
 
+    def staging_slots(self, transfer_threads: int) -> int:
+        """Staging slots that a load with ``transfer_threads`` transfer threads leases
+        from each device's pool: ``staging_buffers`` per thread."""
+        return transfer_threads * self.staging_buffers
+
+    def staging_pool_bytes(self, transfer_threads: int) -> int:
+        """Bytes of staging slots such a load holds on each device, at most: its slots,
+        capped by the size of the device's pool (which never grows past it)."""
+        return min(
+            self.staging_slots(transfer_threads) * self.staging_bytes(), self.staging_pool_size
+        )
+
     def reader_count(self, *, direct: bool = False) -> int:
         """``readers``, with ``"auto"`` resolved for this machine: a page-cache read is
         bound by the core that copies it, an O_DIRECT read by the disk's queue."""

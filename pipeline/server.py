@@ -647,10 +647,7 @@ async def _prepare_request(
         gpus = sum(1 for d in devices if d.kind != "cpu")
         staging = 0
         if gpus and config.placement.n_gpu_layers != 0:
-            pipeline = config.pipeline
-            # Slots come from each device's pool, which never grows past its cap.
-            per_device = readers * pipeline.staging_buffers * pipeline.staging_bytes()
-            staging = gpus * min(per_device, pipeline.staging_pool_size)
+            staging = gpus * config.pipeline.staging_pool_bytes(readers)
         return _Request(path, config, devices, readers, staging, opener, opener.size_bytes)
     except BaseException:
         opener.close()
