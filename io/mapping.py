@@ -157,8 +157,8 @@ def open_mapping(
     ``writable=True``: private copy-on-write, for in-place byte swapping of big-endian
     files; the file never changes. ``populate=True`` reads the whole range in before
     returning (the effect of ``MAP_POPULATE``, done as ``touch()``: Python's ``mmap()``
-    holds the GIL through a ``MAP_POPULATE`` — measured 0.45 s for 1 GiB — which would
-    stall the event loop; ``touch`` releases it). It blocks for the whole range: the
+    holds the GIL through a ``MAP_POPULATE``, for as long as the whole range takes to read,
+    which would stall the event loop; ``touch`` releases it). It blocks for the whole range: the
     engine uses it only for small ranges, and ``touch`` in chunks otherwise.
 
     Raises ``LoadError`` if the file cannot be opened or mapped or the range lies outside

@@ -103,9 +103,9 @@ __all__ = [
 # Fresh device memory holds this byte, so a range that no copy reached stands out.
 POISON_BYTE = 0xA5
 
-# What an NVIDIA H200 on PCIe Gen5 x16 was measured to cost (issue #10): pinning host
-# memory (cudaHostAlloc) ~1.1 s per GiB, pinned host-to-device copies at 55 GB/s, and a
-# few microseconds to queue one copy.
+# The costs of an NVIDIA H200 on PCIe Gen5 x16, as measured on one (docs/performance.md):
+# pinning host memory (cudaHostAlloc) per GiB, pinned host-to-device copies per second,
+# and the time to queue one copy.
 SIM_PIN_S_PER_GIB = 1.1
 SIM_COPY_BYTES_PER_S = 55_000_000_000
 SIM_COPY_LATENCY_US = 10.0
