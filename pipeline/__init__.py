@@ -10,6 +10,15 @@ The optional parts stay out until used: ``aiogguf.server`` (aiohttp), ``aiogguf.
 
 from __future__ import annotations
 
+if __name__ != "aiogguf":
+    # The folder pipeline/ is the package aiogguf; imported by its folder's name (from the
+    # repository root, or by an IDE's auto-import) it would be a second copy of every
+    # module, whose classes are not the package's (an ``isinstance`` or ``except`` fails).
+    raise ImportError(
+        f"{__name__!r} is the folder pipeline/ of aiogguf: import it as 'aiogguf' "
+        "(install with: pip install -e . --config-settings editable_mode=strict)"
+    )
+
 from aiogguf.api import LoadHandle as LoadHandle
 from aiogguf.api import WarmUp as WarmUp
 from aiogguf.api import load as load
