@@ -18,6 +18,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
@@ -57,7 +58,19 @@ __all__ = [
     "load_config",
 ]
 
-LoadMode = Literal["auto", "mmap", "mlock", "none", "direct"]
+
+class LoadMode(StrEnum):
+    """How a load brings the file's bytes into memory (design §1.5); ``AUTO`` is resolved
+    by the plan (``Plan.mode`` is never ``AUTO``). Members equal their strings
+    (``LoadMode.MMAP == "mmap"``), and a config takes either."""
+
+    AUTO = "auto"
+    MMAP = "mmap"
+    MLOCK = "mlock"
+    NONE = "none"
+    DIRECT = "direct"
+
+
 LazyMode = Literal["off", "auto", "on"]
 HugePages = Literal["auto", "on", "off"]
 SplitMode = Literal["none", "layer", "row"]
@@ -107,7 +120,7 @@ class _Section(BaseModel):
 
 
 class LoadConfig(_Section):
-    mode: LoadMode = "auto"
+    mode: LoadMode = LoadMode.AUTO
     check_tensors: Bool = True
     # Return the model even when validation found bad tensors (they are still reported).
     keep_invalid: Bool = False
@@ -675,7 +688,7 @@ def _problem(err: ErrorDetails, root: type[BaseModel]) -> str:
         return str(ctx.get("error", err["msg"]))
     if kind == "missing":
         return "required key is missing"
-    if kind == "literal_error":
+    if kind in ("literal_error", "enum"):
         return f"expected one of {ctx['expected']}, got {_show(got)}"
     if kind in _BOUNDS:
         name, op = _BOUNDS[kind]

@@ -15,9 +15,11 @@ from typing import TypeAlias, overload
 import numpy as np
 import numpy.typing as npt
 
+from aiogguf.config import LoadMode
 from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.fastinit import fast_init
 from aiogguf.io.byteswap import ByteOrder
+from aiogguf.io.devices.base import DeviceKind
 from aiogguf.io.ggml_types import GGMLType
 
 __all__ = [
@@ -317,7 +319,7 @@ class WeightIndex:
 @dataclass(frozen=True, slots=True)
 class DeviceSummary:
     name: str
-    kind: str  # cpu | gpu | igpu | accel
+    kind: DeviceKind
     free: int
     total: int
 
@@ -390,7 +392,7 @@ class Plan:
     buffers: tuple[BufferPlan, ...]
     moved: MovedSummary | None
     warnings: tuple[str, ...]
-    mode: str  # the resolved load mode: mmap | mlock | none | direct
+    mode: LoadMode  # the resolved load mode: never AUTO
 
     def placement(self, name: str) -> TensorPlacement:
         for t in self.tensors:

@@ -40,7 +40,7 @@ class CpuDevice:
     from the system at each ``memory()`` call.
     """
 
-    kind: DeviceKind = "cpu"
+    kind: DeviceKind = DeviceKind.CPU
     backend = "cpu"
     device_id: str | None = None
 

@@ -213,7 +213,11 @@ def _discover() -> tuple[CupyDevice, ...]:
             if bus_id in seen:
                 continue
             seen.add(bus_id)
-        found.append(CupyDevice(ordinal, kind="igpu" if integrated else "gpu", device_id=bus_id))
+        found.append(
+            CupyDevice(
+                ordinal, kind=DeviceKind.IGPU if integrated else DeviceKind.GPU, device_id=bus_id
+            )
+        )
     return tuple(found)
 
 

@@ -156,7 +156,7 @@ class SimDevice:
         self,
         name: str,
         *,
-        kind: DeviceKind = "gpu",
+        kind: DeviceKind | str = DeviceKind.GPU,
         free: int = 24 * 1024**3,
         total: int | None = None,
         device_id: str | None = None,
@@ -176,10 +176,10 @@ class SimDevice:
         memory_cache_bytes: int = SIM_MEMORY_CACHE_BYTES,
         keep_bytes: bool = True,
     ) -> None:
-        if kind == "cpu":
+        if kind == DeviceKind.CPU:
             raise ConfigError("device.kind", None, "a simulated device cannot be the CPU")
         self.name = name
-        self.kind: DeviceKind = kind
+        self.kind: DeviceKind = DeviceKind(kind)
         self.device_id = device_id
         self.free = free
         self.total = total if total is not None else free
