@@ -30,6 +30,11 @@ from aiogguf.api import release_staging_sync as release_staging_sync
 from aiogguf.api import warm_up as warm_up
 from aiogguf.api import warm_up_sync as warm_up_sync
 from aiogguf.config import Config as Config
+from aiogguf.config import LoadMode as LoadMode
+from aiogguf.dry_run import inspect as inspect
+from aiogguf.dry_run import inspect_sync as inspect_sync
+from aiogguf.dry_run import plan as plan
+from aiogguf.dry_run import plan_sync as plan_sync
 from aiogguf.errors import BigEndianError as BigEndianError
 from aiogguf.errors import ClosedResourceError as ClosedResourceError
 from aiogguf.errors import ConfigError as ConfigError
@@ -43,7 +48,15 @@ from aiogguf.errors import SplitError as SplitError
 from aiogguf.errors import TensorFailure as TensorFailure
 from aiogguf.errors import TensorValidationError as TensorValidationError
 from aiogguf.events import Progress as Progress
+from aiogguf.io.devices.base import DeviceKind as DeviceKind
+from aiogguf.io.opener import FileOpener as FileOpener
+from aiogguf.io.opener import RootedOpener as RootedOpener
 from aiogguf.model import Model as Model
+from aiogguf.records import Plan as Plan
+from aiogguf.records import TensorClass as TensorClass
+from aiogguf.records import TensorEntry as TensorEntry
+from aiogguf.records import TensorPlacement as TensorPlacement
+from aiogguf.records import WeightIndex as WeightIndex
 from aiogguf.report import LoadReport as LoadReport
 from aiogguf.report import UploadReport as UploadReport
 
@@ -55,23 +68,36 @@ __all__ = [
     "ClosedResourceError",
     "Config",
     "ConfigError",
+    "DeviceKind",
+    "FileOpener",
     "GGUFError",
     "GGUFFormatError",
     "LoadError",
     "LoadHandle",
+    "LoadMode",
     "LoadReport",
     "LoadWarning",
     "Model",
     "PathNotAllowedError",
     "PlacementError",
+    "Plan",
     "Progress",
+    "RootedOpener",
     "SplitError",
+    "TensorClass",
+    "TensorEntry",
     "TensorFailure",
+    "TensorPlacement",
     "TensorValidationError",
     "UploadReport",
     "WarmUp",
+    "WeightIndex",
+    "inspect",
+    "inspect_sync",
     "load",
     "load_sync",
+    "plan",
+    "plan_sync",
     "release_device_memory",
     "release_device_memory_sync",
     "release_staging",
