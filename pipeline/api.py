@@ -66,10 +66,10 @@ class LoadHandle:
         devices: Sequence[Device] | None = None,
         opener: FileOpener | None = None,
     ) -> None:
-        self.path = os.fspath(path)
+        self.path: str = os.fspath(path)
         self._opener = opener
         self.config = config
-        self.hub = ProgressHub(progress)
+        self.hub: ProgressHub = ProgressHub(progress)
         self._devices = devices
         self.model: Model | None = None
 
@@ -141,7 +141,7 @@ def load(
     ``chunk_size="16MiB"``, ``sim_gpus=["24GiB"]``, …). ``devices`` replaces device
     discovery (tests, embedding). ``opener`` opens each
     file of the load, once, and every read goes through that descriptor: pass
-    ``aiogguf.io.opener.RootedOpener(roots)`` to read only beneath ``roots`` (default:
+    ``aiogguf.RootedOpener(roots)`` to read only beneath ``roots`` (default:
     any path the process can read).
 
     Raises ``GGUFFormatError``/``SplitError`` for bad files, ``PlacementError``,

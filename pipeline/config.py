@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 import re2
 from pydantic import (
@@ -116,7 +116,7 @@ PositiveSize = Annotated[int, BeforeValidator(_to_bytes), Field(gt=0), _SizeMark
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config: ClassVar[ConfigDict] = ConfigDict(extra="forbid", frozen=True)
 
 
 class LoadConfig(_Section):

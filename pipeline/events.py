@@ -33,7 +33,7 @@ class FanOut(Generic[T]):
 
     def __init__(self) -> None:
         self._subscribers: list[MemoryObjectSendStream[T]] = []
-        self.closed = False
+        self.closed: bool = False
 
     def subscribe(self, buffer: int, current: T | None = None) -> MemoryObjectReceiveStream[T]:
         """A stream of the items published from now on, starting with ``current`` (if
