@@ -1,7 +1,12 @@
 """Low-level I/O: aligned buffers, O_DIRECT files, mappings, device backends, ggml types.
 
-Never import this package as a top-level ``io``: it lives at ``aiogguf.io``.
+Internal: the public API is what ``aiogguf`` itself exports (``aiogguf.RootedOpener``,
+``aiogguf.DeviceKind``); each module's ``__all__`` names what the rest of the package
+uses, and may change. Never import this package as a top-level ``io``: it lives at
+``aiogguf.io``.
 """
+
+__all__: list[str] = []
 
 if __name__ != "aiogguf.io":
     # The folder io/ is the package aiogguf.io; imported by its folder's name (from the

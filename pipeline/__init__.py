@@ -6,6 +6,10 @@ thread (an import there stalls every task of the loop for its whole length). Wha
 imports on first use (CuPy, a simulated device's backing) it imports on its own threads.
 The optional parts stay out until used: ``aiogguf.server`` (aiohttp), ``aiogguf.cli``,
 ``aiogguf.testing`` (the benchmark harness) and CuPy.
+
+The public API is this module's ``__all__``, ``aiogguf.server`` and ``aiogguf.testing``;
+every other module is internal (its ``__all__`` names what the rest of the package uses)
+and may change.
 """
 
 from __future__ import annotations
