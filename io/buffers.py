@@ -63,9 +63,8 @@ __all__ = [
 
 PAGE_BYTES: int = mmap.PAGESIZE
 # Private anonymous memory, as malloc gives. Python's mmap(-1, n) defaults to MAP_SHARED,
-# which is shared memory (shmem): every first touch goes through its page cache, and
-# preadv into fresh shmem ran at 1.9-2.7 GB/s here against 3.3-3.4 GB/s for private
-# pages (2 GiB, 2 threads, 4 runs each).
+# which is shared memory (shmem): every first touch goes through its page cache, so reads
+# into fresh shmem are slower than into private pages (docs/performance.md).
 PRIVATE_ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 _THP = "/sys/kernel/mm/transparent_hugepage"
 

@@ -157,8 +157,8 @@ def open_mapping(
     ``writable=True``: private copy-on-write, for in-place byte swapping of big-endian
     files; the file never changes. ``populate=True`` reads the whole range in before
     returning (the effect of ``MAP_POPULATE``, done as ``touch()``: Python's ``mmap()``
-    holds the GIL through a ``MAP_POPULATE`` — measured 0.45 s for 1 GiB — which would
-    stall the event loop; ``touch`` releases it). It blocks for the whole range: the
+    holds the GIL through a ``MAP_POPULATE``, for as long as the whole range takes to read,
+    which would stall the event loop; ``touch`` releases it). It blocks for the whole range: the
     engine uses it only for small ranges, and ``touch`` in chunks otherwise.
 
     Raises ``LoadError`` if the file cannot be opened or mapped or the range lies outside
@@ -179,7 +179,7 @@ class FileMapping(Closeable):
         writable: bool = False,
         populate: bool = False,
     ) -> None:
-        self.path = source.path if isinstance(source, DataFile) else os.fspath(source)
+        self.path: str = source.path if isinstance(source, DataFile) else os.fspath(source)
         if not 0 <= file_start < file_end:
             raise ValueError(
                 f"{self.path}: cannot map the empty or reversed range [{file_start}, {file_end})"
@@ -203,10 +203,10 @@ class FileMapping(Closeable):
                     file_start,
                     f"cannot map [{file_start}, {file_end}): the file has only {size} bytes",
                 )
-            self.map_start = align_down(file_start, mmap.ALLOCATIONGRANULARITY)
+            self.map_start: int = align_down(file_start, mmap.ALLOCATIONGRANULARITY)
             # Rounded up to a page, but never past EOF: Python's mmap refuses a length
             # beyond the file (touching such pages would be SIGBUS anyway).
-            self.map_end = min(align_up(file_end, PAGE_BYTES), size)
+            self.map_end: int = min(align_up(file_end, PAGE_BYTES), size)
             flags = mmap.MAP_PRIVATE if writable else mmap.MAP_SHARED
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             nbytes = self.map_end - self.map_start
@@ -218,7 +218,7 @@ class FileMapping(Closeable):
             os.close(fd)  # the mapping keeps the file alive (and mmap holds its own dup)
         self._mmap_ref: weakref.ref[mmap.mmap] = weakref.ref(self._mmap)
         self._view: builtins.memoryview | None = builtins.memoryview(self._mmap)
-        self.address = buffer_address(self._mmap)
+        self.address: int = buffer_address(self._mmap)
         self._state = ResourceState.OPEN
         if populate:
             try:

@@ -6,9 +6,22 @@ thread (an import there stalls every task of the loop for its whole length). Wha
 imports on first use (CuPy, a simulated device's backing) it imports on its own threads.
 The optional parts stay out until used: ``aiogguf.server`` (aiohttp), ``aiogguf.cli``,
 ``aiogguf.testing`` (the benchmark harness) and CuPy.
+
+The public API is this module's ``__all__``, ``aiogguf.server`` and ``aiogguf.testing``;
+every other module is internal (its ``__all__`` names what the rest of the package uses)
+and may change.
 """
 
 from __future__ import annotations
+
+if __name__ != "aiogguf":
+    # The folder pipeline/ is the package aiogguf; imported by its folder's name (from the
+    # repository root, or by an IDE's auto-import) it would be a second copy of every
+    # module, whose classes are not the package's (an ``isinstance`` or ``except`` fails).
+    raise ImportError(
+        f"{__name__!r} is the folder pipeline/ of aiogguf: import it as 'aiogguf' "
+        "(install with: pip install -e . --config-settings editable_mode=strict)"
+    )
 
 from aiogguf.api import LoadHandle as LoadHandle
 from aiogguf.api import WarmUp as WarmUp
@@ -21,6 +34,11 @@ from aiogguf.api import release_staging_sync as release_staging_sync
 from aiogguf.api import warm_up as warm_up
 from aiogguf.api import warm_up_sync as warm_up_sync
 from aiogguf.config import Config as Config
+from aiogguf.config import LoadMode as LoadMode
+from aiogguf.dry_run import inspect as inspect
+from aiogguf.dry_run import inspect_sync as inspect_sync
+from aiogguf.dry_run import plan as plan
+from aiogguf.dry_run import plan_sync as plan_sync
 from aiogguf.errors import BigEndianError as BigEndianError
 from aiogguf.errors import ClosedResourceError as ClosedResourceError
 from aiogguf.errors import ConfigError as ConfigError
@@ -34,7 +52,15 @@ from aiogguf.errors import SplitError as SplitError
 from aiogguf.errors import TensorFailure as TensorFailure
 from aiogguf.errors import TensorValidationError as TensorValidationError
 from aiogguf.events import Progress as Progress
+from aiogguf.io.devices.base import DeviceKind as DeviceKind
+from aiogguf.io.opener import FileOpener as FileOpener
+from aiogguf.io.opener import RootedOpener as RootedOpener
 from aiogguf.model import Model as Model
+from aiogguf.records import Plan as Plan
+from aiogguf.records import TensorClass as TensorClass
+from aiogguf.records import TensorEntry as TensorEntry
+from aiogguf.records import TensorPlacement as TensorPlacement
+from aiogguf.records import WeightIndex as WeightIndex
 from aiogguf.report import LoadReport as LoadReport
 from aiogguf.report import UploadReport as UploadReport
 
@@ -46,23 +72,36 @@ __all__ = [
     "ClosedResourceError",
     "Config",
     "ConfigError",
+    "DeviceKind",
+    "FileOpener",
     "GGUFError",
     "GGUFFormatError",
     "LoadError",
     "LoadHandle",
+    "LoadMode",
     "LoadReport",
     "LoadWarning",
     "Model",
     "PathNotAllowedError",
     "PlacementError",
+    "Plan",
     "Progress",
+    "RootedOpener",
     "SplitError",
+    "TensorClass",
+    "TensorEntry",
     "TensorFailure",
+    "TensorPlacement",
     "TensorValidationError",
     "UploadReport",
     "WarmUp",
+    "WeightIndex",
+    "inspect",
+    "inspect_sync",
     "load",
     "load_sync",
+    "plan",
+    "plan_sync",
     "release_device_memory",
     "release_device_memory_sync",
     "release_staging",

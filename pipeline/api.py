@@ -16,8 +16,9 @@ from typing import Any
 import anyio
 
 # anyio imports its asyncio backend on its first call inside a running loop: on the loop's
-# thread, 40-60 ms that stall every task of the loop. Importing it with the loader moves
-# that to ``import aiogguf``. (A trio loop would import its own backend the first time.)
+# thread, where it stalls every task of the loop for tens of milliseconds (figures in
+# docs/performance.md). Importing it with the loader moves that to ``import aiogguf``.
+# (A trio loop would import its own backend the first time.)
 import anyio._backends._asyncio
 import numpy as np
 
@@ -65,10 +66,10 @@ class LoadHandle:
         devices: Sequence[Device] | None = None,
         opener: FileOpener | None = None,
     ) -> None:
-        self.path = os.fspath(path)
+        self.path: str = os.fspath(path)
         self._opener = opener
         self.config = config
-        self.hub = ProgressHub(progress)
+        self.hub: ProgressHub = ProgressHub(progress)
         self._devices = devices
         self.model: Model | None = None
 
@@ -140,7 +141,7 @@ def load(
     ``chunk_size="16MiB"``, ``sim_gpus=["24GiB"]``, …). ``devices`` replaces device
     discovery (tests, embedding). ``opener`` opens each
     file of the load, once, and every read goes through that descriptor: pass
-    ``aiogguf.io.opener.RootedOpener(roots)`` to read only beneath ``roots`` (default:
+    ``aiogguf.RootedOpener(roots)`` to read only beneath ``roots`` (default:
     any path the process can read).
 
     Raises ``GGUFFormatError``/``SplitError`` for bad files, ``PlacementError``,
@@ -158,11 +159,13 @@ def load_sync(
     *,
     progress: ProgressCallback | None = None,
     devices: Sequence[Device] | None = None,
+    opener: FileOpener | None = None,
     **overrides: Any,
 ) -> Iterator[Model]:
     """``with aiogguf.load_sync(path) as model``: the same load, for code without a loop.
-    Runs its own event loop (uvloop when installed); takes the same arguments as ``load``."""
-    handle = load(path, config, progress=progress, devices=devices, **overrides)
+    Runs its own event loop (uvloop when installed); takes the same arguments as ``load``
+    and raises what it raises."""
+    handle = load(path, config, progress=progress, devices=devices, opener=opener, **overrides)
 
     async def enter() -> Model:
         return await handle.__aenter__()
@@ -253,7 +256,7 @@ def _prepare_devices(
     for target in targets:
         pool = staging_pool(target)
         lease = pool.lease(
-            threads * pipeline.staging_buffers,
+            pipeline.staging_slots(threads),
             pipeline.staging_bytes(),
             pipeline.alignment,
             cap_bytes=pipeline.staging_pool_size,

@@ -18,8 +18,9 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 import re2
 from pydantic import (
@@ -57,7 +58,19 @@ __all__ = [
     "load_config",
 ]
 
-LoadMode = Literal["auto", "mmap", "mlock", "none", "direct"]
+
+class LoadMode(StrEnum):
+    """How a load brings the file's bytes into memory (design §1.5); ``AUTO`` is resolved
+    by the plan (``Plan.mode`` is never ``AUTO``). Members equal their strings
+    (``LoadMode.MMAP == "mmap"``), and a config takes either."""
+
+    AUTO = "auto"
+    MMAP = "mmap"
+    MLOCK = "mlock"
+    NONE = "none"
+    DIRECT = "direct"
+
+
 LazyMode = Literal["off", "auto", "on"]
 HugePages = Literal["auto", "on", "off"]
 SplitMode = Literal["none", "layer", "row"]
@@ -103,11 +116,11 @@ PositiveSize = Annotated[int, BeforeValidator(_to_bytes), Field(gt=0), _SizeMark
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config: ClassVar[ConfigDict] = ConfigDict(extra="forbid", frozen=True)
 
 
 class LoadConfig(_Section):
-    mode: LoadMode = "auto"
+    mode: LoadMode = LoadMode.AUTO
     check_tensors: Bool = True
     # Return the model even when validation found bad tensors (they are still reported).
     keep_invalid: Bool = False
@@ -246,6 +259,18 @@ class PipelineConfig(_Section):
         """Bytes per staging slot: ``staging_buffer_size`` rounded down to the
         alignment (O_DIRECT reads land in slots)."""
         return self.staging_buffer_size - self.staging_buffer_size % self.alignment
+
+    def staging_slots(self, transfer_threads: int) -> int:
+        """Staging slots that a load with ``transfer_threads`` transfer threads leases
+        from each device's pool: ``staging_buffers`` per thread."""
+        return transfer_threads * self.staging_buffers
+
+    def staging_pool_bytes(self, transfer_threads: int) -> int:
+        """Bytes of staging slots such a load holds on each device, at most: its slots,
+        capped by the size of the device's pool (which never grows past it)."""
+        return min(
+            self.staging_slots(transfer_threads) * self.staging_bytes(), self.staging_pool_size
+        )
 
     def reader_count(self, *, direct: bool = False) -> int:
         """``readers``, with ``"auto"`` resolved for this machine: a page-cache read is
@@ -663,7 +688,7 @@ def _problem(err: ErrorDetails, root: type[BaseModel]) -> str:
         return str(ctx.get("error", err["msg"]))
     if kind == "missing":
         return "required key is missing"
-    if kind == "literal_error":
+    if kind in ("literal_error", "enum"):
         return f"expected one of {ctx['expected']}, got {_show(got)}"
     if kind in _BOUNDS:
         name, op = _BOUNDS[kind]

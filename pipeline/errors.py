@@ -66,7 +66,7 @@ class GGUFFormatError(GGUFError):
         field: str,
         problem: str,
     ) -> None:
-        self.path = os.fspath(path) if path is not None else None
+        self.path: str | None = os.fspath(path) if path is not None else None
         self.offset = offset
         self.field = field
         self.problem = problem
@@ -78,7 +78,7 @@ class SplitError(GGUFError):
     """A split (sharded) model is incomplete, out of order, or mixed with another one."""
 
     def __init__(self, path: str | os.PathLike[str] | None, problem: str) -> None:
-        self.path = os.fspath(path) if path is not None else None
+        self.path: str | None = os.fspath(path) if path is not None else None
         self.problem = problem
         super().__init__(f"{_where(path)}{problem}")
 
@@ -104,7 +104,7 @@ class LoadError(GGUFError):
     def __init__(
         self, path: str | os.PathLike[str] | None, offset: int | None, problem: str
     ) -> None:
-        self.path = os.fspath(path) if path is not None else None
+        self.path: str | None = os.fspath(path) if path is not None else None
         self.offset = offset
         self.problem = problem
         at = f"at offset {offset}: " if offset is not None else ""

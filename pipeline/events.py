@@ -1,8 +1,11 @@
 """Progress of a load, as events: delivered to a callback and to async iterators.
 
-Delivery never slows the load: subscribers have small bounded buffers, and an
-intermediate event that does not fit is dropped (the next one carries the same totals).
-The final event of a load is always delivered.
+A callback runs inline, on the event loop's thread, where the load counts what landed:
+the load waits while it runs, so it should only note the event and return. Intermediate
+events are throttled (at most one per ``interval_s``). Async iterators never slow the
+load: each has a small bounded buffer, and an intermediate event that does not fit is
+dropped (the next one carries the same totals). The final event of a load is always
+delivered, to both.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class FanOut(Generic[T]):
 
     def __init__(self) -> None:
         self._subscribers: list[MemoryObjectSendStream[T]] = []
-        self.closed = False
+        self.closed: bool = False
 
     def subscribe(self, buffer: int, current: T | None = None) -> MemoryObjectReceiveStream[T]:
         """A stream of the items published from now on, starting with ``current`` (if

@@ -46,7 +46,7 @@ class MappedImage:
 
     def __init__(self, layout: BufferLayout, mappings: Sequence[FileMapping]) -> None:
         self.layout = layout
-        self.mappings = tuple(mappings)
+        self.mappings: tuple[FileMapping, ...] = tuple(mappings)
         # (file, range start) → mapping, for finding a tensor's mapping by its offset.
         self._starts: dict[int, list[tuple[int, FileMapping]]] = {}
         for rs, mapping in zip(layout.slots, self.mappings, strict=True):

@@ -15,9 +15,11 @@ from typing import TypeAlias, overload
 import numpy as np
 import numpy.typing as npt
 
-from aiogguf.errors import GGUFFormatError
+from aiogguf.config import LoadMode
+from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.fastinit import fast_init
 from aiogguf.io.byteswap import ByteOrder
+from aiogguf.io.devices.base import DeviceKind
 from aiogguf.io.ggml_types import GGMLType
 
 __all__ = [
@@ -222,6 +224,20 @@ class ParsedFile:
         entry = self.metadata.get(key)
         return entry.value if entry is not None else None
 
+    def split_int(self, key: str) -> int | None:
+        """The integer value of a split key (``split.count``, ``split.no``,
+        ``split.tensors.count``), or None when the file has none.
+
+        Raises ``SplitError``: the key holds something other than an integer.
+        """
+        entry = self.metadata.get(key)
+        if entry is None:
+            return None
+        value = entry.value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SplitError(self.path, f"{key} must be an integer, found {entry.type.json_name}")
+        return value
+
 
 class TensorClass(StrEnum):
     """llama.cpp's layer classes (format §3.1)."""
@@ -303,7 +319,7 @@ class WeightIndex:
 @dataclass(frozen=True, slots=True)
 class DeviceSummary:
     name: str
-    kind: str  # cpu | gpu | igpu | accel
+    kind: DeviceKind
     free: int
     total: int
 
@@ -376,7 +392,7 @@ class Plan:
     buffers: tuple[BufferPlan, ...]
     moved: MovedSummary | None
     warnings: tuple[str, ...]
-    mode: str  # the resolved load mode: mmap | mlock | none | direct
+    mode: LoadMode  # the resolved load mode: never AUTO
 
     def placement(self, name: str) -> TensorPlacement:
         for t in self.tensors:

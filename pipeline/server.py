@@ -98,7 +98,7 @@ __all__ = [
     "serve",
 ]
 
-logger = logging.getLogger("aiogguf.server")
+logger: logging.Logger = logging.getLogger("aiogguf.server")
 
 
 class LoadState(StrEnum):
@@ -221,13 +221,14 @@ class _Entry:
         self.progress: Progress | None = None
         self.report: LoadReport | None = None
         self.error: str | None = None
-        self.scope = anyio.CancelScope()  # cancellable before its task even starts
-        self.unload = anyio.Event()
-        self.finished = anyio.Event()
+        # Cancellable before its task even starts.
+        self.scope: anyio.CancelScope = anyio.CancelScope()
+        self.unload: anyio.Event = anyio.Event()
+        self.finished: anyio.Event = anyio.Event()
         self.holds_memory = True  # loading or ready: counted against the server's limits
         self._fan = FanOut[dict[str, Any]]()
         # Set (and replaced) whenever subscribers may have something new.
-        self.changed = anyio.Event()
+        self.changed: anyio.Event = anyio.Event()
 
     @property
     def settled(self) -> bool:
@@ -352,7 +353,7 @@ class LoaderRegistry:
         self.config = config
         self.limiter = limiter
         self.opener = opener
-        self.policy = policy if policy is not None else ServerPolicy()
+        self.policy: ServerPolicy = policy if policy is not None else ServerPolicy()
         self.entries: dict[str, _Entry] = {}
         # Ended loads by id, least recently used first, with the time each ended.
         self._ended: OrderedDict[str, float] = OrderedDict()
@@ -366,7 +367,7 @@ class LoaderRegistry:
         self.connection_count: Callable[[], int] = lambda: 0
         # A request's descriptor check and its opening of files, one request at a time:
         # two requests must not both count the same free descriptors.
-        self.admission_lock = threading.Lock()
+        self.admission_lock: threading.Lock = threading.Lock()
 
     @property
     def accepting(self) -> bool:
@@ -647,10 +648,7 @@ async def _prepare_request(
         gpus = sum(1 for d in devices if d.kind != "cpu")
         staging = 0
         if gpus and config.placement.n_gpu_layers != 0:
-            pipeline = config.pipeline
-            # Slots come from each device's pool, which never grows past its cap.
-            per_device = readers * pipeline.staging_buffers * pipeline.staging_bytes()
-            staging = gpus * min(per_device, pipeline.staging_pool_size)
+            staging = gpus * config.pipeline.staging_pool_bytes(readers)
         return _Request(path, config, devices, readers, staging, opener, opener.size_bytes)
     except BaseException:
         opener.close()

@@ -74,7 +74,7 @@ OPT_IN_MODES: frozenset[str] = frozenset({"mlock", "direct"})
 
 HEALTH_ROUTE = "aiogguf-healthz"
 
-logger = logging.getLogger("aiogguf.server")
+logger: logging.Logger = logging.getLogger("aiogguf.server")
 
 
 # Every key a request's config could name: those not in the policy's set are refused.
@@ -226,10 +226,10 @@ class PreOpened:
 
         Raises what ``opener.open`` raises, naming the path that failed."""
         self._opener = opener
-        self.path = paths[0]
+        self.path: str = paths[0]
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.size_bytes = 0
+        self.size_bytes: int = 0
         try:
             for path in paths:
                 fd = opener.open(path)

@@ -45,7 +45,7 @@ __all__ = [
     "raise_descriptor_limit",
 ]
 
-logger = logging.getLogger("aiogguf.server")
+logger: logging.Logger = logging.getLogger("aiogguf.server")
 
 # Descriptors the server uses besides connections and loads: the listening sockets,
 # epoll, the loop's wake-up pipe, stdio, logs, CUDA's own.
@@ -131,8 +131,8 @@ class ConnectionGuard:
         # Connections without a whole request head yet, oldest first: the ones to close
         # when a new connection needs a slot.
         self._silent: OrderedDict[GuardedHandler, asyncio.Transport] = OrderedDict()
-        self.evicted = 0
-        self.refused = 0
+        self.evicted: int = 0
+        self.refused: int = 0
 
     @property
     def count(self) -> int:

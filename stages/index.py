@@ -34,8 +34,11 @@ U64_LIMIT: Final = 1 << 64
 # before anything loops over the layers: a 2 KB header must not ask for 2^31 of them.
 MAX_LAYERS: Final = 512
 
-# Like C's sscanf("blk.%d"): whitespace and a sign may precede the digits (§3.2).
-_LAYER = re.compile(r"blk\.\s*([+-]?\d+)")
+# The one pattern for a layer number at the start of a tensor's name. Group 1: ``blk.N``
+# read like C's sscanf("blk.%d"), so whitespace and a sign may precede the digits (§3.2).
+# Group 2: the ``N.`` of the other per-layer prefixes, tensors that llama.cpp creates in
+# its layer loop with that index, so they follow layer N's device.
+_LAYER = re.compile(r"blk\.\s*([+-]?\d+)|(?:enc\.blk|dec\.blk|posnet|convnext)\.(\d+)\.")
 
 # Name-based classification, tried in this order (format §3.1).
 _REPEATING_PREFIXES: Final = ("blk.", "enc.blk.", "dec.blk.", "posnet.", "convnext.")
@@ -84,22 +87,21 @@ _GLOBAL_REPEATING_NAMES: Final = frozenset(
 )
 
 
-# Per-index tensors other than ``blk.N.``: llama.cpp creates them in the layer loop with
-# that index, so they follow layer N's device.
-_LAYER_NUMBER = re.compile(r"^(?:blk|enc\.blk|dec\.blk|posnet|convnext)\.(\d+)\.")
-
-
 def layer_number(name: str) -> int | None:
-    """The layer whose loop iteration creates a tensor: the N of ``blk.N.``,
-    ``enc.blk.N.``, ``dec.blk.N.``, ``posnet.N.`` or ``convnext.N.``; else None."""
-    match = _LAYER_NUMBER.match(name)
-    return int(match.group(1)) if match else None
+    """The layer whose loop iteration creates a tensor: the N of ``blk.N`` (as
+    ``layer_of`` reads it), ``enc.blk.N.``, ``dec.blk.N.``, ``posnet.N.`` or
+    ``convnext.N.``; else None."""
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    blk, other = match.groups()
+    return int(blk if blk is not None else other)
 
 
 def layer_of(name: str) -> int | None:
     """The N of a leading ``blk.N``, or None when the name does not start with ``blk.``."""
     match = _LAYER.match(name)
-    return int(match.group(1)) if match else None
+    return int(match.group(1)) if match is not None and match.group(1) is not None else None
 
 
 def _in(names: frozenset[str], name: str) -> bool:
@@ -120,15 +122,6 @@ def tensor_class(name: str) -> TensorClass | None:
     return None
 
 
-def _int_key(parsed: ParsedFile, key: str) -> int | None:
-    entry = parsed.metadata.get(key)
-    if entry is None:
-        return None
-    if isinstance(entry.value, bool) or not isinstance(entry.value, int):
-        raise SplitError(parsed.path, f"{key} must be an integer, found {entry.type.json_name}")
-    return entry.value
-
-
 def _check_split_set(files: Sequence[ParsedFile]) -> int | None:
     """Split checks (format §2.4) plus the agreement checks llama.cpp skips.
 
@@ -136,7 +129,7 @@ def _check_split_set(files: Sequence[ParsedFile]) -> int | None:
     rather than as a duplicate tensor. Returns ``split.tensors.count`` for a split set.
     """
     first = files[0]
-    count = _int_key(first, "split.count")
+    count = first.split_int("split.count")
     if count is None or count <= 1:
         if len(files) > 1:
             raise SplitError(
@@ -145,18 +138,22 @@ def _check_split_set(files: Sequence[ParsedFile]) -> int | None:
         return None
     if len(files) != count:
         raise SplitError(first.path, f"split.count is {count} but {len(files)} files were given")
-    total = _int_key(first, "split.tensors.count")
+    total = first.split_int("split.tensors.count")
     if total is None:
         raise SplitError(first.path, f"split.count is {count} but split.tensors.count is missing")
     for i, parsed in enumerate(files):
-        no = _int_key(parsed, "split.no")
+        no = parsed.split_int("split.no")
+        if no is None:
+            raise SplitError(parsed.path, "split.no is missing from this split")
         if no != i:
-            raise SplitError(parsed.path, f"split.no is {no}, expected {i} (its position)")
+            raise SplitError(
+                parsed.path, f"split.no is {no} but this file is split {i + 1} (split.no {i})"
+            )
         if i == 0:
             continue
         # A shard of another split set (another quant of the same model) says so here.
         for key, want in (("split.count", count), ("split.tensors.count", total)):
-            got = _int_key(parsed, key)
+            got = parsed.split_int(key)
             if got != want:
                 raise SplitError(
                     parsed.path,
@@ -243,7 +240,7 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
                     parsed.path, f"tensor '{info.name}' is duplicated: it is also in {other}"
                 )
             layer = layer_of(info.name)
-            number = layer if layer is not None else layer_number(info.name)
+            number = layer_number(info.name)
             if number is not None and number > highest:
                 if number >= MAX_LAYERS:
                     raise GGUFFormatError(

@@ -695,20 +695,10 @@ def split_paths(path: str | os.PathLike[str], split_no: int, split_count: int) -
     return [f"{prefix}-{i + 1:05d}-of-{split_count:05d}.gguf" for i in range(split_count)]
 
 
-def _split_int(parsed: ParsedFile, key: str) -> int | None:
-    entry = parsed.metadata.get(key)
-    if entry is None:
-        return None
-    value = entry.value
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SplitError(parsed.path, f"{key} must be an integer, found {entry.type.json_name}")
-    return value
-
-
 def is_split(first: ParsedFile) -> bool:
     """Whether a parsed file says it is one split of several (``split.count`` > 1).
     Raises ``SplitError``: ``split.count`` is not an integer."""
-    count = _split_int(first, "split.count")
+    count = first.split_int("split.count")
     return count is not None and count > 1
 
 
@@ -731,8 +721,9 @@ async def parse_model(
     ``first``: ``path`` already parsed (through ``files``), when the caller has it.
     Returns one ``ParsedFile`` per file, in split order.
     Raises ``GGUFFormatError``: a file is malformed.
-    Raises ``SplitError``: ``path`` is not the first split (the message names the first), a
-        split file is missing (named), or a split's ``split.no`` is not its position.
+    Raises ``SplitError``: ``path`` is not the first split (the message names the first), or
+        a split file is missing (named). Whether each split's ``split.no`` is its position
+        is ``build_index``'s check.
     Raises ``PathNotAllowedError``: the opener of ``files`` refuses a file.
     Raises ``LoadError``: a file cannot be read.
     """
@@ -741,12 +732,12 @@ async def parse_model(
             return await parse_model(path, threads=threads, files=own, first=first)
     if first is None:
         first = await parse_file(path, threads=threads, files=files)
-    count = _split_int(first, "split.count")
+    count = first.split_int("split.count")
     if count is None or count <= 1:
         return (first,)
     if count > SPLIT_MAX_COUNT:
         raise SplitError(first.path, f"split.count {count} exceeds {SPLIT_MAX_COUNT}")
-    split_no = _split_int(first, "split.no")
+    split_no = first.split_int("split.no")
     if split_no is None:
         raise SplitError(first.path, f"split.count is {count} but split.no is missing")
     if not 0 <= split_no < count:
@@ -795,12 +786,6 @@ async def parse_model(
         # parsed, so the message does not depend on scheduling.
         raise failed[min(failed)]
     results.extend(found[i] for i in range(1, count))
-    for i, parsed in enumerate(results[1:], start=1):
-        no = _split_int(parsed, "split.no")
-        if no is None:
-            raise SplitError(parsed.path, "split.no is missing from this split")
-        if no != i:
-            raise SplitError(
-                parsed.path, f"split.no is {no} but this file is split {i + 1} (split.no {i})"
-            )
+    # Each split's ``split.no`` and its agreement with the first are the index stage's
+    # checks (``build_index``), made once for every way a set reaches it.
     return tuple(results)

@@ -17,7 +17,7 @@ import numpy as np
 
 from aiogguf.config import Config, LoadMode, NamePattern, PlacementConfig, compile_pattern
 from aiogguf.errors import PlacementError
-from aiogguf.io.devices.base import BufferRole, BufferType, Device, all_buffer_types
+from aiogguf.io.devices.base import BufferRole, BufferType, Device, DeviceKind, all_buffer_types
 from aiogguf.io.mapping import may_lock_past_limit, memlock_limit
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.records import (
@@ -93,19 +93,20 @@ def select_devices(devices: Sequence[Device], placement: PlacementConfig) -> tup
     return tuple(chosen)
 
 
-def resolve_mode(mode: LoadMode, devices: Sequence[Device]) -> str:
+def resolve_mode(mode: LoadMode | str, devices: Sequence[Device]) -> LoadMode:
     """The load mode to use: ``auto`` is ``mmap`` unless one of ``devices`` cannot load
     from mapped memory, then ``none``.
 
     Raises ``PlacementError`` when ``mmap``/``mlock`` is asked for explicitly and a
     device cannot use mapped memory.
     """
+    mode = LoadMode(mode)
     unmappable = [d.name for d in devices if not d.caps.mmap]
-    if mode == "auto":
-        return "none" if unmappable else "mmap"
+    if mode is LoadMode.AUTO:
+        return LoadMode.NONE if unmappable else LoadMode.MMAP
     if mode in MAPPED_MODES and unmappable:
         raise PlacementError(
-            f"mode = {mode!r} needs mapped memory, which device(s) {', '.join(unmappable)} "
+            f"mode = '{mode}' needs mapped memory, which device(s) {', '.join(unmappable)} "
             "cannot use; use mode = 'auto' or 'none'"
         )
     return mode
@@ -422,7 +423,7 @@ def make_plan(index: WeightIndex, devices: Sequence[Device], config: Config) -> 
 
     return Plan(
         devices=tuple(
-            DeviceSummary(d.name, d.kind, memory[d.name][0], memory[d.name][1])
+            DeviceSummary(d.name, DeviceKind(d.kind), memory[d.name][0], memory[d.name][1])
             for d in summary_devices
         ),
         input_device=cpu.name,

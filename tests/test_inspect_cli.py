@@ -80,10 +80,10 @@ def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_unexpected_error_exits_1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    async def broken(path: str) -> None:
+    def broken(path: str) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("aiogguf.cli.inspect.open_index", broken)
+    monkeypatch.setattr("aiogguf.cli.inspect.inspect_sync", broken)
     assert main(["inspect", str(tmp_path / "x.gguf")]) == 1
     assert capsys.readouterr().err == "aiogguf inspect: RuntimeError: boom\n"
 

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.stages": 3,
     "aiogguf.engine": 4,
     "aiogguf.api": 5,
+    "aiogguf.dry_run": 5,
     "aiogguf.server_policy": 6,
     "aiogguf.server_transport": 6,
     "aiogguf.server": 6,
@@ -126,3 +127,15 @@ def test_no_import_points_up_a_layer() -> None:
 )
 def test_the_check_sees_a_backward_edge(source: str, target: str) -> None:
     assert _backward(source, target) is not None
+
+
+def test_the_cli_uses_the_api_not_the_stages() -> None:
+    """The commands reach the loader through its public API (``load``, ``inspect``,
+    ``plan``), never a stage or the engine directly."""
+    reaching_in = [
+        f"{source} imports {target}"
+        for source, target in _edges()
+        if source.startswith("aiogguf.cli")
+        and target.startswith(("aiogguf.stages", "aiogguf.engine"))
+    ]
+    assert reaching_in == []

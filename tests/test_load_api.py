@@ -16,6 +16,7 @@ import aiogguf
 from aiogguf.config import load_config
 from aiogguf.errors import ConfigError, GGUFError, LoadError, os_errors
 from aiogguf.events import Progress, Stage
+from aiogguf.io.opener import RootedOpener
 from aiogguf.model import ModelState
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
@@ -159,6 +160,21 @@ def test_load_sync(model_file: SynthModel) -> None:
             model.tensors["nope"]
     assert model.state is ModelState.CLOSED
     _assert_progress(events, model_file.tensor_bytes)
+
+
+def test_load_sync_takes_an_opener(model_file: SynthModel, tmp_path: Path) -> None:
+    """``load_sync`` reads through ``opener`` as ``load`` does: beneath its roots only."""
+    with (
+        RootedOpener([model_file.path.parent]) as opener,
+        aiogguf.load_sync(model_file.path, opener=opener, n_gpu_layers=0) as model,
+    ):
+        assert model.metadata["general.architecture"] == "llama"
+    with (
+        RootedOpener([tmp_path]) as opener,
+        pytest.raises(aiogguf.PathNotAllowedError),
+        aiogguf.load_sync(model_file.path, opener=opener),
+    ):
+        pass
 
 
 @pytest.mark.parametrize("mode", ["mmap", "none", "direct"])

@@ -183,7 +183,7 @@ async def test_build_index_needs_the_whole_set(split_set: list[Path]) -> None:
     files = await parse_model(split_set[0])
     with pytest.raises(SplitError, match=r"split.count is 3 but 2 files were given"):
         build_index(files[:2])
-    with pytest.raises(GGUFError, match=r"split.no is 2, expected 1"):
+    with pytest.raises(GGUFError, match=r"split.no is 2 but this file is split 2 \(split.no 1\)"):
         build_index([files[0], files[2], files[1]])
 
 

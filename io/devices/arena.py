@@ -108,7 +108,7 @@ class DeviceArena:
 
     def __init__(self, target: UploadTarget, cap_bytes: int | None = None) -> None:
         self.target = target
-        self.device = target.name
+        self.device: str = target.name
         if cap_bytes is None:
             _, total = target.memory()
             cap_bytes = int(total * _IDLE_SHARE)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from types import ModuleType
-from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from aiogguf.io.ggml_types import GGMLType
 
@@ -44,7 +44,16 @@ __all__ = [
     "all_buffer_types",
 ]
 
-DeviceKind: TypeAlias = Literal["cpu", "gpu", "igpu", "accel"]
+
+class DeviceKind(StrEnum):
+    """What a device is, as llama.cpp's device types: the host, a discrete or an
+    integrated GPU, or an accelerator (a host-side buffer type, never an offload target).
+    Members equal their strings (``DeviceKind.GPU == "gpu"``)."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+    IGPU = "igpu"
+    ACCEL = "accel"
 
 
 class BufferRole(StrEnum):

@@ -40,7 +40,7 @@ class CpuDevice:
     from the system at each ``memory()`` call.
     """
 
-    kind: DeviceKind = "cpu"
+    kind: DeviceKind = DeviceKind.CPU
     backend = "cpu"
     device_id: str | None = None
 
@@ -54,11 +54,13 @@ class CpuDevice:
     ) -> None:
         self.name = name
         self._memory = None if free is None else (free, total if total is not None else free)
-        self.caps = DeviceCaps(host_pointer=True, async_copies=False, events=False, mmap=True)
-        self.buffer_type = BufferType(name, name, BufferRole.DEFAULT, host=True)
+        self.caps: DeviceCaps = DeviceCaps(
+            host_pointer=True, async_copies=False, events=False, mmap=True
+        )
+        self.buffer_type: BufferType = BufferType(name, name, BufferRole.DEFAULT, host=True)
         self.host_buffer_type: BufferType | None = None
         self.split_buffer_type: BufferType | None = None
-        self.extra_buffer_types = tuple(
+        self.extra_buffer_types: tuple[BufferType, ...] = tuple(
             BufferType(f"{name}_{suffix}", name, BufferRole.EXTRA, host=True)
             for suffix in extra_buffer_types
         )

@@ -96,13 +96,17 @@ class CupyDevice:
 
     def __init__(self, ordinal: int, *, kind: DeviceKind, device_id: str | None) -> None:
         self.ordinal = ordinal
-        self.name = f"CUDA{ordinal}"
+        self.name: str = f"CUDA{ordinal}"
         self.kind: DeviceKind = kind
         self.device_id = device_id
         # CUDA cannot wrap a file mapping as device memory (ggml-cuda reports
         # buffer_from_host_ptr = false), but it copies from mapped pages fine.
-        self.caps = DeviceCaps(host_pointer=False, async_copies=True, events=True, mmap=True)
-        self.buffer_type = BufferType(self.name, self.name, BufferRole.DEFAULT, host=False)
+        self.caps: DeviceCaps = DeviceCaps(
+            host_pointer=False, async_copies=True, events=True, mmap=True
+        )
+        self.buffer_type: BufferType = BufferType(
+            self.name, self.name, BufferRole.DEFAULT, host=False
+        )
         self.host_buffer_type: BufferType | None = BufferType(
             HOST_BUFFER_TYPE, self.name, BufferRole.HOST, host=True
         )
@@ -213,7 +217,11 @@ def _discover() -> tuple[CupyDevice, ...]:
             if bus_id in seen:
                 continue
             seen.add(bus_id)
-        found.append(CupyDevice(ordinal, kind="igpu" if integrated else "gpu", device_id=bus_id))
+        found.append(
+            CupyDevice(
+                ordinal, kind=DeviceKind.IGPU if integrated else DeviceKind.GPU, device_id=bus_id
+            )
+        )
     return tuple(found)
 
 
@@ -254,7 +262,7 @@ class CupyBlock:
         self._ordinal = ordinal
         with cupy.cuda.Device(ordinal):
             self._mem: Any = cupy.cuda.Memory(nbytes)
-        self.ptr = int(self._mem.ptr)
+        self.ptr: int = int(self._mem.ptr)
 
     def buffer(self, nbytes: int, released: Callable[[], None]) -> CupyDeviceBuffer:
         if self._mem is None:
@@ -287,7 +295,7 @@ class _Anchor:
     __slots__ = ("__weakref__", "block")
 
     def __init__(self, block: CupyBlock) -> None:
-        self.block = block
+        self.block: CupyBlock = block
 
 
 class CupyDeviceBuffer:
@@ -302,7 +310,7 @@ class CupyDeviceBuffer:
         nbytes: int,
         released: Callable[[], None],
     ) -> None:
-        self.device = block.device
+        self.device: str = block.device
         self.nbytes = nbytes
         self.xp: ModuleType = cupy
         self._cupy = cupy
@@ -372,7 +380,7 @@ class CupyStagingSlot:
             mem = cupy.cuda.PinnedMemory(total)
         pointer = cupy.cuda.PinnedMemoryPointer(mem, 0)
         start = (-int(pointer.ptr)) % alignment
-        self.ptr = int(pointer.ptr) + start
+        self.ptr: int = int(pointer.ptr) + start
         # As cupyx.empty_pinned does: a numpy array over the pinned buffer. Views of it
         # keep the pinned memory alive, so no view can outlive the memory it reads.
         whole = numpy.ndarray((total,), dtype=numpy.uint8, buffer=pointer)

@@ -74,7 +74,7 @@ class StagingPool:
 
     def __init__(self, target: UploadTarget) -> None:
         self.target = target
-        self.device = target.name
+        self.device: str = target.name
         self._cond = threading.Condition()
         self._idle: list[PooledSlot] = []
         self._leased: set[int] = set()  # ids of leased PooledSlots

@@ -103,9 +103,9 @@ __all__ = [
 # Fresh device memory holds this byte, so a range that no copy reached stands out.
 POISON_BYTE = 0xA5
 
-# What an NVIDIA H200 on PCIe Gen5 x16 was measured to cost (issue #10): pinning host
-# memory (cudaHostAlloc) ~1.1 s per GiB, pinned host-to-device copies at 55 GB/s, and a
-# few microseconds to queue one copy.
+# The costs of an NVIDIA H200 on PCIe Gen5 x16, as measured on one (docs/performance.md):
+# pinning host memory (cudaHostAlloc) per GiB, pinned host-to-device copies per second,
+# and the time to queue one copy.
 SIM_PIN_S_PER_GIB = 1.1
 SIM_COPY_BYTES_PER_S = 55_000_000_000
 SIM_COPY_LATENCY_US = 10.0
@@ -156,7 +156,7 @@ class SimDevice:
         self,
         name: str,
         *,
-        kind: DeviceKind = "gpu",
+        kind: DeviceKind | str = DeviceKind.GPU,
         free: int = 24 * 1024**3,
         total: int | None = None,
         device_id: str | None = None,
@@ -176,14 +176,14 @@ class SimDevice:
         memory_cache_bytes: int = SIM_MEMORY_CACHE_BYTES,
         keep_bytes: bool = True,
     ) -> None:
-        if kind == "cpu":
+        if kind == DeviceKind.CPU:
             raise ConfigError("device.kind", None, "a simulated device cannot be the CPU")
         self.name = name
-        self.kind: DeviceKind = kind
+        self.kind: DeviceKind = DeviceKind(kind)
         self.device_id = device_id
         self.free = free
-        self.total = total if total is not None else free
-        self.caps = DeviceCaps(
+        self.total: int = total if total is not None else free
+        self.caps: DeviceCaps = DeviceCaps(
             host_pointer=host_pointer, async_copies=async_copies, events=events, mmap=mmap
         )
         unsupported_types: set[int] = set()
@@ -194,18 +194,20 @@ class SimDevice:
                 raise ConfigError(
                     "device.unsupported", None, f"{type_name!r} is not a ggml type name"
                 ) from None
-        self.unsupported = frozenset(unsupported_types)
+        self.unsupported: frozenset[int] = frozenset(unsupported_types)
         # An accelerator computes in host memory (llama.cpp's BLAS/AMX devices).
-        self.buffer_type = BufferType(name, name, BufferRole.DEFAULT, host=kind == "accel")
-        self.host_buffer_type = (
+        self.buffer_type: BufferType = BufferType(
+            name, name, BufferRole.DEFAULT, host=kind == "accel"
+        )
+        self.host_buffer_type: BufferType | None = (
             BufferType(f"{name}_Host", name, BufferRole.HOST, host=True) if pinned_host else None
         )
-        self.split_buffer_type = (
+        self.split_buffer_type: BufferType | None = (
             BufferType(f"{name}_Split", name, BufferRole.SPLIT, host=False, matrices_only=True)
             if split_buffer
             else None
         )
-        self.extra_buffer_types = tuple(
+        self.extra_buffer_types: tuple[BufferType, ...] = tuple(
             BufferType(f"{name}_{suffix}", name, BufferRole.EXTRA, host=kind == "accel")
             for suffix in extra_buffer_types
         )
@@ -222,7 +224,7 @@ class SimDevice:
         self._open_streams: weakref.WeakSet[SimCopyStream] = weakref.WeakSet()
         self._pin_lock = threading.Lock()  # a driver pins one buffer at a time
         self._syncs = SimSyncs(0, 0.0)
-        self.memory_cache = SimMemoryCache(name, memory_cache_bytes)
+        self.memory_cache: SimMemoryCache = SimMemoryCache(name, memory_cache_bytes)
 
     def memory(self) -> tuple[int, int]:
         return self.free, self.total
@@ -355,7 +357,7 @@ class SimBlock:
     load's ``SimDeviceBuffer`` at a time."""
 
     def __init__(self, owner: SimDevice, nbytes: int) -> None:
-        self.device = owner.name
+        self.device: str = owner.name
         self.nbytes = nbytes
         self._owner = owner
         self._memory: _Block | None = owner.memory_cache.take(nbytes) if owner.keep_bytes else None
@@ -405,7 +407,7 @@ class SimDeviceBuffer:
         memory: _Block | None = None,
         released: Callable[[], None] | None = None,
     ) -> None:
-        self.device = owner.name
+        self.device: str = owner.name
         self.nbytes = nbytes
         self._owner = owner
         self._own = released is None  # memory of its own, freed by close()
@@ -634,7 +636,7 @@ class SimStagingSlot:
     def __init__(self, owner: SimDevice, index: int, nbytes: int, alignment: int) -> None:
         self.index = index
         self.nbytes = nbytes
-        self.device = owner.name
+        self.device: str = owner.name
         self._owner = owner
         self._buffer: HostBuffer | None = HostBuffer(nbytes, alignment=alignment)
         # The stream and sequence number of the last copy issued out of this slot.
@@ -716,7 +718,7 @@ class SimCopyStream:
     """One device's copy queue: copies run in issue order on the copy-engine thread."""
 
     def __init__(self, owner: SimDevice, *, asynchronous: bool, seed: int | None = None) -> None:
-        self.device = owner.name
+        self.device: str = owner.name
         self.asynchronous = asynchronous
         self._owner = owner
         self._rng = random.Random(seed)
@@ -728,7 +730,7 @@ class SimCopyStream:
         self._closing = False
         self._state = _State.OPEN
         self._sync_lock = threading.Lock()  # one synchronous copy at a time
-        self.copies_done = 0
+        self.copies_done: int = 0
         owner._count(streams=1)
         self._thread: threading.Thread | None = None
         if asynchronous:

@@ -30,6 +30,8 @@ from aiogguf.config import load_config
 from aiogguf.errors import ConfigError
 from aiogguf.units import format_bytes
 
+__all__ = ["SETTLE_DEFAULT_S", "add_arguments", "render", "run"]
+
 if TYPE_CHECKING:
     from aiogguf.testing.bench import SweepResult
 

@@ -18,6 +18,8 @@ from aiogguf.cli.loading import load_with_progress, render_report
 from aiogguf.cli.options import add_placement_options, config_from_args, positive_size
 from aiogguf.units import format_bytes
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="1GiB", help="model size (default 1GiB)")

@@ -14,13 +14,12 @@ import sys
 from collections import Counter
 from typing import Any
 
-import anyio
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from aiogguf.dry_run import inspect_sync
 from aiogguf.records import GGUFArray, MetadataValue, ValueType, WeightIndex
-from aiogguf.stages.index import open_index
 from aiogguf.units import format_bytes
 
 __all__ = ["add_arguments", "inspect_json", "run"]
@@ -35,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    index = anyio.run(open_index, args.path)
+    index = inspect_sync(args.path)
     if args.json:
         sys.stdout.write(json.dumps(inspect_json(index), allow_nan=False) + "\n")
     else:

@@ -6,15 +6,13 @@ import argparse
 import json
 from typing import Any
 
-import anyio
 from rich.console import Console
 from rich.table import Table
 
 from aiogguf.cli import EXIT_WARNED
 from aiogguf.cli.options import add_placement_options, config_from_args
-from aiogguf.devices import enumerate_devices
-from aiogguf.records import Plan, WeightIndex
-from aiogguf.stages.plan import make_plan
+from aiogguf.dry_run import plan_sync
+from aiogguf.records import Plan
 from aiogguf.units import format_bytes
 
 __all__ = ["add_arguments", "plan_to_json", "run"]
@@ -29,19 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_placement_options(parser)
 
 
-async def _open_index(path: str) -> WeightIndex:
-    # Imported here: the index stage is not needed to build the parser.
-    from aiogguf.stages.index import open_index
-
-    index: WeightIndex = await open_index(path)
-    return index
-
-
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    devices = enumerate_devices(config)
-    index = anyio.run(_open_index, args.path)
-    plan = make_plan(index, devices, config)
+    plan = plan_sync(args.path, config_from_args(args))
     if args.json:
         print(json.dumps(plan_to_json(plan), indent=2))
     else:

@@ -36,6 +36,8 @@ from aiogguf.config import (
 )
 from aiogguf.units import format_bytes, parse_size
 
+__all__ = ["SHUTDOWN_DEADLINE_S", "add_arguments", "run"]
+
 EXIT_FAILURE, EXIT_INVALID, EXIT_INTERRUPTED = 1, 2, 130
 # From the signal to the end of the process, whatever the loads are doing: the loads
 # stop within a second and replies under way get 0.3 s more; past this, a load is stuck in

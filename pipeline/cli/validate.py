@@ -11,6 +11,8 @@ from aiogguf.cli.loading import load_with_progress
 from aiogguf.cli.options import add_placement_options, config_from_args
 from aiogguf.errors import TensorValidationError
 
+__all__ = ["add_arguments", "run"]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="GGUF file (the first split of a split model)")

@@ -13,3 +13,5 @@ Nothing in the loader imports this package. It holds:
 The modules are imported by name; this one imports none of them, so that importing one
 never pulls in ``gguf`` unless it needs it.
 """
+
+__all__: list[str] = []

@@ -51,8 +51,8 @@ MiB = 1024**2
 # Bytes generated and stamped per write call; big enough for full-speed writes, small
 # enough that memory stays flat whatever the model size.
 _CHUNK_BYTES = 8 * MiB
-# Random bytes are made once per model (numpy's generator makes ~0.4 GB/s) and each chunk
-# is a window at a random offset into this pool, which copies at memory speed.
+# Random bytes are made once per model (numpy's generator is far slower than a copy) and
+# each chunk is a window at a random offset into this pool, which copies at memory speed.
 _POOL_BYTES = 16 * MiB
 _SIDECAR_VERSION = 1
 _HEAD_DIM = 128

@@ -1,0 +1,58 @@
+"""``pyright --verifytypes aiogguf``: how completely the installed package's public names
+are typed, as pyright (basedpyright, which brings its own Node.js) sees them.
+
+Run as a script (``.ci/run`` runs it on the non-editable install) it exits 1 below the
+score given (default 0.95); ``tests/test_exports.py`` calls ``completeness``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MIN_SCORE = 0.95
+
+
+def pyright() -> str | None:
+    """The basedpyright executable beside this interpreter, or on ``PATH``."""
+    beside = Path(sys.executable).with_name("basedpyright")
+    return str(beside) if beside.exists() else shutil.which("basedpyright")
+
+
+def completeness(executable: str) -> dict[str, object]:
+    """pyright's ``typeCompleteness`` report on ``aiogguf`` as this interpreter imports
+    it (``PYTHONPATH`` included), run from an empty folder so that the repository's own
+    folders are not taken for the package."""
+    with tempfile.TemporaryDirectory() as empty:
+        result = subprocess.run(
+            [executable, "--verifytypes", "aiogguf", "--ignoreexternal", "--outputjson"],
+            cwd=empty,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    report: dict[str, object] = json.loads(result.stdout)["typeCompleteness"]
+    return report
+
+
+def main() -> int:
+    minimum = float(sys.argv[1]) if len(sys.argv) > 1 else MIN_SCORE
+    executable = pyright()
+    if executable is None:
+        print("basedpyright is not installed (pip install -e '.[dev]')", file=sys.stderr)
+        return 1
+    report = completeness(executable)
+    score = float(report["completenessScore"])  # type: ignore[arg-type]
+    print(
+        f"{report['packageRootDirectory']}: type completeness {score:.1%} (minimum {minimum:.0%})"
+    )
+    return 0 if score >= minimum else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
