@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.images": 1,
     "aiogguf.config": 1,
     "aiogguf.rehearsal": 1,
+    "aiogguf.checks": 1,
     "aiogguf.model": 2,
     "aiogguf.devices": 2,
     "aiogguf.stages": 3,
