@@ -58,20 +58,21 @@ from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile
 from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads, raise_if_stopped, reserve_threads
-from aiogguf.jobs import BufferLayout, ReadJob, StageTimes, TensorSlot
-from aiogguf.model import Model
-from aiogguf.records import ParsedFile, Plan, WeightIndex
-from aiogguf.report import LoadReport, build_report
-from aiogguf.stages.allocate import (
-    Allocation,
+from aiogguf.jobs import (
+    BufferLayout,
+    ReadJob,
+    StageTimes,
+    TensorSlot,
     TensorSpans,
-    allocate_host_images,
-    close_images,
     job_bytes,
     layout_buffers,
     split_jobs,
     tensor_slots,
 )
+from aiogguf.model import Model
+from aiogguf.records import ParsedFile, Plan, WeightIndex
+from aiogguf.report import LoadReport, build_report
+from aiogguf.stages.allocate import Allocation, allocate_host_images, close_images
 from aiogguf.stages.index import open_index, read_whole_model
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import (

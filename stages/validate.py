@@ -27,9 +27,8 @@ from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.files import DataFile
 from aiogguf.io.ggml_types import GGMLType
 from aiogguf.io.workers import LoadThreads, raise_if_stopped
-from aiogguf.jobs import BufferLayout, ReadJob, StageMeter, StageTimes, TensorSlot
+from aiogguf.jobs import BufferLayout, ReadJob, StageMeter, StageTimes, TensorSlot, TensorSpans
 from aiogguf.records import WeightIndex
-from aiogguf.stages.allocate import TensorSpans
 
 __all__ = ["FileBytes", "Validation", "ValidationCollector"]
 
