@@ -538,7 +538,7 @@ class _Front:
         alignment = config.pipeline.alignment
         swapped = needs_swap(index.byte_order)
         if swapped:
-            ByteSwap.check(index, plan)  # before any buffer or thread is taken
+            ByteSwap.raise_if_unconvertible(index, plan)  # before any buffer or thread is taken
         layouts = layout_buffers(plan, alignment)
         slots = tensor_slots(index, layouts)
         spans = TensorSpans(index, layouts)

@@ -150,7 +150,7 @@ class ByteSwap:
         self._layouts = layouts
 
     @staticmethod
-    def check(index: WeightIndex, plan: Plan) -> None:
+    def raise_if_unconvertible(index: WeightIndex, plan: Plan) -> None:
         """Raise ``BigEndianError`` for the first tensor whose type has no one obvious
         byte order, before anything is read."""
         for t in plan.tensors:

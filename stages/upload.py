@@ -95,7 +95,7 @@ class UploaderState(Enum):
 
 
 @dataclass(slots=True)
-class _Tally:
+class _DeviceCounts:
     """One device's counters, summed over the transfer threads (under ``Uploader._lock``)."""
 
     asynchronous: bool
@@ -109,7 +109,7 @@ class _Tally:
     fill_s: float = 0.0
 
 
-class _Lane:
+class _TransferLane:
     """One transfer thread's way to one device: its stream, its leased slots (used
     round robin) and its counts. Only its own thread touches it."""
 
@@ -149,7 +149,7 @@ class _Lane:
         pool_cap: int,
         stop: threading.Event,
         skip_wait: bool,
-    ) -> _Lane | None:
+    ) -> _TransferLane | None:
         """Lease the slots and open the stream; None when stopped while waiting for a
         slot."""
         asynchronous = _asynchronous(target)
@@ -262,7 +262,7 @@ class Uploader:
         self._skip_wait = _unsafe_skip_slot_wait
         self._grants: list[ArenaGrant] = []
         self._done: dict[str, list[CopyEvent]] = {}  # per device: each stream's last copy
-        self._tallies: dict[str, _Tally] = {}
+        self._counts: dict[str, _DeviceCounts] = {}
         self._lock = threading.Lock()
         # Allocations and frees of device memory: not on the transfer threads, which may
         # be busy with another device's jobs.
@@ -332,7 +332,7 @@ class Uploader:
             # Recorded in the thread: a cancelled await cannot lose the buffer.
             self._grants.append(grant)
             with self._lock:
-                _tally(self._tallies, device, target).device_bytes += grant.allocated_bytes
+                _counts_of(self._counts, device, target).device_bytes += grant.allocated_bytes
             return grant.buffer
 
         return await self._device_thread.run_sync(allocate_and_keep)
@@ -396,7 +396,7 @@ class Uploader:
                     wait_s=t.wait_s,
                     fill_s=t.fill_s,
                 )
-                for name, t in self._tallies.items()
+                for name, t in self._counts.items()
             )
 
     # -- the transfer threads -----------------------------------------------------------
@@ -409,7 +409,7 @@ class Uploader:
         stop: threading.Event,
     ) -> None:
         """One transfer thread: jobs from ``queue`` until it is empty or ``stop`` is set."""
-        lanes: dict[str, _Lane] = {}
+        lanes: dict[str, _TransferLane] = {}
         try:
             while not stop.is_set():
                 try:
@@ -418,7 +418,7 @@ class Uploader:
                     break
                 lane = lanes.get(dest.device)
                 if lane is None:
-                    lane = _Lane.open(
+                    lane = _TransferLane.open(
                         self._target(dest.device),
                         dest.device,
                         slots=self._per_thread,
@@ -440,7 +440,7 @@ class Uploader:
         finally:
             self._close_lanes(lanes.values())
 
-    def _close_lanes(self, lanes: Iterable[_Lane]) -> None:
+    def _close_lanes(self, lanes: Iterable[_TransferLane]) -> None:
         """Wait for every copy of the lanes, close their streams, give their slots back,
         add their counts to the load's. Raises the first copy failure."""
         first: BaseException | None = None
@@ -449,7 +449,7 @@ class Uploader:
             failure = lane.close()
             first = first or failure
             with self._lock:
-                tally = _tally(self._tallies, lane.device, lane.pool.target)
+                tally = _counts_of(self._counts, lane.device, lane.pool.target)
                 if lane.done is not None:
                     self._done.setdefault(lane.device, []).append(lane.done)
                 tally.slots += slots
@@ -473,11 +473,13 @@ class Uploader:
         return device
 
 
-def _tally(tallies: dict[str, _Tally], device: str, target: UploadTarget) -> _Tally:
+def _counts_of(
+    tallies: dict[str, _DeviceCounts], device: str, target: UploadTarget
+) -> _DeviceCounts:
     """The device's counters in ``tallies`` (the caller holds the uploader's lock)."""
     tally = tallies.get(device)
     if tally is None:
-        tally = tallies[device] = _Tally(_asynchronous(target))
+        tally = tallies[device] = _DeviceCounts(_asynchronous(target))
     return tally
 
 

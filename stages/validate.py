@@ -85,7 +85,7 @@ def _update_from_file(checker: TensorChecker, source: FileBytes, start: int, nby
         checker.update(piece)
 
 
-class _State(Enum):
+class _CollectorState(Enum):
     NEW = "new"
     OPEN = "open"
     CLOSED = "closed"
@@ -140,19 +140,19 @@ class ValidationCollector:
         self._call_bytes = call_bytes
         self._meter = meter
         self._task_group: TaskGroup | None = None
-        self._state = _State.NEW
+        self._state = _CollectorState.NEW
         self._submitted = 0
         self._results: dict[int, TensorFailure] = {}
         self.bytes_checked = 0
         self.busy_s = 0.0  # seconds spent in checks (includes waiting for a worker)
 
     async def __aenter__(self) -> ValidationCollector:
-        if self._state is not _State.NEW:
+        if self._state is not _CollectorState.NEW:
             raise RuntimeError("a ValidationCollector can be entered only once")
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
-        self._state = _State.OPEN
+        self._state = _CollectorState.OPEN
         return self
 
     async def __aexit__(
@@ -165,7 +165,7 @@ class ValidationCollector:
         try:
             return await self._task_group.__aexit__(exc_type, exc, tb)
         finally:
-            self._state = _State.CLOSED
+            self._state = _CollectorState.CLOSED
             self._task_group = None
 
     async def submit(
@@ -179,7 +179,7 @@ class ValidationCollector:
 
         Raises ``RuntimeError`` outside the collector's ``async with`` block.
         """
-        if self._state is not _State.OPEN or self._task_group is None:
+        if self._state is not _CollectorState.OPEN or self._task_group is None:
             raise RuntimeError(f"submit('{name}') outside 'async with ValidationCollector'")
         await self._slots.acquire()
         seq = self._submitted
