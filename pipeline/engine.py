@@ -60,7 +60,9 @@ from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads, raise_if_stopped, reserve_threads
 from aiogguf.jobs import (
     BufferLayout,
+    PieceSink,
     ReadJob,
+    SlotFill,
     StageTimes,
     TensorSlot,
     TensorSpans,
@@ -339,8 +341,9 @@ class _Load:
             began = self.hub.elapsed()
             for file_index in {job.file_index for job in jobs}:
                 reader.started(file_index, began)
-            # The reader checks what it fills (``fill_slot``), piece by piece.
-            await uploader.transfer(targets, reader.fill_slot, landed=landed)
+            # The reader fills each slot, handing its pieces to the piece sink as they land.
+            fill: SlotFill = reader.fill_slot
+            await uploader.transfer(targets, fill, landed=landed)
             if self.progress.device_landed:
                 await ready.send(list(self.progress.device_landed))
 
@@ -636,13 +639,15 @@ class _Front:
             threads=check_threads,
             clock=clock,
         )
+        # Landed pieces go to the piece checks, when some tensor is checked by pieces.
+        pieces: PieceSink | None = validation.check_piece if validation.by_pieces else None
         reader = Reader(
             files,
             self.images,
             direct=[f.direct_ok for f in files],
             clock=clock,
             swap=ByteSwap(index, layouts) if swapped else None,
-            check=validation.check_piece if validation.by_pieces else None,
+            pieces=pieces,
             lock=plan.mode == "mlock",
         )
         reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiogguf.fastinit import fast_init
 from aiogguf.io.files import align_down, align_up
@@ -24,8 +25,10 @@ from aiogguf.records import BufferPlan, FileRange, Plan, WeightIndex
 
 __all__ = [
     "BufferLayout",
+    "PieceSink",
     "RangeSlot",
     "ReadJob",
+    "SlotFill",
     "StageMeter",
     "StageTimes",
     "TensorSlot",
@@ -96,6 +99,23 @@ class ReadJob:
     useful_start: int
     useful_end: int
     lazy: bool = False
+
+
+class PieceSink(Protocol):
+    """Where a reader hands each piece of file bytes it has just landed (the engine
+    wires the validate stage's piece checks here). Blocking, on a read or transfer
+    thread, while the piece is still in the CPU's cache."""
+
+    def __call__(self, job: ReadJob, file_offset: int, piece: memoryview, /) -> None:
+        """``piece``: the bytes of ``job``'s file from ``file_offset`` on, landed."""
+
+
+class SlotFill(Protocol):
+    """Fills a staging slot with one device job's bytes (the engine wires the read
+    stage's ``Reader.fill_slot`` here). Blocking, on a transfer thread."""
+
+    def __call__(self, job: ReadJob, slot: memoryview, /) -> None:
+        """Write ``job``'s ``nbytes`` into ``slot`` (and hand them to the piece sink)."""
 
 
 @dataclass(frozen=True, slots=True)

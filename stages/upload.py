@@ -58,13 +58,9 @@ from aiogguf.io.devices.arena import ArenaGrant, device_arena
 from aiogguf.io.devices.base import CopyEvent, CopyStream, Device, DeviceBuffer, UploadTarget
 from aiogguf.io.devices.pool import PooledSlot, SlotLease, StagingPool, staging_pool
 from aiogguf.io.workers import LoadThreads
-from aiogguf.jobs import ReadJob
+from aiogguf.jobs import ReadJob, SlotFill
 
-__all__ = ["DeviceUploadStats", "Fill", "Landed", "Uploader", "UploaderState"]
-
-Fill = Callable[[ReadJob, memoryview], None]
-"""Writes a job's ``nbytes`` into the view it is given, and checks them (runs on a
-transfer thread)."""
+__all__ = ["DeviceUploadStats", "Landed", "Uploader", "UploaderState"]
 
 Landed = Callable[[ReadJob], None]
 """Told on the loop's thread that a job's copy was queued."""
@@ -177,7 +173,7 @@ class _TransferLane:
         self.wait_s += time.perf_counter() - start
         return pooled
 
-    def stage(self, job: ReadJob, dest: DeviceBuffer, fill: Fill) -> None:
+    def stage(self, job: ReadJob, dest: DeviceBuffer, fill: SlotFill) -> None:
         """Wait for a slot, fill it, issue its copy."""
         pooled = self._next_slot()
         slot = pooled.slot
@@ -340,7 +336,7 @@ class Uploader:
     async def transfer(
         self,
         jobs: Sequence[tuple[ReadJob, DeviceBuffer]],
-        fill: Fill,
+        fill: SlotFill,
         *,
         landed: Landed | None = None,
     ) -> None:
@@ -404,7 +400,7 @@ class Uploader:
     def _work(
         self,
         queue: deque[tuple[ReadJob, DeviceBuffer]],
-        fill: Fill,
+        fill: SlotFill,
         landed: Landed | None,
         stop: threading.Event,
     ) -> None:
