@@ -7,7 +7,9 @@ thread count. A 2-core machine cannot show that cap as a rate; it can measure th
 Per case, a fresh process: ``aiogguf.warm_up`` with the case's settings, a pure-Python
 spinner thread (``_spinner_loop``) started beside it, so that the GIL always has a
 holder and a sample names who holds it (without a contender, a thread that let the GIL
-go still reads as its last holder), then ``py-spy record --gil`` attached to it and
+go still reads as its last holder), a full collection (the imports' collector debt,
+which a long-running process has paid; the passes during the loads are counted), then
+``py-spy record --gil`` attached to it and
 ``--loads`` warm loads of the synthetic model (page cache filled first), each model
 closed before the next. The samples of the spinner are not counted, nor those of the
 simulated device's own bookkeeping, which a GPU does not cost the host (``EXCLUDED``:
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import math
 import os
@@ -150,14 +153,32 @@ def _child(task: Mapping[str, Any]) -> None:
             return
         spinner = threading.Thread(target=_spinner_loop, args=(stop,), daemon=True)
         spinner.start()
+        # The collector's debt of the imports and the warm-up paid before the window: a
+        # full pass then walks the whole process with the GIL held, a cost of the
+        # process's heap, not of a load. What the loads' own allocations bring on is
+        # counted (``gc``) and its time stays in the samples.
+        gc.collect()
+        passes: dict[int, list[float]] = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+        started: list[float] = []
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                tally = passes[info["generation"]]
+                tally[0] += 1
+                tally[1] += (time.perf_counter() - started.pop()) * 1e3
+
         print("ready", flush=True)
         sys.stdin.readline()  # "go": py-spy is attached
+        gc.callbacks.append(on_gc)
         seconds, nbytes = [], 0
         for _ in range(int(task["loads"])):
             took, n = await one_load()
             seconds.append(took)
             nbytes += n
-        print(json.dumps({"seconds": seconds, "nbytes": nbytes}), flush=True)
+        gc.callbacks.remove(on_gc)
+        print(json.dumps({"seconds": seconds, "nbytes": nbytes, "gc": passes}), flush=True)
         await anyio.to_thread.run_sync(sys.stdin.readline)  # "exit": py-spy has stopped
         stop.set()
 
@@ -315,6 +336,8 @@ def measure_case(
         seen_rate=seen_rate,
         ms_per_gb_at_nominal_rate=samples["counted"] / rate * 1e3 / gb if gb else None,
         gil_ms_per_gb=ms_per_gb,
+        # Collector passes during the loads, per generation: [count, ms].
+        gc_passes=timings.get("gc"),
         front_ms_per_load=samples["front"] / seen_rate * 1e3 / loads if seen_rate else None,
         rest_ms_per_gb=(
             (samples["counted"] - samples["front"]) / seen_rate * 1e3 / gb
@@ -394,6 +417,11 @@ def print_table(result: Mapping[str, Any]) -> None:
                 f"({c['seen_rate']:.0f}/s seen; spinner {s['spinner']}; excluded: {excluded}); "
                 f"{c['gb_loaded']:.2f} GB in {len(c['load_s'])} loads, "
                 f"median {statistics.median(c['load_s']):.2f} s"
+            )
+            passes = c.get("gc_passes") or {}
+            _say(
+                "  collector passes during the loads (count, ms): "
+                + ", ".join(f"gen {g} {n}, {ms:.1f}" for g, (n, ms) in passes.items())
             )
             for fn, n in s["functions"]:
                 _say(f"  {n:>6}  {fn}")
