@@ -1,4 +1,5 @@
-"""The engine: wires the stages of one load together with bounded queues.
+"""The engine: wires the stages of one load together through records, protocols and
+callbacks; no stage calls another.
 
 ::
 
@@ -18,10 +19,23 @@ host ones, cutting the jobs and starting the host reads run on the load's own th
 for a single-file model in one call (``_Front``): the loop's thread only awaits, and
 the reads run while it sets up the rest.
 
+How the stages are joined: the front hands on records (``Plan``, ``BufferLayout``s,
+``TensorSlot``s, ``ReadJob``s: ``aiogguf.jobs`` cuts them). The reader hands each landed
+piece to a ``PieceSink`` (the validate stage's piece checks, when some tensor is checked
+by pieces) and the upload stage fills each staging slot with a ``SlotFill`` (the
+reader's ``fill_slot``): the engine wires both. Each landed host job goes, by a callback
+on the loop's thread attached before the reads start, to ``_Progress``, which counts it
+and puts the tensors it completed on one memory object stream to the checks
+(``Validation.tensors_ready``). That stream has room for every job, so it never pushes
+back: what bounds memory is the buffers the plan allocates, the staging slots (a
+transfer thread waits for a free one) and the whole-tensor checks in flight (``submit``
+waits for a free one).
+
 The engine only wires. Each stage's own work lives in its module: descriptors, disk
 limits, byte order and locks in ``read``; images and mapping advice in ``allocate``;
-both ways of checking a tensor behind ``validate.Validation``; and ``report.build_report``
-turns what the stages counted into the report.
+both ways of checking a tensor behind ``validate.Validation`` (the rules in
+``aiogguf.checks``); and ``report.build_report`` turns what the stages counted into
+the report.
 
 Every task lives in one task group; a failure anywhere cancels the rest and surfaces
 as that one exception. Everything allocated is owned by a ``Resources`` stack until the
@@ -124,8 +138,14 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 class _Progress:
-    """Counts landed bytes and finished tensors, and reports them as progress events
-    (on the loop's thread only)."""
+    """Counts landed bytes and finished tensors, reports them as progress events, and
+    puts the names of the tensors whose bytes have all landed on ``ready`` for the checks
+    (on the loop's thread only; made before the reads start, silent until ``go_live``).
+
+    Tensor names travel in lists, one per landed host job and one for the device tensors
+    (a send per tensor would be a loop iteration per tensor), with room for all
+    (``jobs``, plus the device tensors' list): host jobs put theirs from a loop callback
+    (``host_landed``), which cannot wait."""
 
     def __init__(
         self,
@@ -133,10 +153,17 @@ class _Progress:
         plan: Plan,
         layouts: Sequence[BufferLayout],
         spans: TensorSpans,
+        *,
+        jobs: int,
+        checked: bool,
     ) -> None:
         self._hub = hub
         self._layouts = layouts
         self._spans = spans
+        self._checked = checked
+        self._live = False
+        ready: _Names = anyio.create_memory_object_stream(jobs + 1)
+        self.ready_send, self.ready_receive = ready
         loaded = [t for t in plan.tensors if not t.lazy]
         self.bytes_total = sum(t.nbytes for t in loaded)
         self.tensors_total = len(loaded)
@@ -161,12 +188,37 @@ class _Progress:
         self.emit(Stage.READ)
         return done
 
+    def host_landed(self, job: ReadJob) -> None:
+        """Where the host reads hand each landed job (on the loop's thread)."""
+        names = self.landed(job)
+        if not names:
+            return
+        if not self._checked:
+            self.tensors_checked(len(names))
+            return
+        # Broken only once the load is failing anyway.
+        with contextlib.suppress(anyio.BrokenResourceError):
+            self.ready_send.send_nowait(names)
+
     def tensors_checked(self, count: int) -> None:
         self.tensors_done += count
         self.emit(Stage.READ)
 
+    def go_live(self) -> None:
+        """Report from now on: the plan's event is out (jobs that landed before it were
+        counted in silence)."""
+        self._live = True
+        self.emit(Stage.READ)
+
+    def close(self) -> None:
+        """Close both ends of ``ready`` (harmless when the load has)."""
+        self.ready_send.close()
+        self.ready_receive.close()
+
     def emit(self, stage: Stage) -> None:
         """Report the counts so far (throttled, except the final event)."""
+        if not self._live:
+            return
         self._hub.emit(
             stage,
             self.bytes_done,
@@ -212,7 +264,7 @@ class _Load:
         self.images = self.allocation.images
         self.warnings: list[str] = list(plan.warnings)
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
-        self.progress = _Progress(hub, plan, self.layouts, self.spans)
+        self.progress = prepared.progress
 
     # --- the whole load ---------------------------------------------------------------
 
@@ -236,7 +288,7 @@ class _Load:
         # A stage that fails cancels the others; the caller sees its error, unwrapped.
         with one_error():
             async with validation:
-                await self._stream(prepared.reads, reader, prepared.landed, uploader, validation)
+                await self._stream(prepared.reads, reader, uploader, validation)
         if reader.lock_refusal is not None:
             self._warn(
                 f"{reader.lock_refusal}; the whole load needs {self.progress.bytes_total} "
@@ -265,7 +317,6 @@ class _Load:
         self,
         reads: HostReads,
         reader: Reader,
-        landed: _Landed,
         uploader: Uploader | None,
         validation: Validation,
     ) -> None:
@@ -275,38 +326,17 @@ class _Load:
         device_jobs = self.prepared.device_jobs
         if uploader is not None:
             assert uploader.slot_bytes == pipeline.staging_bytes(), "device jobs fill a slot each"
-        # Tensor names travel in lists, one per landed host job and one for the device
-        # tensors (a send per tensor would be a loop iteration per tensor), with room for
-        # all: host jobs put theirs from a loop callback, which cannot wait.
-        ready: _Names = anyio.create_memory_object_stream(
-            sum(len(file_jobs) for file_jobs in self.prepared.jobs) + 1
-        )
-        ready_send, ready_recv = ready
-        checked = validation.enabled
-
-        def host_landed(job: ReadJob) -> None:
-            names = self.progress.landed(job)
-            if not names:
-                return
-            if not checked:
-                self.progress.tensors_checked(len(names))
-                return
-            # Broken only once the load is failing anyway.
-            with contextlib.suppress(anyio.BrokenResourceError):
-                ready_send.send_nowait(names)
-
-        landed.attach(host_landed)
-        try:
-            async with anyio.create_task_group() as tg:
-                if uploader is not None:
-                    tg.start_soon(self.allocation.run, uploader.allocate)
-                if device_jobs:
-                    assert uploader is not None
-                    tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
-                tg.start_soon(self._host, reads, ready_send)
-                tg.start_soon(self._validate_loop, ready_recv, validation)
-        finally:
-            landed.detach()
+        progress = self.progress
+        ready_send = progress.ready_send
+        progress.go_live()
+        async with anyio.create_task_group() as tg:
+            if uploader is not None:
+                tg.start_soon(self.allocation.run, uploader.allocate)
+            if device_jobs:
+                assert uploader is not None
+                tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
+            tg.start_soon(self._host, reads, ready_send)
+            tg.start_soon(self._validate_loop, progress.ready_receive, validation)
 
     @staticmethod
     async def _host(reads: HostReads, ready: MemoryObjectSendStream[list[str]]) -> None:
@@ -432,33 +462,6 @@ def _check_unchanged(files: Sequence[DataFile]) -> None:
 _Names = tuple[MemoryObjectSendStream[list[str]], MemoryObjectReceiveStream[list[str]]]
 
 
-class _Landed:
-    """Where the host reads hand each landed job, on the loop's thread: kept until the
-    loop has set up the load (the reads start before it does), then passed on."""
-
-    def __init__(self) -> None:
-        self._early: list[ReadJob] = []
-        self._sink: Callable[[ReadJob], None] | None = None
-
-    def __call__(self, job: ReadJob) -> None:
-        if self._sink is None:
-            self._early.append(job)
-        else:
-            self._sink(job)
-
-    def attach(self, sink: Callable[[ReadJob], None]) -> None:
-        """From now on each landed job goes to ``sink``, those that came before first."""
-        self._sink = sink
-        early, self._early = self._early, []
-        for job in early:
-            sink(job)
-
-    def detach(self) -> None:
-        """Every read has ended: drop the sink (a closure over the load, which holds
-        this), so that no reference cycle outlives the load."""
-        self._sink = None
-
-
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     """What the blocking front of a load hands the loop: devices, plan, buffer layouts,
@@ -479,7 +482,7 @@ class _Prepared:
     validation: Validation
     reader: Reader
     reads: HostReads  # started
-    landed: _Landed  # the host jobs, as they land
+    progress: _Progress  # where the host jobs go as they land, attached before they start
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,9 +490,10 @@ class _Front:
     """The blocking front of one load, run on the load's thread, up to the first byte
     read: it reads through ``opened``, plans with ``config`` for ``devices`` (None:
     discover them), times itself with ``clock`` and ends by starting the host reads, on
-    threads whose calls the loop of ``token`` awaits. The files it opens, the host
-    images it allocates and the threads it takes go into ``files``, ``images`` and
-    ``lent`` as they are made, and the reads it starts into ``started``: the caller
+    threads whose calls the loop of ``token`` awaits; their landed jobs go to a
+    ``_Progress`` that reports to ``hub``. The files it opens, the host images it
+    allocates and the threads it takes go into ``files``, ``images`` and ``lent`` as they
+    are made, and the reads it starts (and where they land) into ``started``: the caller
     frees them all (``release``, ``close_images``) if the load fails."""
 
     opened: OpenFiles
@@ -497,10 +501,11 @@ class _Front:
     devices: Sequence[Device] | None
     clock: Callable[[], float]
     token: anyio.lowlevel.EventLoopToken
+    hub: ProgressHub
     files: list[DataFile] = field(default_factory=list)
     images: list[Image | None] = field(default_factory=list)
     lent: list[LoadThreads] = field(default_factory=list)
-    started: list[HostReads] = field(default_factory=list)
+    started: list[tuple[HostReads, _Progress]] = field(default_factory=list)
 
     def parse_and_plan(
         self, path: str
@@ -582,7 +587,7 @@ class _Front:
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
         raise_if_stopped()  # a cancelled load starts no read
-        validation, reader, reads, landed = self._start_reads(
+        validation, reader, reads, progress = self._start_reads(
             index, plan, layouts, slots, spans, disks, jobs, staged, swapped
         )
         return _Prepared(
@@ -600,7 +605,7 @@ class _Front:
             validation,
             reader,
             reads,
-            landed,
+            progress,
         )
 
     def _start_reads(
@@ -614,7 +619,7 @@ class _Front:
         jobs: list[list[ReadJob]],
         staged: tuple[int, ...],
         swapped: bool,
-    ) -> tuple[Validation, Reader, HostReads, _Landed]:
+    ) -> tuple[Validation, Reader, HostReads, _Progress]:
         """The read side of the load (checks, reader, reader threads), and its host reads
         started: their images exist, and the reads then run while the loop sets up the
         rest (device buffers, transfers) instead of after it. ``swapped``: the bytes are
@@ -651,12 +656,20 @@ class _Front:
             lock=plan.mode == "mlock",
         )
         reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)
-        self.started.append(reads)
+        # Where landed jobs go, attached before the first read starts.
+        progress = _Progress(
+            self.hub,
+            plan,
+            layouts,
+            spans,
+            jobs=sum(len(file_jobs) for file_jobs in jobs),
+            checked=check,
+        )
+        self.started.append((reads, progress))
         # The files the transfer threads read from too are checked by the engine.
         verify = [None if i in staged else f.check_unchanged for i, f in enumerate(files)]
-        landed = _Landed()
-        reads.start(jobs, disks, verify=verify, landed=landed)
-        return validation, reader, reads, landed
+        reads.start(jobs, disks, verify=verify, landed=progress.host_landed)
+        return validation, reader, reads, progress
 
     def _lend(self, count: int, name: str) -> LoadThreads:
         threads = LoadThreads(count, name=name).enter(self.token)
@@ -666,8 +679,9 @@ class _Front:
     async def release(self) -> None:
         """On the loop, as the load ends: stop the host reads and wait for them (unless
         the load has; a failed one), then give the threads back."""
-        for reads in self.started:
+        for reads, progress in self.started:
             await reads.abandon()
+            progress.close()
         for threads in self.lent:
             threads.leave()
 
@@ -722,7 +736,7 @@ async def run_load(
         # The files to read, opened (duplicates of the parsed descriptors) by the same
         # call that plans a single-file model, and the host images it allocates; both
         # freed with the stack unless the model takes the images.
-        front = _Front(opened, config, devices, hub.elapsed, anyio.lowlevel.current_token())
+        front = _Front(opened, config, devices, hub.elapsed, anyio.lowlevel.current_token(), hub)
         stack.callback(_close_all, front.files)
         stack.push_async_callback(_free_images, front.images, threads)
         # Before the images are freed: the reads that write into them end first.
