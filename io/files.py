@@ -192,45 +192,14 @@ class DataFile(Closeable):
             self._opened = os.fstat(self._fd)
             self.size_bytes = self._opened.st_size
             if direct:
-                self._direct_fd = self._open_direct()
+                # /proc/self/fd/N reopens the inode that N refers to, not whatever the
+                # name points at now: O_DIRECT needs a new open file description of its own.
+                source = f"/proc/self/fd/{self._fd}" if self._adopted else self.path
+                self._direct_fd, self.direct_refusal = _open_direct(source, self.path, alignment)
                 self._direct_enabled = self._direct_fd is not None
         except BaseException:
             self.close()
             raise
-
-    def _open_direct(self) -> int | None:
-        # /proc/self/fd/N reopens the inode that N refers to, not whatever the name
-        # points at now: O_DIRECT needs a new open file description of its own.
-        source = f"/proc/self/fd/{self._fd}" if self._adopted else self.path
-        try:
-            fd = open_readable(source, os.O_DIRECT)
-        except LoadError as exc:
-            cause = exc.__cause__
-            if not isinstance(cause, OSError) or cause.errno != errno.EINVAL:
-                raise
-            self.direct_refusal = f"the filesystem refuses O_DIRECT at open ({cause.strerror})"
-            return None
-        # Some filesystems accept the flag and fail the first read instead: probe one
-        # aligned block now, so direct_ok is settled before the caller's first read.
-        import mmap  # local: only the probe needs an aligned scratch page
-
-        try:
-            with os_errors(self.path, None, "out of host memory"):
-                scratch = mmap.mmap(-1, self.alignment)
-        except LoadError:
-            os.close(fd)
-            raise
-        try:
-            os.preadv(fd, [scratch], 0)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno != errno.EINVAL:
-                raise from_os_error(exc, self.path, 0, "O_DIRECT probe read failed") from exc
-            self.direct_refusal = f"the filesystem refuses O_DIRECT reads ({exc.strerror})"
-            return None
-        finally:
-            scratch.close()
-        return fd
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -296,7 +265,7 @@ class DataFile(Closeable):
             raise ValueError(f"offset must be >= 0, got {offset}")
         self._enter()
         try:
-            done = self._pread_loop(self._fd, view, offset, max_call=max_call)
+            done = _pread_loop(self._fd, view, offset, self.path, max_call=max_call)
         finally:
             self._leave()
         if done < len(view):
@@ -358,12 +327,12 @@ class DataFile(Closeable):
     def _direct_loop(self, view: builtins.memoryview, offset: int) -> int:
         fd = self._direct_fd
         if fd is None or not self._direct_enabled:
-            return self._pread_loop(self._fd, view, offset)
+            return _pread_loop(self._fd, view, offset, self.path)
         try:
             # One call for the whole chunk: the device then gets it as many requests in
             # flight at once, and the thread sleeps on the disk rather than burning CPU.
-            done = self._pread_loop(
-                fd, view, offset, stop_unaligned=self.alignment, max_call=len(view) or 1
+            done = _pread_loop(
+                fd, view, offset, self.path, stop_unaligned=self.alignment, max_call=len(view) or 1
             )
         except LoadError as exc:
             if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EINVAL:
@@ -373,39 +342,12 @@ class DataFile(Closeable):
             # The descriptor stays open until close(): another thread may be using it.
             self.direct_refusal = f"an O_DIRECT read was refused ({exc.__cause__.strerror})"
             self._direct_enabled = False
-            return self._pread_loop(self._fd, view, offset)
+            return _pread_loop(self._fd, view, offset, self.path)
         if done < len(view) and done % self.alignment and offset + done < self.size_bytes:
             # A short direct read that stopped mid-block and not at EOF (rare: signals,
             # some network filesystems). O_DIRECT cannot continue from an unaligned
             # offset, so finish buffered.
-            done += self._pread_loop(self._fd, view[done:], offset + done)
-        return done
-
-    def _pread_loop(
-        self,
-        fd: int,
-        view: builtins.memoryview,
-        offset: int,
-        stop_unaligned: int = 0,
-        max_call: int = MAX_CALL_BYTES,
-    ) -> int:
-        """``preadv`` until ``view`` is full or EOF, ``max_call`` bytes at a time; returns
-        the bytes read."""
-        done = 0
-        total = len(view)
-        while done < total:
-            try:
-                n = os.preadv(fd, [view[done : done + max_call]], offset + done)
-            except InterruptedError:
-                continue  # PEP 475 retries EINTR already; kept for non-CPython runtimes
-            except OSError as exc:
-                doing = f"read of {total - done} bytes failed"
-                raise from_os_error(exc, self.path, offset + done, doing) from exc
-            if n == 0:
-                break  # end of file
-            done += n
-            if stop_unaligned and done % stop_unaligned and done < total:
-                break
+            done += _pread_loop(self._fd, view[done:], offset + done, self.path)
         return done
 
     def check_unchanged(self) -> None:
@@ -465,3 +407,63 @@ def _writable_bytes(dest: Buffer) -> builtins.memoryview:
     if not view.c_contiguous:
         raise ValueError("destination buffer is not C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _open_direct(source: str, path: str, alignment: int) -> tuple[int | None, str | None]:
+    """Blocking: an ``O_DIRECT`` descriptor of ``source`` (``path``'s file), or None and
+    why the filesystem refuses it."""
+    try:
+        fd = open_readable(source, os.O_DIRECT)
+    except LoadError as exc:
+        cause = exc.__cause__
+        if not isinstance(cause, OSError) or cause.errno != errno.EINVAL:
+            raise
+        return None, f"the filesystem refuses O_DIRECT at open ({cause.strerror})"
+    # Some filesystems accept the flag and fail the first read instead: probe one
+    # aligned block now, so direct_ok is settled before the caller's first read.
+    import mmap  # local: only the probe needs an aligned scratch page
+
+    try:
+        with os_errors(path, None, "out of host memory"):
+            scratch = mmap.mmap(-1, alignment)
+    except LoadError:
+        os.close(fd)
+        raise
+    try:
+        os.preadv(fd, [scratch], 0)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno != errno.EINVAL:
+            raise from_os_error(exc, path, 0, "O_DIRECT probe read failed") from exc
+        return None, f"the filesystem refuses O_DIRECT reads ({exc.strerror})"
+    finally:
+        scratch.close()
+    return fd, None
+
+
+def _pread_loop(
+    fd: int,
+    view: builtins.memoryview,
+    offset: int,
+    path: str,
+    stop_unaligned: int = 0,
+    max_call: int = MAX_CALL_BYTES,
+) -> int:
+    """``preadv`` of ``path``'s ``fd`` until ``view`` is full or EOF, ``max_call`` bytes
+    at a time; returns the bytes read."""
+    done = 0
+    total = len(view)
+    while done < total:
+        try:
+            n = os.preadv(fd, [view[done : done + max_call]], offset + done)
+        except InterruptedError:
+            continue  # PEP 475 retries EINTR already; kept for non-CPython runtimes
+        except OSError as exc:
+            doing = f"read of {total - done} bytes failed"
+            raise from_os_error(exc, path, offset + done, doing) from exc
+        if n == 0:
+            break  # end of file
+        done += n
+        if stop_unaligned and done % stop_unaligned and done < total:
+            break
+    return done

@@ -189,33 +189,12 @@ class FileMapping(Closeable):
         self.writable = writable
         self._lock = threading.Lock()
         self._locked: list[tuple[int, int]] = []  # merged, sorted file-offset intervals
-        if isinstance(source, DataFile):
-            # Our own duplicate: the DataFile may be closed while the mapping lives on.
-            with os_errors(self.path, None, "cannot duplicate descriptor"):
-                fd = os.dup(source.fileno())
-        else:
-            fd = open_readable(self.path)
-        try:
-            size = os.fstat(fd).st_size
-            if file_end > size:
-                raise LoadError(
-                    self.path,
-                    file_start,
-                    f"cannot map [{file_start}, {file_end}): the file has only {size} bytes",
-                )
-            self.map_start: int = align_down(file_start, mmap.ALLOCATIONGRANULARITY)
-            # Rounded up to a page, but never past EOF: Python's mmap refuses a length
-            # beyond the file (touching such pages would be SIGBUS anyway).
-            self.map_end: int = min(align_up(file_end, PAGE_BYTES), size)
-            flags = mmap.MAP_PRIVATE if writable else mmap.MAP_SHARED
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            nbytes = self.map_end - self.map_start
-            with os_errors(self.path, self.map_start, f"mmap of {nbytes} bytes failed"):
-                self._mmap: mmap.mmap | None = mmap.mmap(
-                    fd, nbytes, flags=flags, prot=prot, offset=self.map_start
-                )
-        finally:
-            os.close(fd)  # the mapping keeps the file alive (and mmap holds its own dup)
+        mapping, map_start, map_end = _map_range(
+            source, self.path, file_start, file_end, writable=writable
+        )
+        self.map_start: int = map_start
+        self.map_end: int = map_end
+        self._mmap: mmap.mmap | None = mapping
         self._mmap_ref: weakref.ref[mmap.mmap] = weakref.ref(self._mmap)
         self._view: builtins.memoryview | None = builtins.memoryview(self._mmap)
         self.address: int = buffer_address(self._mmap)
@@ -413,15 +392,8 @@ class FileMapping(Closeable):
                 raise
             if exc.errno not in _MLOCK_LIMIT_ERRNOS:
                 raise from_os_error(exc, self.path, start, "mlock failed") from exc
-            limit = memlock_limit()
-            already = self.locked_bytes
-            limit_text = "unlimited" if limit is None else format_bytes(limit)
-            problem = (
-                f"mlock of {self.path} needed {format_bytes(requested)} more "
-                f"({requested} bytes; {format_bytes(already)} already locked by this mapping), "
-                f"RLIMIT_MEMLOCK is {limit_text}: raise it with `ulimit -l` or "
-                f"LimitMEMLOCK= in the systemd unit ({exc.strerror})"
-            )
+            limit, already = memlock_limit(), self.locked_bytes
+            problem = _lock_refusal(self.path, requested, already, limit, exc)
             return LockResult(False, requested, already, limit, problem)
         finally:
             del pin
@@ -436,6 +408,55 @@ class FileMapping(Closeable):
         start, end = self._pages(file_start, file_end)
         with self._lock:
             return any(s <= start and end <= e for s, e in self._locked)
+
+
+def _map_range(
+    source: str | os.PathLike[str] | DataFile,
+    path: str,
+    file_start: int,
+    file_end: int,
+    *,
+    writable: bool,
+) -> tuple[mmap.mmap, int, int]:
+    """Blocking: ``[file_start, file_end)`` of ``path`` mapped, whole pages from an
+    allocation-granularity boundary; the mapping and the file offsets it spans."""
+    if isinstance(source, DataFile):
+        # Our own duplicate: the DataFile may be closed while the mapping lives on.
+        with os_errors(path, None, "cannot duplicate descriptor"):
+            fd = os.dup(source.fileno())
+    else:
+        fd = open_readable(path)
+    try:
+        size = os.fstat(fd).st_size
+        if file_end > size:
+            raise LoadError(
+                path,
+                file_start,
+                f"cannot map [{file_start}, {file_end}): the file has only {size} bytes",
+            )
+        map_start = align_down(file_start, mmap.ALLOCATIONGRANULARITY)
+        # Rounded up to a page, but never past EOF: Python's mmap refuses a length
+        # beyond the file (touching such pages would be SIGBUS anyway).
+        map_end = min(align_up(file_end, PAGE_BYTES), size)
+        flags = mmap.MAP_PRIVATE if writable else mmap.MAP_SHARED
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        nbytes = map_end - map_start
+        with os_errors(path, map_start, f"mmap of {nbytes} bytes failed"):
+            mapping = mmap.mmap(fd, nbytes, flags=flags, prot=prot, offset=map_start)
+    finally:
+        os.close(fd)  # the mapping keeps the file alive (and mmap holds its own dup)
+    return mapping, map_start, map_end
+
+
+def _lock_refusal(path: str, requested: int, already: int, limit: int | None, exc: OSError) -> str:
+    """The warning for a lock the kernel refused (``RLIMIT_MEMLOCK``)."""
+    limit_text = "unlimited" if limit is None else format_bytes(limit)
+    return (
+        f"mlock of {path} needed {format_bytes(requested)} more "
+        f"({requested} bytes; {format_bytes(already)} already locked by this mapping), "
+        f"RLIMIT_MEMLOCK is {limit_text}: raise it with `ulimit -l` or "
+        f"LimitMEMLOCK= in the systemd unit ({exc.strerror})"
+    )
 
 
 # Flipped to False the first time the kernel says MADV_POPULATE_READ is unknown.

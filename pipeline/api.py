@@ -22,6 +22,7 @@ import anyio
 import anyio._backends._asyncio
 import numpy as np
 
+from aiogguf.checks import PieceCheck
 from aiogguf.config import Config, load_config
 from aiogguf.devices import enumerate_devices
 from aiogguf.engine import load_thread_count, one_error, run_load
@@ -35,7 +36,6 @@ from aiogguf.io.workers import LoadThreads
 from aiogguf.model import Model
 from aiogguf.rehearsal import NAME as REHEARSAL_NAME
 from aiogguf.rehearsal import RehearsalFile
-from aiogguf.stages.validate import PieceCheck
 
 __all__ = [
     "LoadHandle",

@@ -58,20 +58,23 @@ from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile
 from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads, raise_if_stopped, reserve_threads
-from aiogguf.jobs import BufferLayout, ReadJob, StageTimes, TensorSlot
-from aiogguf.model import Model
-from aiogguf.records import ParsedFile, Plan, WeightIndex
-from aiogguf.report import LoadReport, build_report
-from aiogguf.stages.allocate import (
-    Allocation,
+from aiogguf.jobs import (
+    BufferLayout,
+    PieceSink,
+    ReadJob,
+    SlotFill,
+    StageTimes,
+    TensorSlot,
     TensorSpans,
-    allocate_host_images,
-    close_images,
     job_bytes,
     layout_buffers,
     split_jobs,
     tensor_slots,
 )
+from aiogguf.model import Model
+from aiogguf.records import ParsedFile, Plan, WeightIndex
+from aiogguf.report import LoadReport, build_report
+from aiogguf.stages.allocate import Allocation, allocate_host_images, close_images
 from aiogguf.stages.index import open_index, read_whole_model
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import (
@@ -338,8 +341,9 @@ class _Load:
             began = self.hub.elapsed()
             for file_index in {job.file_index for job in jobs}:
                 reader.started(file_index, began)
-            # The reader checks what it fills (``fill_slot``), piece by piece.
-            await uploader.transfer(targets, reader.fill_slot, landed=landed)
+            # The reader fills each slot, handing its pieces to the piece sink as they land.
+            fill: SlotFill = reader.fill_slot
+            await uploader.transfer(targets, fill, landed=landed)
             if self.progress.device_landed:
                 await ready.send(list(self.progress.device_landed))
 
@@ -537,7 +541,7 @@ class _Front:
         alignment = config.pipeline.alignment
         swapped = needs_swap(index.byte_order)
         if swapped:
-            ByteSwap.check(index, plan)  # before any buffer or thread is taken
+            ByteSwap.raise_if_unconvertible(index, plan)  # before any buffer or thread is taken
         layouts = layout_buffers(plan, alignment)
         slots = tensor_slots(index, layouts)
         spans = TensorSpans(index, layouts)
@@ -635,13 +639,15 @@ class _Front:
             threads=check_threads,
             clock=clock,
         )
+        # Landed pieces go to the piece checks, when some tensor is checked by pieces.
+        pieces: PieceSink | None = validation.check_piece if validation.by_pieces else None
         reader = Reader(
             files,
             self.images,
             direct=[f.direct_ok for f in files],
             clock=clock,
             swap=ByteSwap(index, layouts) if swapped else None,
-            check=validation.check_piece if validation.by_pieces else None,
+            pieces=pieces,
             lock=plan.mode == "mlock",
         )
         reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)

@@ -3,19 +3,43 @@
 A destination buffer is an *image of the file ranges it holds* (design §2.1): every
 tensor sits at a fixed offset from the start of its range's slot, so one read of any
 size, spanning many tensors, lands every byte in its final place.
+
+The records come with the pure functions that make them from a plan, on the load's
+thread: ``layout_buffers`` (each image), ``tensor_slots`` and ``TensorSpans`` (where
+each tensor sits), ``split_jobs`` (the reads, cut in load order).
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiogguf.fastinit import fast_init
-from aiogguf.records import BufferPlan, FileRange
+from aiogguf.io.files import align_down, align_up
+from aiogguf.io.workers import raise_if_stopped
+from aiogguf.records import BufferPlan, FileRange, Plan, WeightIndex
 
-__all__ = ["BufferLayout", "RangeSlot", "ReadJob", "StageMeter", "StageTimes", "TensorSlot"]
+__all__ = [
+    "BufferLayout",
+    "PieceSink",
+    "RangeSlot",
+    "ReadJob",
+    "SlotFill",
+    "StageMeter",
+    "StageTimes",
+    "TensorSlot",
+    "TensorSpans",
+    "job_bytes",
+    "layout_buffers",
+    "load_order",
+    "read_jobs",
+    "split_jobs",
+    "tensor_slots",
+]
 
 
 @fast_init
@@ -77,6 +101,23 @@ class ReadJob:
     lazy: bool = False
 
 
+class PieceSink(Protocol):
+    """Where a reader hands each piece of file bytes it has just landed (the engine
+    wires the validate stage's piece checks here). Blocking, on a read or transfer
+    thread, while the piece is still in the CPU's cache."""
+
+    def __call__(self, job: ReadJob, file_offset: int, piece: memoryview, /) -> None:
+        """``piece``: the bytes of ``job``'s file from ``file_offset`` on, landed."""
+
+
+class SlotFill(Protocol):
+    """Fills a staging slot with one device job's bytes (the engine wires the read
+    stage's ``Reader.fill_slot`` here). Blocking, on a transfer thread."""
+
+    def __call__(self, job: ReadJob, slot: memoryview, /) -> None:
+        """Write ``job``'s ``nbytes`` into ``slot`` (and hand them to the piece sink)."""
+
+
 @dataclass(frozen=True, slots=True)
 class StageTimes:
     """What one stage did: ``start_s``/``end_s`` are its first start and last end in
@@ -126,3 +167,184 @@ class StageMeter:
         with self._lock:
             start = self._start if self._start is not None else 0.0
             return StageTimes(start, max(self._end, start), self._busy_s, self._items, self._nbytes)
+
+
+# ---------------------------------------------------------------------------------------
+# Laying out the images, and cutting the reads into jobs (pure: made on the load's thread).
+
+
+def layout_buffers(plan: Plan, alignment: int) -> tuple[BufferLayout, ...]:
+    """The image layout of every planned buffer. Each range gets a slot widened to
+    ``alignment`` at both ends, placed at an aligned offset of the buffer."""
+    layouts: list[BufferLayout] = []
+    for index, buffer in enumerate(plan.buffers):
+        slots: list[RangeSlot] = []
+        cursor = 0
+        for r in buffer.ranges:
+            start, end = align_down(r.start, alignment), align_up(r.end, alignment)
+            slots.append(RangeSlot(r, start, end, cursor))
+            cursor += end - start
+        layouts.append(BufferLayout(index, buffer, tuple(slots), cursor))
+    return tuple(layouts)
+
+
+def tensor_slots(index: WeightIndex, layouts: Sequence[BufferLayout]) -> dict[str, TensorSlot]:
+    """Where each tensor sits in its buffer image."""
+    slots: dict[str, TensorSlot] = {}
+    for layout in layouts:
+        for rs in layout.slots:
+            for name in rs.range.tensors:
+                entry = index[name]
+                slots[name] = TensorSlot(
+                    name=name,
+                    buffer_index=layout.index,
+                    buffer_offset=rs.buffer_offset_of(entry.offset),
+                    nbytes=entry.nbytes,
+                    file_index=entry.file_index,
+                    file_offset=entry.offset,
+                )
+    return slots
+
+
+class TensorSpans:
+    """Each loaded buffer's tensors by file offset, for finding the tensors a read
+    touched. Built once, read-only afterwards: any thread may use it."""
+
+    def __init__(self, index: WeightIndex, layouts: Sequence[BufferLayout]) -> None:
+        self._spans: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+        for layout in layouts:
+            if layout.plan.lazy:
+                continue
+            for rs in layout.slots:
+                spans = self._spans.setdefault((layout.index, rs.range.file_index), [])
+                spans.extend((index[n].offset, index[n].end, n) for n in rs.range.tensors)
+        for spans in self._spans.values():
+            spans.sort()
+        # The spans' starts apart: a bisect without a key function (a read's every
+        # piece looks its tensors up here).
+        self._starts = {key: [s[0] for s in spans] for key, spans in self._spans.items()}
+
+    def sizes(self) -> dict[str, int]:
+        """Each loaded tensor's bytes, by name."""
+        return {name: end - start for spans in self._spans.values() for start, end, name in spans}
+
+    def overlapping(
+        self, buffer_index: int, file_index: int, start: int, end: int
+    ) -> Iterator[tuple[int, int, str]]:
+        """``(lo, hi, name)``: the part ``[lo, hi)`` of each tensor inside ``[start, end)``."""
+        key = (buffer_index, file_index)
+        spans = self._spans.get(key)
+        if spans is None:
+            return
+        i = max(bisect.bisect_right(self._starts[key], start) - 1, 0)
+        n = len(spans)
+        while i < n:
+            t_start, t_end, name = spans[i]
+            if t_start >= end:
+                return
+            lo, hi = max(t_start, start), min(t_end, end)
+            if lo < hi:
+                yield lo, hi, name
+            i += 1
+
+
+def _biggest_tensor(index: WeightIndex, rs: RangeSlot) -> int:
+    return max((index[name].nbytes for name in rs.range.tensors), default=0)
+
+
+def load_order(
+    index: WeightIndex, layouts: Sequence[BufferLayout]
+) -> list[tuple[BufferLayout, RangeSlot]]:
+    """Ranges in the order they are read: staged (device) ranges first, biggest tensor
+    first; then host ranges in file order; lazy ranges last (they are only mapped)."""
+    staged = [(lay, rs) for lay in layouts if not lay.plan.host for rs in lay.slots]
+    host = [(lay, rs) for lay in layouts if lay.plan.host and not lay.plan.lazy for rs in lay.slots]
+    lazy = [(lay, rs) for lay in layouts if lay.plan.host and lay.plan.lazy for rs in lay.slots]
+    staged.sort(key=lambda item: -_biggest_tensor(index, item[1]))
+    host.sort(key=lambda item: (item[1].range.file_index, item[1].range.start))
+    return staged + host + lazy
+
+
+def read_jobs(
+    ordered: Sequence[tuple[BufferLayout, RangeSlot]],
+    chunk_bytes: int,
+    *,
+    aligned: bool,
+) -> Iterator[ReadJob]:
+    """Split every range into reads of at most ``chunk_bytes``.
+
+    ``aligned`` reads cover the widened slot (O_DIRECT needs aligned offsets and
+    lengths); unaligned reads cover exactly the range's bytes.
+    """
+    seq = 0
+    for layout, rs in ordered:
+        r = rs.range
+        start, end = (rs.file_start, rs.file_end) if aligned else (r.start, r.end)
+        offset = start
+        while offset < end:
+            raise_if_stopped()  # once per job (a model of hundreds of GiB has 10^4)
+            n = min(chunk_bytes, end - offset)
+            yield ReadJob(
+                seq=seq,
+                buffer_index=layout.index,
+                file_index=r.file_index,
+                file_offset=offset,
+                nbytes=n,
+                buffer_offset=rs.buffer_offset_of(offset),
+                useful_start=max(offset, r.start),
+                useful_end=min(offset + n, r.end),
+                lazy=layout.plan.lazy,
+            )
+            seq += 1
+            offset += n
+
+
+# Jobs smaller than this are not worth a reader of their own.
+MIN_SPREAD_BYTES = 1 << 20
+# A mapped job is one call that makes its pages resident, whose cost is mostly per call
+# when the file is cached: fewer, larger calls (still several per GiB, for progress).
+MIN_MAPPED_JOB_BYTES = 256 << 20
+
+
+def job_bytes(
+    chunk_bytes: int,
+    layouts: Sequence[BufferLayout],
+    readers: int,
+    alignment: int,
+    *,
+    mapped: bool = False,
+) -> int:
+    """How big a host job is: ``chunk_bytes`` (``mapped``: at least
+    ``MIN_MAPPED_JOB_BYTES``), or less for a model too small to give every reader a job
+    of that size, so that its readers share it (down to ``MIN_SPREAD_BYTES``); a
+    multiple of ``alignment``."""
+    if mapped:
+        chunk_bytes = max(chunk_bytes, MIN_MAPPED_JOB_BYTES)
+    host = sum(lay.nbytes for lay in layouts if lay.plan.host and not lay.plan.lazy)
+    spread = max(-(-host // max(readers, 1)), MIN_SPREAD_BYTES)
+    return align_up(min(chunk_bytes, spread), alignment)
+
+
+def split_jobs(
+    index: WeightIndex,
+    layouts: Sequence[BufferLayout],
+    chunk_bytes: int,
+    *,
+    host_bytes: int,
+    slot_bytes: int | None,
+    aligned: bool,
+) -> tuple[list[list[ReadJob]], list[ReadJob]]:
+    """Host jobs per file (at most ``host_bytes``: ``job_bytes``), and device jobs (at
+    most ``chunk_bytes`` and ``slot_bytes``: each fills one staging slot), each in load
+    order. Lazy ranges are only mapped, never read."""
+    ordered = [item for item in load_order(index, layouts) if not item[0].plan.lazy]
+    staged = [item for item in ordered if not item[0].plan.host]
+    hosted = [item for item in ordered if item[0].plan.host]
+    device_jobs: list[ReadJob] = []
+    if staged:
+        assert slot_bytes is not None, "device buffers need a staging slot size"
+        device_jobs = list(read_jobs(staged, min(chunk_bytes, slot_bytes), aligned=aligned))
+    per_file: list[list[ReadJob]] = [[] for _ in index.files]
+    for job in read_jobs(hosted, host_bytes, aligned=aligned):
+        per_file[job.file_index].append(job)
+    return per_file, device_jobs

@@ -1,19 +1,16 @@
-"""The allocate stage: lay out one buffer per planned group and hand out read jobs.
+"""The allocate stage: the memory of each buffer image laid out by ``aiogguf.jobs``.
 
 Each planned buffer becomes an image of the file ranges it holds (design §2.1). Host
 buffers are page-aligned anonymous memory (``none``, ``direct``) or mappings of exactly
 the group's ranges (``mmap``, ``mlock``), allocated in one blocking call with the plan
 (``allocate_host_images``); device buffers come from the device backend (``Allocation``).
-Work is emitted in load order: device-bound ranges first, those holding the biggest
-tensors first; host ranges after, in file order (sequential reads are the fastest).
 The stage also owns the advice its mappings get (``advise``); in mode ``mlock`` the read
 stage locks them as it makes them resident.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
@@ -21,205 +18,20 @@ from aiogguf.config import HugePages
 from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.buffers import HUGE_PAGE_BYTES, PAGE_BYTES, HostBuffer, huge_pages_pay
 from aiogguf.io.devices.base import DeviceBuffer
-from aiogguf.io.files import DataFile, align_down, align_up
+from aiogguf.io.files import DataFile
 from aiogguf.io.mapping import FileMapping, MapAdvice, numa_nodes
 from aiogguf.io.workers import raise_if_stopped
-from aiogguf.jobs import BufferLayout, RangeSlot, ReadJob, StageMeter, StageTimes, TensorSlot
-from aiogguf.records import Plan, WeightIndex
+from aiogguf.jobs import BufferLayout, StageMeter, StageTimes
 
 __all__ = [
     "Allocation",
-    "TensorSpans",
     "advise",
     "allocate_host",
     "allocate_host_images",
     "allocate_mapped",
     "close_images",
-    "job_bytes",
-    "layout_buffers",
-    "load_order",
-    "read_jobs",
-    "split_jobs",
-    "tensor_slots",
     "wants_huge_pages",
 ]
-
-
-def layout_buffers(plan: Plan, alignment: int) -> tuple[BufferLayout, ...]:
-    """The image layout of every planned buffer. Each range gets a slot widened to
-    ``alignment`` at both ends, placed at an aligned offset of the buffer."""
-    layouts: list[BufferLayout] = []
-    for index, buffer in enumerate(plan.buffers):
-        slots: list[RangeSlot] = []
-        cursor = 0
-        for r in buffer.ranges:
-            start, end = align_down(r.start, alignment), align_up(r.end, alignment)
-            slots.append(RangeSlot(r, start, end, cursor))
-            cursor += end - start
-        layouts.append(BufferLayout(index, buffer, tuple(slots), cursor))
-    return tuple(layouts)
-
-
-def tensor_slots(index: WeightIndex, layouts: Sequence[BufferLayout]) -> dict[str, TensorSlot]:
-    """Where each tensor sits in its buffer image."""
-    slots: dict[str, TensorSlot] = {}
-    for layout in layouts:
-        for rs in layout.slots:
-            for name in rs.range.tensors:
-                entry = index[name]
-                slots[name] = TensorSlot(
-                    name=name,
-                    buffer_index=layout.index,
-                    buffer_offset=rs.buffer_offset_of(entry.offset),
-                    nbytes=entry.nbytes,
-                    file_index=entry.file_index,
-                    file_offset=entry.offset,
-                )
-    return slots
-
-
-class TensorSpans:
-    """Each loaded buffer's tensors by file offset, for finding the tensors a read
-    touched. Built once, read-only afterwards: any thread may use it."""
-
-    def __init__(self, index: WeightIndex, layouts: Sequence[BufferLayout]) -> None:
-        self._spans: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
-        for layout in layouts:
-            if layout.plan.lazy:
-                continue
-            for rs in layout.slots:
-                spans = self._spans.setdefault((layout.index, rs.range.file_index), [])
-                spans.extend((index[n].offset, index[n].end, n) for n in rs.range.tensors)
-        for spans in self._spans.values():
-            spans.sort()
-        # The spans' starts apart: a bisect without a key function (a read's every
-        # piece looks its tensors up here).
-        self._starts = {key: [s[0] for s in spans] for key, spans in self._spans.items()}
-
-    def sizes(self) -> dict[str, int]:
-        """Each loaded tensor's bytes, by name."""
-        return {name: end - start for spans in self._spans.values() for start, end, name in spans}
-
-    def overlapping(
-        self, buffer_index: int, file_index: int, start: int, end: int
-    ) -> Iterator[tuple[int, int, str]]:
-        """``(lo, hi, name)``: the part ``[lo, hi)`` of each tensor inside ``[start, end)``."""
-        key = (buffer_index, file_index)
-        spans = self._spans.get(key)
-        if spans is None:
-            return
-        i = max(bisect.bisect_right(self._starts[key], start) - 1, 0)
-        n = len(spans)
-        while i < n:
-            t_start, t_end, name = spans[i]
-            if t_start >= end:
-                return
-            lo, hi = max(t_start, start), min(t_end, end)
-            if lo < hi:
-                yield lo, hi, name
-            i += 1
-
-
-def _biggest_tensor(index: WeightIndex, rs: RangeSlot) -> int:
-    return max((index[name].nbytes for name in rs.range.tensors), default=0)
-
-
-def load_order(
-    index: WeightIndex, layouts: Sequence[BufferLayout]
-) -> list[tuple[BufferLayout, RangeSlot]]:
-    """Ranges in the order they are read: staged (device) ranges first, biggest tensor
-    first; then host ranges in file order; lazy ranges last (they are only mapped)."""
-    staged = [(lay, rs) for lay in layouts if not lay.plan.host for rs in lay.slots]
-    host = [(lay, rs) for lay in layouts if lay.plan.host and not lay.plan.lazy for rs in lay.slots]
-    lazy = [(lay, rs) for lay in layouts if lay.plan.host and lay.plan.lazy for rs in lay.slots]
-    staged.sort(key=lambda item: -_biggest_tensor(index, item[1]))
-    host.sort(key=lambda item: (item[1].range.file_index, item[1].range.start))
-    return staged + host + lazy
-
-
-def read_jobs(
-    ordered: Sequence[tuple[BufferLayout, RangeSlot]],
-    chunk_bytes: int,
-    *,
-    aligned: bool,
-) -> Iterator[ReadJob]:
-    """Split every range into reads of at most ``chunk_bytes``.
-
-    ``aligned`` reads cover the widened slot (O_DIRECT needs aligned offsets and
-    lengths); unaligned reads cover exactly the range's bytes.
-    """
-    seq = 0
-    for layout, rs in ordered:
-        r = rs.range
-        start, end = (rs.file_start, rs.file_end) if aligned else (r.start, r.end)
-        offset = start
-        while offset < end:
-            raise_if_stopped()  # once per job (a model of hundreds of GiB has 10^4)
-            n = min(chunk_bytes, end - offset)
-            yield ReadJob(
-                seq=seq,
-                buffer_index=layout.index,
-                file_index=r.file_index,
-                file_offset=offset,
-                nbytes=n,
-                buffer_offset=rs.buffer_offset_of(offset),
-                useful_start=max(offset, r.start),
-                useful_end=min(offset + n, r.end),
-                lazy=layout.plan.lazy,
-            )
-            seq += 1
-            offset += n
-
-
-# Jobs smaller than this are not worth a reader of their own.
-MIN_SPREAD_BYTES = 1 << 20
-# A mapped job is one call that makes its pages resident, whose cost is mostly per call
-# when the file is cached: fewer, larger calls (still several per GiB, for progress).
-MIN_MAPPED_JOB_BYTES = 256 << 20
-
-
-def job_bytes(
-    chunk_bytes: int,
-    layouts: Sequence[BufferLayout],
-    readers: int,
-    alignment: int,
-    *,
-    mapped: bool = False,
-) -> int:
-    """How big a host job is: ``chunk_bytes`` (``mapped``: at least
-    ``MIN_MAPPED_JOB_BYTES``), or less for a model too small to give every reader a job
-    of that size, so that its readers share it (down to ``MIN_SPREAD_BYTES``); a
-    multiple of ``alignment``."""
-    if mapped:
-        chunk_bytes = max(chunk_bytes, MIN_MAPPED_JOB_BYTES)
-    host = sum(lay.nbytes for lay in layouts if lay.plan.host and not lay.plan.lazy)
-    spread = max(-(-host // max(readers, 1)), MIN_SPREAD_BYTES)
-    return align_up(min(chunk_bytes, spread), alignment)
-
-
-def split_jobs(
-    index: WeightIndex,
-    layouts: Sequence[BufferLayout],
-    chunk_bytes: int,
-    *,
-    host_bytes: int,
-    slot_bytes: int | None,
-    aligned: bool,
-) -> tuple[list[list[ReadJob]], list[ReadJob]]:
-    """Host jobs per file (at most ``host_bytes``: ``job_bytes``), and device jobs (at
-    most ``chunk_bytes`` and ``slot_bytes``: each fills one staging slot), each in load
-    order. Lazy ranges are only mapped, never read."""
-    ordered = [item for item in load_order(index, layouts) if not item[0].plan.lazy]
-    staged = [item for item in ordered if not item[0].plan.host]
-    hosted = [item for item in ordered if item[0].plan.host]
-    device_jobs: list[ReadJob] = []
-    if staged:
-        assert slot_bytes is not None, "device buffers need a staging slot size"
-        device_jobs = list(read_jobs(staged, min(chunk_bytes, slot_bytes), aligned=aligned))
-    per_file: list[list[ReadJob]] = [[] for _ in index.files]
-    for job in read_jobs(hosted, host_bytes, aligned=aligned):
-        per_file[job.file_index].append(job)
-    return per_file, device_jobs
 
 
 # Smaller images stay in 4 KiB pages: the faults huge pages save them are few, and the

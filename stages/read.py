@@ -41,7 +41,7 @@ from aiogguf.io.files import DataFile, FileAdvice, open_file
 from aiogguf.io.mapping import FileMapping
 from aiogguf.io.opener import OpenFiles
 from aiogguf.io.workers import Call, LoadThreads, raise_if_stopped
-from aiogguf.jobs import BufferLayout, ReadJob, StageTimes
+from aiogguf.jobs import BufferLayout, PieceSink, ReadJob, StageTimes
 from aiogguf.records import Plan, WeightIndex
 
 __all__ = [
@@ -150,7 +150,7 @@ class ByteSwap:
         self._layouts = layouts
 
     @staticmethod
-    def check(index: WeightIndex, plan: Plan) -> None:
+    def raise_if_unconvertible(index: WeightIndex, plan: Plan) -> None:
         """Raise ``BigEndianError`` for the first tensor whose type has no one obvious
         byte order, before anything is read."""
         for t in plan.tensors:
@@ -200,8 +200,8 @@ class Reader:
     """Executes one load's read jobs, one at a time, on the calling thread (``HostReads``
     runs the host ones; the upload stage's transfer threads call ``fill_slot``), and
     counts what landed. ``swap`` (big-endian files) converts the bytes of a landed job in
-    place before anyone else sees them; ``check(job, file_offset, piece)`` validates each
-    piece of a host buffer as soon as it has landed: buffered reads on the reader's own
+    place before anyone else sees them; ``pieces`` (a ``PieceSink``, the engine's
+    choice) gets each piece as soon as it has landed: buffered reads on the reader's own
     thread, while the piece is still in the CPU's cache; ``O_DIRECT`` reads (which land
     by DMA, not through the cache) once landed (``check_landed``), on a check thread,
     so that the disk gets its next read while the last one is checked."""
@@ -214,7 +214,7 @@ class Reader:
         direct: Sequence[bool],
         clock: Callable[[], float],
         swap: Callable[[ReadJob, memoryview], None] | None = None,
-        check: Callable[[ReadJob, int, memoryview], None] | None = None,
+        pieces: PieceSink | None = None,
         lock: bool = False,
     ) -> None:
         self._files = files
@@ -222,7 +222,7 @@ class Reader:
         self._direct = direct
         self._clock = clock
         self._swap = swap
-        self._check = check
+        self._pieces = pieces
         self._lock = lock
         self.lock_refusal: str | None = None  # the kernel's first refusal to lock
         self.stats = [FileStats() for _ in files]
@@ -273,13 +273,13 @@ class Reader:
             return
         assert isinstance(image, HostImage)
         dest = image.dest(job)
-        if self._check is not None and not self._direct[job.file_index]:
+        if self._pieces is not None and not self._direct[job.file_index]:
             self._check_pieces(job, dest, read=True)
             return
         self._read_into(job, dest)
         if self._swap is not None:
             self._swap(job, dest)
-        if self._check is not None and not self.checks_apart(job.file_index):
+        if self._pieces is not None and not self.checks_apart(job.file_index):
             self._check_pieces(job, dest, read=False)
 
     def check_landed(self, job: ReadJob) -> None:
@@ -290,7 +290,7 @@ class Reader:
 
     def checks_apart(self, file_index: int) -> bool:
         """Whether the file's jobs are checked on the check threads, after the read."""
-        return self._check is not None and self._direct[file_index]
+        return self._pieces is not None and self._direct[file_index]
 
     def _resident_locked(self, mapping: FileMapping, job: ReadJob, image: MappedImage) -> bool:
         """Mode ``mlock``: lock the job's pages and read them in; False when they are not
@@ -316,7 +316,7 @@ class Reader:
         whole by then (a unit is scanned once, however many pieces cover it). Only the
         units that straddle two jobs are left for the end of the tensor, which for a
         device tensor means copying them back from the device."""
-        assert self._check is not None
+        assert self._pieces is not None
         useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
         previous = 0
         for lo in range(0, len(useful), CHECK_PIECE_BYTES):
@@ -324,7 +324,7 @@ class Reader:
             hi = min(lo + CHECK_PIECE_BYTES, len(useful))
             if read:
                 self._files[job.file_index].read_into(useful[lo:hi], job.useful_start + lo)
-            self._check(job, job.useful_start + previous, useful[previous:hi])
+            self._pieces(job, job.useful_start + previous, useful[previous:hi])
             previous = lo
 
     def _read_into(self, job: ReadJob, dest: memoryview) -> None:
@@ -342,13 +342,13 @@ class Reader:
         file's native byte order, and check it: buffered reads piece by piece as they
         land (a slot is bigger than the CPU's cache), ``O_DIRECT`` reads once the slot is
         full. Runs on a transfer thread, before the slot's copy is queued."""
-        if self._check is not None and not self._direct[job.file_index]:
+        if self._pieces is not None and not self._direct[job.file_index]:
             self._check_pieces(job, slot, read=True)
             return
         self._read_into(job, slot)
         if self._swap is not None:
             self._swap(job, slot)
-        if self._check is not None:
+        if self._pieces is not None:
             self._check_pieces(job, slot, read=False)
 
 

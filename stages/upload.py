@@ -58,13 +58,9 @@ from aiogguf.io.devices.arena import ArenaGrant, device_arena
 from aiogguf.io.devices.base import CopyEvent, CopyStream, Device, DeviceBuffer, UploadTarget
 from aiogguf.io.devices.pool import PooledSlot, SlotLease, StagingPool, staging_pool
 from aiogguf.io.workers import LoadThreads
-from aiogguf.jobs import ReadJob
+from aiogguf.jobs import ReadJob, SlotFill
 
-__all__ = ["DeviceUploadStats", "Fill", "Landed", "Uploader", "UploaderState"]
-
-Fill = Callable[[ReadJob, memoryview], None]
-"""Writes a job's ``nbytes`` into the view it is given, and checks them (runs on a
-transfer thread)."""
+__all__ = ["DeviceUploadStats", "Landed", "Uploader", "UploaderState"]
 
 Landed = Callable[[ReadJob], None]
 """Told on the loop's thread that a job's copy was queued."""
@@ -95,7 +91,7 @@ class UploaderState(Enum):
 
 
 @dataclass(slots=True)
-class _Tally:
+class _DeviceCounts:
     """One device's counters, summed over the transfer threads (under ``Uploader._lock``)."""
 
     asynchronous: bool
@@ -109,7 +105,7 @@ class _Tally:
     fill_s: float = 0.0
 
 
-class _Lane:
+class _TransferLane:
     """One transfer thread's way to one device: its stream, its leased slots (used
     round robin) and its counts. Only its own thread touches it."""
 
@@ -149,7 +145,7 @@ class _Lane:
         pool_cap: int,
         stop: threading.Event,
         skip_wait: bool,
-    ) -> _Lane | None:
+    ) -> _TransferLane | None:
         """Lease the slots and open the stream; None when stopped while waiting for a
         slot."""
         asynchronous = _asynchronous(target)
@@ -177,7 +173,7 @@ class _Lane:
         self.wait_s += time.perf_counter() - start
         return pooled
 
-    def stage(self, job: ReadJob, dest: DeviceBuffer, fill: Fill) -> None:
+    def stage(self, job: ReadJob, dest: DeviceBuffer, fill: SlotFill) -> None:
         """Wait for a slot, fill it, issue its copy."""
         pooled = self._next_slot()
         slot = pooled.slot
@@ -262,7 +258,7 @@ class Uploader:
         self._skip_wait = _unsafe_skip_slot_wait
         self._grants: list[ArenaGrant] = []
         self._done: dict[str, list[CopyEvent]] = {}  # per device: each stream's last copy
-        self._tallies: dict[str, _Tally] = {}
+        self._counts: dict[str, _DeviceCounts] = {}
         self._lock = threading.Lock()
         # Allocations and frees of device memory: not on the transfer threads, which may
         # be busy with another device's jobs.
@@ -332,7 +328,7 @@ class Uploader:
             # Recorded in the thread: a cancelled await cannot lose the buffer.
             self._grants.append(grant)
             with self._lock:
-                _tally(self._tallies, device, target).device_bytes += grant.allocated_bytes
+                _counts_of(self._counts, device, target).device_bytes += grant.allocated_bytes
             return grant.buffer
 
         return await self._device_thread.run_sync(allocate_and_keep)
@@ -340,7 +336,7 @@ class Uploader:
     async def transfer(
         self,
         jobs: Sequence[tuple[ReadJob, DeviceBuffer]],
-        fill: Fill,
+        fill: SlotFill,
         *,
         landed: Landed | None = None,
     ) -> None:
@@ -396,7 +392,7 @@ class Uploader:
                     wait_s=t.wait_s,
                     fill_s=t.fill_s,
                 )
-                for name, t in self._tallies.items()
+                for name, t in self._counts.items()
             )
 
     # -- the transfer threads -----------------------------------------------------------
@@ -404,12 +400,12 @@ class Uploader:
     def _work(
         self,
         queue: deque[tuple[ReadJob, DeviceBuffer]],
-        fill: Fill,
+        fill: SlotFill,
         landed: Landed | None,
         stop: threading.Event,
     ) -> None:
         """One transfer thread: jobs from ``queue`` until it is empty or ``stop`` is set."""
-        lanes: dict[str, _Lane] = {}
+        lanes: dict[str, _TransferLane] = {}
         try:
             while not stop.is_set():
                 try:
@@ -418,7 +414,7 @@ class Uploader:
                     break
                 lane = lanes.get(dest.device)
                 if lane is None:
-                    lane = _Lane.open(
+                    lane = _TransferLane.open(
                         self._target(dest.device),
                         dest.device,
                         slots=self._per_thread,
@@ -440,7 +436,7 @@ class Uploader:
         finally:
             self._close_lanes(lanes.values())
 
-    def _close_lanes(self, lanes: Iterable[_Lane]) -> None:
+    def _close_lanes(self, lanes: Iterable[_TransferLane]) -> None:
         """Wait for every copy of the lanes, close their streams, give their slots back,
         add their counts to the load's. Raises the first copy failure."""
         first: BaseException | None = None
@@ -449,7 +445,7 @@ class Uploader:
             failure = lane.close()
             first = first or failure
             with self._lock:
-                tally = _tally(self._tallies, lane.device, lane.pool.target)
+                tally = _counts_of(self._counts, lane.device, lane.pool.target)
                 if lane.done is not None:
                     self._done.setdefault(lane.device, []).append(lane.done)
                 tally.slots += slots
@@ -473,11 +469,13 @@ class Uploader:
         return device
 
 
-def _tally(tallies: dict[str, _Tally], device: str, target: UploadTarget) -> _Tally:
+def _counts_of(
+    tallies: dict[str, _DeviceCounts], device: str, target: UploadTarget
+) -> _DeviceCounts:
     """The device's counters in ``tallies`` (the caller holds the uploader's lock)."""
     tally = tallies.get(device)
     if tally is None:
-        tally = tallies[device] = _Tally(_asynchronous(target))
+        tally = tallies[device] = _DeviceCounts(_asynchronous(target))
     return tally
 
 

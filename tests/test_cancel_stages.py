@@ -26,9 +26,10 @@ import pytest
 
 import aiogguf
 from aiogguf import engine
+from aiogguf import jobs as job_records
 from aiogguf.io import _libc
 from aiogguf.io.workers import raise_if_stopped
-from aiogguf.stages import allocate, index, plan, validate
+from aiogguf.stages import index, plan, validate
 from aiogguf.stages.parse import _HeaderParser
 from aiogguf.stages.read import Reader
 from aiogguf.testing.synth import write_synthetic_model
@@ -115,7 +116,7 @@ def _hold(stage: str, hold: Hold, monkeypatch: pytest.MonkeyPatch, files: dict[s
         monkeypatch.setattr(plan, "_choose", hold.slowed(plan._choose, 0.0005))
         return many
     if stage == "layout":  # cutting the read jobs: 256 of them
-        monkeypatch.setattr(allocate, "ReadJob", hold.slowed(allocate.ReadJob, 0.02))
+        monkeypatch.setattr(job_records, "ReadJob", hold.slowed(job_records.ReadJob, 0.02))
         return files["synth"], {"mode": "none", "check_tensors": False, **jobs}
     if stage == "read":
         monkeypatch.setattr(Reader, "read", hold.slowed(Reader.read, 0.05))

@@ -50,13 +50,13 @@ RAW = "\n".join(
         f"thread (11): Thread-1 (_spinner_loop);{BOOT};_spinner_loop (gil_budget.py:80) 500",
         # The sim's copy engine and its copy queue: excluded, by name.
         f"thread (12): aiogguf-sim-copy-g0;{BOOT};SimCopyStream._run (sim.py:744) 7",
-        f"thread (13): aiogguf-transfer-0;{BOOT};_Lane.stage (upload.py:192);"
+        f"thread (13): aiogguf-transfer-0;{BOOT};_TransferLane.stage (upload.py:192);"
         "SimCopyStream.copy_async (sim.py:641);_fingerprint (sim.py:509) 5",
         # The load's own: counted, by innermost function and thread.
-        f"thread (13): aiogguf-transfer-0;{BOOT};_Lane.stage (upload.py:178);"
+        f"thread (13): aiogguf-transfer-0;{BOOT};_TransferLane.stage (upload.py:178);"
         "DataFile._pread_loop (aiogguf/io/files.py:397) 9",
-        f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/stages/validate.py:146) 4",
-        f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/stages/validate.py:151) 2",
+        f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/checks.py:146) 4",
+        f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/checks.py:151) 2",
         "thread (10): MainThread;<module> (x.py:1);BaseEventLoop._run_once (base_events.py:1) 3",
         # The load's one-off front: counted, and counted apart too.
         f"thread (15): aiogguf-load-0;{BOOT};_Front.parse_and_plan (engine.py:505);"
@@ -76,7 +76,7 @@ def test_samples_are_sorted_into_spinner_excluded_and_counted() -> None:
     assert s["front"] == 4
     # Lines of one function are summed; the most frequent first.
     assert s["functions"][0] == ("DataFile._pread_loop (files.py)", 9)
-    assert ("_Screen.clear (validate.py)", 6) in s["functions"]
+    assert ("_Screen.clear (checks.py)", 6) in s["functions"]
     assert dict(s["threads"]) == {
         "aiogguf-transfer": 9,
         "aiogguf-reader": 6,

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.images": 1,
     "aiogguf.config": 1,
     "aiogguf.rehearsal": 1,
+    "aiogguf.checks": 1,
     "aiogguf.model": 2,
     "aiogguf.devices": 2,
     "aiogguf.stages": 3,
@@ -138,4 +139,33 @@ def test_the_cli_uses_the_api_not_the_stages() -> None:
         if source.startswith("aiogguf.cli")
         and target.startswith(("aiogguf.stages", "aiogguf.engine"))
     ]
+    assert reaching_in == []
+
+
+def _classes_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def test_no_stage_imports_another_stages_class() -> None:
+    """A stage depends on records and protocols (``aiogguf.jobs``, ``aiogguf.records``)
+    that the engine wires, never on another stage's classes: the reader gets a piece
+    sink, not the validate stage; the upload stage gets a fill function, not the reader.
+    (Helper functions and constants, such as the index's layer regex, may be shared.)"""
+    known = _modules()
+    reaching_in: list[str] = []
+    for module, path in known.items():
+        if _stage(module) is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.module is None:
+                continue
+            target = known.get(node.module)
+            if target is None or _stage(node.module) is None or node.module == module:
+                continue
+            reaching_in += [
+                f"{module} imports class {a.name} of {node.module}"
+                for a in node.names
+                if a.name in _classes_of(target)
+            ]
     assert reaching_in == []

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from aiogguf.checks import PieceCheck, TensorChecker
 from aiogguf.io.devices.cpu import CpuDevice
 from aiogguf.io.devices.sim import SimDevice
 from aiogguf.report import LoadReport
-from aiogguf.stages.validate import PieceCheck, TensorChecker
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 api = pytest.importorskip("aiogguf.api")

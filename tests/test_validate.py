@@ -23,11 +23,12 @@ from gguf_oracle import reference_reader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aiogguf.checks import TensorChecker, check_tensor, precheck
 from aiogguf.errors import TensorFailure, TensorValidationError
 from aiogguf.io.ggml_types import GGML_TYPES, GGMLType, ScaleKind, TypeKind, ggml_type
 from aiogguf.io.ggml_types import ggml_type_by_name as by_name
 from aiogguf.io.workers import LoadThreads
-from aiogguf.stages.validate import TensorChecker, ValidationCollector, check_tensor, precheck
+from aiogguf.stages.validate import ValidationCollector
 
 VALID = [t for t in GGML_TYPES.values() if t.valid]
 REMOVED = [t for t in GGML_TYPES.values() if not t.valid]

@@ -11,9 +11,9 @@ from corrupt import expected_bad, fill_ff, make_valid, plant_bf16_nan, plant_ele
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aiogguf.checks import PieceCheck, check_tensor
 from aiogguf.io.ggml_types import GGML_TYPES, GGMLType, TypeKind
 from aiogguf.io.ggml_types import ggml_type_by_name as by_name
-from aiogguf.stages.validate import PieceCheck, check_tensor
 
 VALID = [t for t in GGML_TYPES.values() if t.valid]
 REMOVED = [t for t in GGML_TYPES.values() if not t.valid]

@@ -17,8 +17,8 @@ from aiogguf.config import Config
 from aiogguf.io.devices.arena import device_arenas
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.workers import LoadThreads
-from aiogguf.jobs import ReadJob
-from aiogguf.stages.upload import DeviceUploadStats, Fill, Uploader
+from aiogguf.jobs import ReadJob, SlotFill
+from aiogguf.stages.upload import DeviceUploadStats, Uploader
 
 KiB = 1024
 
@@ -76,7 +76,7 @@ def plan_targets(
     return targets
 
 
-def fill_from(targets: Sequence[Target]) -> Fill:
+def fill_from(targets: Sequence[Target]) -> SlotFill:
     """A fill that writes each job's bytes of its target (``buffer_index`` = position)."""
 
     def fill(job: ReadJob, view: memoryview) -> None:

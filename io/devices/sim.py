@@ -709,7 +709,7 @@ class _Copy:
     crc: int
 
 
-class _State(Enum):
+class _StreamState(Enum):
     OPEN = "open"
     CLOSED = "closed"
 
@@ -728,7 +728,7 @@ class SimCopyStream:
         self._completed = 0
         self._error: BaseException | None = None
         self._closing = False
-        self._state = _State.OPEN
+        self._state = _StreamState.OPEN
         self._sync_lock = threading.Lock()  # one synchronous copy at a time
         self.copies_done: int = 0
         owner._count(streams=1)
@@ -781,9 +781,9 @@ class SimCopyStream:
             self._raise_failure()
 
     def close(self) -> None:
-        if self._state is _State.CLOSED:
+        if self._state is _StreamState.CLOSED:
             return
-        self._state = _State.CLOSED
+        self._state = _StreamState.CLOSED
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -817,7 +817,7 @@ class SimCopyStream:
     # -- internals ------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._state is not _State.OPEN:
+        if self._state is not _StreamState.OPEN:
             raise RuntimeError(f"device {self.device}: copy stream used after close")
 
     def _check_copy(self, dest: DeviceBuffer, dest_offset: int, nbytes: int) -> SimDeviceBuffer:
