@@ -104,3 +104,17 @@ def test_pyright_finds_the_installed_package_typed() -> None:
     score = report["completenessScore"]
     assert isinstance(score, float)
     assert score >= verify_types.MIN_SCORE, f"type completeness {score:.1%}"
+
+
+@pytest.mark.slow
+def test_pyright_resolves_every_import_of_the_repository() -> None:
+    """pyright, run on the repository as the README installs it, finds every module that
+    code, tests and benchmarks import (the optional CuPy and llama-cpp-python are marked
+    where they are imported)."""
+    executable = verify_types.pyright()
+    if executable is None:
+        if os.environ.get("CI"):
+            pytest.fail("basedpyright is not installed: the dev extra brings it")
+        pytest.skip("basedpyright is not installed (pip install -e '.[dev]')")
+    unresolved = verify_types.unresolved_imports(executable, verify_types.REPOSITORY)
+    assert unresolved == []

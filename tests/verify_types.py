@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 MIN_SCORE = 0.95
+REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def pyright() -> str | None:
@@ -38,6 +39,25 @@ def completeness(executable: str) -> dict[str, object]:
         )
     report: dict[str, object] = json.loads(result.stdout)["typeCompleteness"]
     return report
+
+
+def unresolved_imports(executable: str, root: Path) -> list[str]:
+    """``file:line: message`` of each import pyright cannot resolve in ``root``."""
+    result = subprocess.run(
+        [executable, "--outputjson", str(root)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    found: list[str] = []
+    for diagnostic in json.loads(result.stdout)["generalDiagnostics"]:
+        if diagnostic.get("rule") in ("reportMissingImports", "reportMissingModuleSource"):
+            where = Path(diagnostic["file"]).relative_to(root)
+            line = diagnostic["range"]["start"]["line"] + 1
+            found.append(f"{where}:{line}: {diagnostic['message']}")
+    return found
 
 
 def main() -> int:

@@ -73,7 +73,7 @@ def import_cupy() -> Any | None:
     broken install is said once, as a ``RuntimeWarning``: the load then runs without
     GPUs, which the user should hear of)."""
     try:
-        import cupy
+        import cupy  # pyright: ignore[reportMissingImports]  (the optional cupy extra)
     except ImportError:
         return None
     except Exception as exc:  # a broken CUDA install raises from cupy's own import machinery

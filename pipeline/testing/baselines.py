@@ -388,7 +388,7 @@ def np_memmap_touch_s(path: str | os.PathLike[str], *, cold: bool = False) -> fl
 def pinned_copy_gbps(nbytes: int = 256 << 20, *, runs: int = 3) -> float | None:
     """Host-to-device copy from pinned memory on GPU 0 (CuPy), or None without one."""
     try:
-        import cupy
+        import cupy  # pyright: ignore[reportMissingImports]  (the optional cupy extra)
     except ImportError:
         return None
     try:
