@@ -465,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     from aiogguf.testing.baselines import warm_file
-    from aiogguf.testing.synth import ensure_synthetic_model
+    from aiogguf.testing.synth_cache import ensure_synthetic_model
     from aiogguf.units import parse_size
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

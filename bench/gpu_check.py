@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from aiogguf.testing.synth import ensure_synthetic_model
+from aiogguf.testing.synth_cache import ensure_synthetic_model
 from aiogguf.units import parse_size
 
 GB = 1e9

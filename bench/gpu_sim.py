@@ -52,7 +52,7 @@ from typing import Any
 from aiogguf.config import Config, SimDeviceConfig
 from aiogguf.errors import GGUFError
 from aiogguf.testing.bench import SETTLE_S, settle
-from aiogguf.testing.synth import ensure_synthetic_model
+from aiogguf.testing.synth_cache import ensure_synthetic_model
 from aiogguf.units import parse_size
 
 GB = 1e9

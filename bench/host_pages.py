@@ -202,7 +202,7 @@ def main() -> None:
     if args.path:
         path = Path(args.path)
     else:
-        from aiogguf.testing.synth import ensure_bench_model
+        from aiogguf.testing.synth_cache import ensure_bench_model
 
         path, _ = ensure_bench_model(args.dir, args.size)
     file_bytes = path.stat().st_size

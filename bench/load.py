@@ -50,7 +50,7 @@ from aiogguf.testing.bench import (
     measure_in_subprocess,
     settle,
 )
-from aiogguf.testing.synth import ensure_bench_model
+from aiogguf.testing.synth_cache import ensure_bench_model
 from aiogguf.units import format_bytes
 
 MiB = 1 << 20

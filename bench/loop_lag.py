@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from aiogguf.testing.bench import SETTLE_S, settle
-from aiogguf.testing.synth import ensure_synthetic_model
+from aiogguf.testing.synth_cache import ensure_synthetic_model
 from aiogguf.units import parse_size
 
 MiB = 1 << 20

@@ -20,7 +20,7 @@ import aiogguf
 from aiogguf.config import Config
 from aiogguf.report import LoadReport
 from aiogguf.testing.baselines import drop_or_warm
-from aiogguf.testing.synth import ensure_synthetic_model
+from aiogguf.testing.synth_cache import ensure_synthetic_model
 from aiogguf.units import parse_size
 
 

@@ -675,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NO_PEER
     say(f"llama-cpp-python {info['version']}, llama.cpp load modes: {info['load_modes']}")
 
-    from aiogguf.testing.synth import ensure_bench_model
+    from aiogguf.testing.synth_cache import ensure_bench_model
 
     if args.path:
         model_path = Path(args.path)

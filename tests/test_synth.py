@@ -19,10 +19,9 @@ from aiogguf.testing.synth import (
     CorruptionKind,
     SynthModel,
     SynthTensor,
-    default_demo_path,
-    ensure_synthetic_model,
     write_synthetic_model,
 )
+from aiogguf.testing.synth_cache import default_demo_path, ensure_synthetic_model
 
 MiB = 1024**2
 VT = gguf.GGUFValueType

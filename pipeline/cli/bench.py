@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.path)
     else:
         with needs_demo_extra("the benchmark's synthetic model"):
-            from aiogguf.testing.synth import default_demo_path, ensure_synthetic_model
+            from aiogguf.testing.synth_cache import default_demo_path, ensure_synthetic_model
         size = positive_size(args.size or size_text, "--size")
         path = default_demo_path(args.dir, size_bytes=size)
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     with needs_demo_extra("the demo's synthetic model"):
-        from aiogguf.testing.synth import default_demo_path, ensure_synthetic_model
+        from aiogguf.testing.synth_cache import default_demo_path, ensure_synthetic_model
     console = Console()
     # A bad argument is the user's error (exit 2 with one line), not a crash.
     size = positive_size(args.size, "--size")
