@@ -27,15 +27,15 @@ Every load runs as a task of one task group that the application owns: its start
 opens the group, its shutdown cancels every load and closes every model, and no load
 outlives the application. A ready model stays open inside its task
 (``async with handle as model: await unload.wait()``), so unloading is leaving that block.
-Concurrent loads share a ``LoadLimiter``: a server-wide budget of loads, reader threads
-and staging memory.
+Concurrent loads share a ``LoadLimiter`` (``aiogguf.server_limiter``): a server-wide
+budget of loads, reader threads and staging memory. A ``POST /models`` body is read,
+checked and its files opened by ``aiogguf.server_requests``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import logging
 import math
@@ -46,7 +46,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -57,8 +56,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from aiogguf.api import LoadHandle, load, warm_up
 from aiogguf.config import Config, load_config
-from aiogguf.devices import enumerate_devices
-from aiogguf.errors import ConfigError, GGUFError, LoadError, PathNotAllowedError
+from aiogguf.errors import GGUFError
 from aiogguf.events import FanOut, Progress
 from aiogguf.io.devices.arena import device_arenas
 from aiogguf.io.devices.base import Device
@@ -66,17 +64,18 @@ from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
 from aiogguf.io.workers import LoadThreads
 from aiogguf.model import Model
 from aiogguf.report import LoadReport
+from aiogguf.server_limiter import LimiterStats, LoadLimiter
 from aiogguf.server_policy import (
     HEALTH_ROUTE,
-    PreOpened,
     RequestRefused,
     ServerPolicy,
     auth_middleware,
+    exception_line,
     json_errors_middleware,
     one_line,
-    request_config,
     server_base_config,
 )
+from aiogguf.server_requests import LoadRequest, parse_request
 from aiogguf.server_transport import (
     ConnectionGuard,
     DescriptorBudget,
@@ -85,7 +84,6 @@ from aiogguf.server_transport import (
     descriptor_limit,
     raise_descriptor_limit,
 )
-from aiogguf.stages.parse import split_count_from_name, split_paths
 
 __all__ = [
     "LimiterStats",
@@ -109,111 +107,13 @@ class LoadState(StrEnum):
     UNLOADED = "unloaded"
 
 
-# --- the shared limiter ---------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LimiterStats:
-    loads: int
-    readers: int
-    staging_bytes: int
-    waiting: int
-
-
-class LoadLimiter:
-    """A server-wide budget shared by concurrent loads: at most ``max_loads`` loads, at
-    most ``max_readers`` reader threads and ``max_staging_bytes`` of staging buffers in
-    use at once. A load reserves its share before it starts and returns it when it ends
-    (a ready model holds no readers or staging buffers, so it holds no share either).
-
-    Waiters are served first come, first served: a big load is not starved by small
-    ones. A request larger than a whole budget is cut down to it (it then runs alone).
-    """
-
-    def __init__(
-        self,
-        max_loads: int = 4,
-        max_readers: int = 8,
-        max_staging_bytes: int = 1024**3,
-    ) -> None:
-        if max_loads < 1 or max_readers < 1 or max_staging_bytes < 0:
-            raise ValueError(
-                "LoadLimiter: expected max_loads >= 1, max_readers >= 1, "
-                f"max_staging_bytes >= 0, got {max_loads}, {max_readers}, {max_staging_bytes}"
-            )
-        self.max_loads = max_loads
-        self.max_readers = max_readers
-        self.max_staging_bytes = max_staging_bytes
-        self._loads = 0
-        self._readers = 0
-        self._staging = 0
-        self._waiting = 0
-        # FIFO order among waiters: only the holder of ``_turn`` checks for room. Both
-        # are made on first use: a limiter may be built before the event loop runs.
-        self._turn: anyio.Lock | None = None
-        self._freed: anyio.Event | None = None
-
-    def statistics(self) -> LimiterStats:
-        return LimiterStats(self._loads, self._readers, self._staging, self._waiting)
-
-    def _fits(self, readers: int, staging_bytes: int) -> bool:
-        return (
-            self._loads < self.max_loads
-            and self._readers + readers <= self.max_readers
-            and self._staging + staging_bytes <= self.max_staging_bytes
-        )
-
-    @contextlib.asynccontextmanager
-    async def reserve(self, readers: int, staging_bytes: int = 0) -> AsyncIterator[None]:
-        """Hold one load's share of the budget for the ``async with`` block."""
-        readers = min(max(readers, 1), self.max_readers)
-        staging_bytes = min(max(staging_bytes, 0), self.max_staging_bytes)
-        if self._turn is None:
-            self._turn = anyio.Lock()
-        self._waiting += 1
-        try:
-            async with self._turn:
-                while not self._fits(readers, staging_bytes):
-                    if self._freed is None:
-                        self._freed = anyio.Event()
-                    await self._freed.wait()
-        finally:
-            self._waiting -= 1
-        self._loads += 1
-        self._readers += readers
-        self._staging += staging_bytes
-        try:
-            yield
-        finally:
-            self._loads -= 1
-            self._readers -= readers
-            self._staging -= staging_bytes
-            # Wake the head waiter; it makes a fresh event if it has to wait again.
-            if self._freed is not None:
-                self._freed.set()
-                self._freed = None
-
-
 # --- one load -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    """A validated ``POST /models`` body: what to load and what it may use."""
-
-    path: str
-    config: Config
-    devices: tuple[Device, ...]
-    readers: int
-    staging_bytes: int
-    opener: PreOpened  # every file of the load, opened (beneath the roots) at the request
-    nbytes: int  # file bytes the model will hold: every shard's real size
 
 
 class _Entry:
     """One load the server knows: its task's state, progress and subscribers."""
 
-    def __init__(self, load_id: str, request: _Request) -> None:
+    def __init__(self, load_id: str, request: LoadRequest) -> None:
         self.id = load_id
         self.request = request
         self.state = LoadState.LOADING
@@ -328,11 +228,6 @@ async def _close_model(model: Model) -> None:
             await threads.run_sync(model.close)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
 # --- the registry: every load of one application ----------------------------------------
 
 
@@ -431,7 +326,7 @@ class LoaderRegistry:
         holding = [e for e in self.entries.values() if e.holds_memory]
         return len(holding), sum(e.request.nbytes for e in holding)
 
-    def submit(self, request: _Request) -> _Entry:
+    def submit(self, request: LoadRequest) -> _Entry:
         """Start ``request``'s load; ``RequestRefused`` (429, 507) over a limit."""
         if self._tg is None or self._closing:
             raise RuntimeError("the server is shutting down")
@@ -512,11 +407,14 @@ class LoaderRegistry:
                     entry.publish()
                     await entry.unload.wait()
         except GGUFError as exc:
-            entry.state, entry.error = LoadState.FAILED, _one_line(exc)
+            entry.state, entry.error = LoadState.FAILED, exception_line(exc)
         except Exception as exc:
             # A bug, not a bad file: logged in full, and it must not end the other loads.
             logger.exception("load %s of %s failed", entry.id, request.path)
-            entry.state, entry.error = LoadState.FAILED, f"{type(exc).__name__}: {_one_line(exc)}"
+            entry.state, entry.error = (
+                LoadState.FAILED,
+                f"{type(exc).__name__}: {exception_line(exc)}",
+            )
         finally:
             # Cancelled by DELETE (the scope swallowed it) or by shutdown (re-raised).
             if entry.state is LoadState.LOADING:
@@ -537,122 +435,6 @@ class LoaderRegistry:
         with anyio.move_on_after(timeout_s):
             await entry.finished.wait()
         return entry.finished.is_set()
-
-
-# --- request parsing -----------------------------------------------------------------
-
-
-async def _parse_request(request: web.Request, registry: LoaderRegistry) -> _Request:
-    try:
-        # A body trickled in byte by byte must not hold the request (and its connection)
-        # for ever.
-        with anyio.fail_after(registry.policy.request_timeout_s):
-            raw = await request.read()
-    except TimeoutError as exc:
-        raise RequestRefused(
-            f"request body not received within {registry.policy.request_timeout_s:g} s",
-            status=408,
-        ) from exc
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestRefused(f"request body is not valid JSON: {_one_line(exc)}") from exc
-    except RecursionError as exc:
-        raise RequestRefused("request body is not valid JSON: nested too deeply") from exc
-    if not isinstance(body, dict):
-        raise RequestRefused('expected a JSON object like {"path": "model.gguf"}')
-    unknown = sorted(set(body) - {"path", "config"})
-    if unknown:
-        raise RequestRefused(f"unknown field {unknown[0]!r}; expected 'path' and 'config'")
-    path = body.get("path")
-    if not isinstance(path, str) or not path:
-        raise RequestRefused("'path' is required: the GGUF file to load, as a string")
-    overrides = body.get("config") or {}
-    if not isinstance(overrides, dict):
-        raise RequestRefused('\'config\' must be an object of config keys, like {"mode": "none"}')
-    # Compiling a client's override patterns, opening the file and finding the devices
-    # are blocking work: on a thread of the request's own, not on the loop.
-    async with LoadThreads(1, name="aiogguf-request") as threads:
-        return await _prepare_request(registry, path, overrides, threads)
-
-
-# Descriptors one load may hold at once, beyond those of the request's own files: a
-# duplicate of each file in the load, a reopened one for O_DIRECT, and a few of its own.
-_FDS_PER_FILE = 3
-_FDS_PER_LOAD = 8
-
-
-def _load_paths(path: str, policy: ServerPolicy) -> list[str]:
-    """The files a load of ``path`` opens: every shard of a split set named as its first
-    (``m-00001-of-00003.gguf``), else the one file. Raises ``RequestRefused`` (400) for a
-    set of more than ``policy.max_shards`` shards, before any is opened."""
-    count = split_count_from_name(path)
-    if count > policy.max_shards:
-        raise RequestRefused(
-            f"{path}: a split set of {count} shards; this server loads at most {policy.max_shards}"
-        )
-    if count > 1 and path.endswith(f"-00001-of-{count:05d}.gguf"):
-        return split_paths(path, 0, count)
-    # A later shard's name: the load reads this file's header, and fails there if it is
-    # one split of several.
-    return [path]
-
-
-def _open_files(registry: LoaderRegistry, paths: list[str]) -> PreOpened:
-    """Open ``paths`` beneath the roots (blocking: on the request's thread), if the
-    descriptors they need leave the reserve for serving whole; ``RequestRefused`` (403,
-    400, or 503 when descriptors run short)."""
-    need = len(paths) * _FDS_PER_FILE + _FDS_PER_LOAD
-    with registry.admission_lock:
-        room = registry.descriptor_budget().room(registry.connection_count())
-        if room is not None and need > room:
-            raise RequestRefused(
-                f"this server is short of file descriptors: the load needs about {need}, "
-                f"{max(room, 0)} are free beyond those kept for serving; unload a model or "
-                "try again later",
-                status=503,
-            )
-        try:
-            return PreOpened(registry.opener, paths)
-        except PathNotAllowedError as exc:
-            # Said the same way whether or not the file exists: nothing leaks from outside.
-            raise RequestRefused(str(exc), status=403) from exc
-        except LoadError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, OSError) and cause.errno in (errno.EMFILE, errno.ENFILE):
-                raise RequestRefused(
-                    "this server is out of file descriptors; try again later", status=503
-                ) from exc
-            raise RequestRefused(_one_line(exc)) from exc
-
-
-async def _prepare_request(
-    registry: LoaderRegistry, path: str, overrides: dict[str, Any], threads: LoadThreads
-) -> _Request:
-    limiter = registry.limiter
-    config = await threads.run_sync(request_config, registry.config, overrides, registry.policy)
-    if config.pipeline.reader_count() > limiter.max_readers:
-        config = config.with_settings({"readers": limiter.max_readers})
-    # A relative path is the server's directory's; ``~`` is not expanded.
-    paths = _load_paths(path, registry.policy)
-    # Every file is opened here, once, under the roots: the load reads these descriptors,
-    # and the bytes held are counted from their real sizes.
-    opener = await threads.run_sync(_open_files, registry, paths)
-    try:
-        try:
-            devices = await threads.run_sync(enumerate_devices, config)
-        except ConfigError as exc:
-            raise RequestRefused(_one_line(exc)) from exc
-        splits = len(paths)
-        readers = config.pipeline.readers_for(path) * splits
-        gpus = sum(1 for d in devices if d.kind != "cpu")
-        staging = 0
-        if gpus and config.placement.n_gpu_layers != 0:
-            staging = gpus * config.pipeline.staging_pool_bytes(readers)
-        return _Request(path, config, devices, readers, staging, opener, opener.size_bytes)
-    except BaseException:
-        opener.close()
-        raise
 
 
 # --- handlers --------------------------------------------------------------------------
@@ -686,7 +468,7 @@ async def _post_model(request: web.Request) -> web.Response:
     if not registry.accepting:
         return _error(503, "the server is shutting down")
     try:
-        parsed = await _parse_request(request, registry)
+        parsed = await parse_request(request, registry)
     except RequestRefused as exc:
         return _error(exc.status, exc.reason)
     # No await between the limits' check in ``submit`` and the load taking its place.

@@ -42,6 +42,7 @@ __all__ = [
     "RequestRefused",
     "ServerPolicy",
     "auth_middleware",
+    "exception_line",
     "json_errors_middleware",
     "one_line",
     "request_config",
@@ -102,6 +103,12 @@ _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, 0x85)} | {
 def one_line(text: str) -> str:
     """``text`` on one line: control characters and line separators escaped."""
     return text.translate(_ESCAPES)
+
+
+def exception_line(exc: BaseException) -> str:
+    """An error's message (else its type's name), its lines joined with ``; ``."""
+    text = str(exc) or type(exc).__name__
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 class RequestRefused(Exception):

@@ -36,6 +36,8 @@ LAYERS: dict[str, int] = {
     "aiogguf.api": 5,
     "aiogguf.dry_run": 5,
     "aiogguf.server_policy": 6,
+    "aiogguf.server_limiter": 6,
+    "aiogguf.server_requests": 6,
     "aiogguf.server_transport": 6,
     "aiogguf.server": 6,
     "aiogguf.cli": 7,

@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 from server_helpers import post, running
 
 import aiogguf.server
+import aiogguf.server_requests
 from aiogguf.server import ServerPolicy, create_app, registry_of
 from aiogguf.server_policy import REQUEST_KEYS
 from aiogguf.server_transport import ConnectionGuard, GuardedSite
@@ -524,7 +525,7 @@ async def test_an_exception_in_a_handler_is_a_json_500_and_one_log_line(
     def broken(*args: Any) -> Any:
         raise KeyError("a bug\nwith a second line")
 
-    monkeypatch.setattr(aiogguf.server, "request_config", broken)
+    monkeypatch.setattr(aiogguf.server_requests, "request_config", broken)
     caplog.set_level(logging.INFO)
     async with running(create_app(roots=[tmp_path])) as url, aiohttp.ClientSession() as http:
         status, body = await post(http, url, tmp_path / "m.gguf")

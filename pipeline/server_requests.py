@@ -1,0 +1,160 @@
+"""A load server's ``POST /models`` request, read and checked (``parse_request``): its
+body, the client's config on top of the server's, its files opened beneath the roots
+while the descriptors they need are there, its devices and its share of the budget."""
+
+from __future__ import annotations
+
+import errno
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from aiohttp import web
+
+from aiogguf.config import Config
+from aiogguf.devices import enumerate_devices
+from aiogguf.errors import ConfigError, LoadError, PathNotAllowedError
+from aiogguf.io.devices.base import Device
+from aiogguf.io.workers import LoadThreads
+from aiogguf.server_policy import (
+    PreOpened,
+    RequestRefused,
+    ServerPolicy,
+    exception_line,
+    request_config,
+)
+from aiogguf.stages.parse import split_count_from_name, split_paths
+
+if TYPE_CHECKING:
+    from aiogguf.server import LoaderRegistry
+
+__all__ = ["LoadRequest", "parse_request"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRequest:
+    """A validated ``POST /models`` body: what to load and what it may use."""
+
+    path: str
+    config: Config
+    devices: tuple[Device, ...]
+    readers: int
+    staging_bytes: int
+    opener: PreOpened  # every file of the load, opened (beneath the roots) at the request
+    nbytes: int  # file bytes the model will hold: every shard's real size
+
+
+async def parse_request(request: web.Request, registry: LoaderRegistry) -> LoadRequest:
+    """A ``POST /models`` request read, checked and prepared: its files opened beneath
+    the roots, its devices found. Raises ``RequestRefused`` with the status to answer."""
+    try:
+        # A body trickled in byte by byte must not hold the request (and its connection)
+        # for ever.
+        with anyio.fail_after(registry.policy.request_timeout_s):
+            raw = await request.read()
+    except TimeoutError as exc:
+        raise RequestRefused(
+            f"request body not received within {registry.policy.request_timeout_s:g} s",
+            status=408,
+        ) from exc
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestRefused(f"request body is not valid JSON: {exception_line(exc)}") from exc
+    except RecursionError as exc:
+        raise RequestRefused("request body is not valid JSON: nested too deeply") from exc
+    if not isinstance(body, dict):
+        raise RequestRefused('expected a JSON object like {"path": "model.gguf"}')
+    unknown = sorted(set(body) - {"path", "config"})
+    if unknown:
+        raise RequestRefused(f"unknown field {unknown[0]!r}; expected 'path' and 'config'")
+    path = body.get("path")
+    if not isinstance(path, str) or not path:
+        raise RequestRefused("'path' is required: the GGUF file to load, as a string")
+    overrides = body.get("config") or {}
+    if not isinstance(overrides, dict):
+        raise RequestRefused('\'config\' must be an object of config keys, like {"mode": "none"}')
+    # Compiling a client's override patterns, opening the file and finding the devices
+    # are blocking work: on a thread of the request's own, not on the loop.
+    async with LoadThreads(1, name="aiogguf-request") as threads:
+        return await _prepare_request(registry, path, overrides, threads)
+
+
+# Descriptors one load may hold at once, beyond those of the request's own files: a
+# duplicate of each file in the load, a reopened one for O_DIRECT, and a few of its own.
+_FDS_PER_FILE = 3
+_FDS_PER_LOAD = 8
+
+
+def _load_paths(path: str, policy: ServerPolicy) -> list[str]:
+    """The files a load of ``path`` opens: every shard of a split set named as its first
+    (``m-00001-of-00003.gguf``), else the one file. Raises ``RequestRefused`` (400) for a
+    set of more than ``policy.max_shards`` shards, before any is opened."""
+    count = split_count_from_name(path)
+    if count > policy.max_shards:
+        raise RequestRefused(
+            f"{path}: a split set of {count} shards; this server loads at most {policy.max_shards}"
+        )
+    if count > 1 and path.endswith(f"-00001-of-{count:05d}.gguf"):
+        return split_paths(path, 0, count)
+    # A later shard's name: the load reads this file's header, and fails there if it is
+    # one split of several.
+    return [path]
+
+
+def _open_files(registry: LoaderRegistry, paths: list[str]) -> PreOpened:
+    """Open ``paths`` beneath the roots (blocking: on the request's thread), if the
+    descriptors they need leave the reserve for serving whole; ``RequestRefused`` (403,
+    400, or 503 when descriptors run short)."""
+    need = len(paths) * _FDS_PER_FILE + _FDS_PER_LOAD
+    with registry.admission_lock:
+        room = registry.descriptor_budget().room(registry.connection_count())
+        if room is not None and need > room:
+            raise RequestRefused(
+                f"this server is short of file descriptors: the load needs about {need}, "
+                f"{max(room, 0)} are free beyond those kept for serving; unload a model or "
+                "try again later",
+                status=503,
+            )
+        try:
+            return PreOpened(registry.opener, paths)
+        except PathNotAllowedError as exc:
+            # Said the same way whether or not the file exists: nothing leaks from outside.
+            raise RequestRefused(str(exc), status=403) from exc
+        except LoadError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, OSError) and cause.errno in (errno.EMFILE, errno.ENFILE):
+                raise RequestRefused(
+                    "this server is out of file descriptors; try again later", status=503
+                ) from exc
+            raise RequestRefused(exception_line(exc)) from exc
+
+
+async def _prepare_request(
+    registry: LoaderRegistry, path: str, overrides: dict[str, Any], threads: LoadThreads
+) -> LoadRequest:
+    limiter = registry.limiter
+    config = await threads.run_sync(request_config, registry.config, overrides, registry.policy)
+    if config.pipeline.reader_count() > limiter.max_readers:
+        config = config.with_settings({"readers": limiter.max_readers})
+    # A relative path is the server's directory's; ``~`` is not expanded.
+    paths = _load_paths(path, registry.policy)
+    # Every file is opened here, once, under the roots: the load reads these descriptors,
+    # and the bytes held are counted from their real sizes.
+    opener = await threads.run_sync(_open_files, registry, paths)
+    try:
+        try:
+            devices = await threads.run_sync(enumerate_devices, config)
+        except ConfigError as exc:
+            raise RequestRefused(exception_line(exc)) from exc
+        splits = len(paths)
+        readers = config.pipeline.readers_for(path) * splits
+        gpus = sum(1 for d in devices if d.kind != "cpu")
+        staging = 0
+        if gpus and config.placement.n_gpu_layers != 0:
+            staging = gpus * config.pipeline.staging_pool_bytes(readers)
+        return LoadRequest(path, config, devices, readers, staging, opener, opener.size_bytes)
+    except BaseException:
+        opener.close()
+        raise
