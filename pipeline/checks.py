@@ -675,8 +675,8 @@ class _Coverage:
 class PieceCheck:
     """Validation of one tensor fed as pieces, in any order, from any thread.
 
-    A reader thread calls ``check_piece`` on each piece right after reading it, while its
-    bytes are still in the CPU cache; the whole units inside the piece are checked there.
+    A reader thread calls ``check_piece`` on each piece right after reading it; the
+    whole units inside the piece are checked there.
     ``finish`` then checks only the units no piece covered (those cut by a piece edge)
     and gives the same verdict as ``check_tensor`` on the whole tensor. Host memory only.
     """

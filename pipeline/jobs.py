@@ -104,7 +104,7 @@ class ReadJob:
 class PieceSink(Protocol):
     """Where a reader hands each piece of file bytes it has just landed (the engine
     wires the validate stage's piece checks here). Blocking, on a read or transfer
-    thread, while the piece is still in the CPU's cache."""
+    thread, right after the piece's read."""
 
     def __call__(self, job: ReadJob, file_offset: int, piece: memoryview, /) -> None:
         """``piece``: the bytes of ``job``'s file from ``file_offset`` on, landed."""

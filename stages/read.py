@@ -202,7 +202,7 @@ class Reader:
     counts what landed. ``swap`` (big-endian files) converts the bytes of a landed job in
     place before anyone else sees them; ``pieces`` (a ``PieceSink``, the engine's
     choice) gets each piece as soon as it has landed: buffered reads on the reader's own
-    thread, while the piece is still in the CPU's cache; ``O_DIRECT`` reads (which land
+    thread, right after its read; ``O_DIRECT`` reads (which land
     by DMA, not through the cache) once landed (``check_landed``), on a check thread,
     so that the disk gets its next read while the last one is checked."""
 
@@ -309,7 +309,7 @@ class Reader:
 
     def _check_pieces(self, job: ReadJob, dest: memoryview, read: bool) -> None:
         """Check ``job`` in ``dest`` (its ``nbytes`` from ``job.file_offset``) piece by
-        piece: bounded scratch, and each piece still in the CPU cache, right after it is
+        piece: bounded, and each piece on the thread that read it, right after it is
         read (``read``: buffered reads of the job, piece by piece) or as it is (landed).
 
         Each check starts at the previous piece: the units that straddle the two are

@@ -10,9 +10,8 @@ loop on its own (design §1.6):
    pool has none idle, so one is filled while the other is copied out of), and wait
    until the event recorded behind the slot's last copy has completed — the *only*
    wait on the device: it sits before a slot is reused, never after a copy is issued;
-3. run the caller's ``fill`` on the slot (it reads the file straight into it, in read
-   calls far smaller than the slot, and checks each piece as it lands, while the bytes
-   are still in the CPU cache);
+3. run the caller's ``fill`` on the slot (it reads the file straight into it and
+   checks each piece as it lands, on this thread);
 4. queue one async host-to-device copy into the device image at the job's buffer offset
    on the thread's own stream, record the slot's event behind it, and tell the loop,
    without waiting for it, that the job landed.
