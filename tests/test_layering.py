@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.rehearsal": 1,
     "aiogguf.checks": 1,
     "aiogguf.model": 2,
+    "aiogguf.torch_tensors": 2,
     "aiogguf.devices": 2,
     "aiogguf.stages": 3,
     "aiogguf.engine": 4,
