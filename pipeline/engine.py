@@ -38,9 +38,10 @@ both ways of checking a tensor behind ``validate.Validation`` (the rules in
 the report.
 
 Every task lives in one task group; a failure anywhere cancels the rest and surfaces
-as that one exception. Everything allocated is owned by a ``Resources`` stack until the
-model takes it; if the load fails or is cancelled, the stack releases it all (files,
-mappings, host and device buffers) before the exception propagates.
+as that one exception. Everything the load opens, allocates, lends or starts is owned by
+one ``LoadResources`` until the model takes the images; if the load fails or is
+cancelled, its one close stops the reads and transfers and then releases it all (threads,
+mappings, host and device buffers, files) before the exception propagates.
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ import os
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
-import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.config import Config
@@ -66,12 +66,12 @@ from aiogguf.errors import (
     from_os_error,
 )
 from aiogguf.events import ProgressHub, Stage
-from aiogguf.images import DeviceImage, Image
+from aiogguf.images import DeviceImage
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile
-from aiogguf.io.opener import FileOpener, OpenFiles
-from aiogguf.io.workers import LoadThreads, raise_if_stopped, reserve_threads
+from aiogguf.io.opener import FileOpener
+from aiogguf.io.workers import raise_if_stopped, reserve_threads
 from aiogguf.jobs import (
     BufferLayout,
     PieceSink,
@@ -85,10 +85,11 @@ from aiogguf.jobs import (
     split_jobs,
     tensor_slots,
 )
+from aiogguf.load_resources import LoadResources
 from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
 from aiogguf.report import LoadReport, build_report
-from aiogguf.stages.allocate import Allocation, allocate_host_images, close_images
+from aiogguf.stages.allocate import Allocation, allocate_host_images
 from aiogguf.stages.index import open_index, read_whole_model
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import (
@@ -237,16 +238,13 @@ class _Load:
         self,
         index: WeightIndex,
         prepared: _Prepared,
-        images: list[Image | None],
+        resources: LoadResources,
         config: Config,
         hub: ProgressHub,
         *,
-        threads: LoadThreads,
-        files: Sequence[DataFile],
         metadata_stages: Sequence[tuple[str, StageTimes]] = (),
     ) -> None:
-        self.threads = threads  # the load's thread for its one-off blocking calls
-        self.files = files  # open, one per file of the model
+        self.resources = resources  # files, images and threads: the load's, until the model's
         self.prepared = prepared
         self.index = index
         self.plan = plan = prepared.plan
@@ -257,20 +255,25 @@ class _Load:
         self.layouts = prepared.layouts
         self.slots = prepared.slots
         self.spans = prepared.spans
-        # Host images exist already (``images``); device ones are allocated by ``run``.
+        # Host images exist already; device ones are allocated by ``run``.
         self.allocation = Allocation(
-            self.layouts, images, clock=hub.elapsed, host_times=prepared.host_times
+            self.layouts,
+            resources.images,
+            resources.place,
+            clock=hub.elapsed,
+            host_times=prepared.host_times,
         )
-        self.images = self.allocation.images
         self.warnings: list[str] = list(plan.warnings)
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
         self.progress = prepared.progress
 
     # --- the whole load ---------------------------------------------------------------
 
-    async def run(self, stack: AsyncExitStack) -> Model:
-        """Load every tensor; resources go on ``stack`` (closed by the caller on failure)."""
-        files = self.files
+    async def run(self) -> Model:
+        """Load every tensor; what it holds stays with ``resources`` (closed by the caller)
+        but for the images, which the model takes."""
+        resources = self.resources
+        files = resources.files
         for warning in direct_refusals(files, self.mode):
             self._warn(warning)
         prepared = self.prepared
@@ -279,11 +282,8 @@ class _Load:
         if any(not lay.plan.host for lay in self.layouts):
             # Transfer threads: as many as the busiest disk allows readers (a transfer
             # thread reads as much as it copies).
-            transfer_threads = await stack.enter_async_context(
-                LoadThreads(disks.busiest, name="aiogguf-transfer")
-            )
-            uploader = await stack.enter_async_context(
-                Uploader(self.devices, self.config, threads=transfer_threads)
+            uploader = await resources.open_uploader(
+                self.devices, self.config, threads=disks.busiest
             )
         # A stage that fails cancels the others; the caller sees its error, unwrapped.
         with one_error():
@@ -301,7 +301,7 @@ class _Load:
         # checked the files that only they read; those the transfer threads read too
         # are checked here.
         if staged := [files[i] for i in prepared.staged_files]:
-            await self.threads.run_sync(_check_unchanged, staged)
+            await resources.thread.run_sync(_check_unchanged, staged)
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
                 self._warn(f"{f.path}: {f.direct_refusal}; the rest was read with mode 'none'")
@@ -310,7 +310,7 @@ class _Load:
             raise TensorValidationError(failures, self.index.files[0].path)
         self.progress.emit(Stage.DONE)
         report = _report(self, reader, disks.names, uploads, validation)
-        images = self.allocation.take()  # the model owns them now
+        images = resources.take_images()  # the model owns them now
         return Model(self.index, self.plan, images, self.slots, report, failures=failures)
 
     async def _stream(
@@ -444,13 +444,6 @@ async def _batches(stream: MemoryObjectReceiveStream[list[str]]) -> AsyncIterato
         yield batch
 
 
-async def _free_images(images: list[Image | None], threads: LoadThreads) -> None:
-    """Free the images the model did not take (a failed load); no thread call when
-    there are none (a load that succeeded)."""
-    if any(image is not None for image in images):
-        await threads.run_sync(close_images, images)
-
-
 def _check_unchanged(files: Sequence[DataFile]) -> None:
     """Blocking: raise ``LoadError`` for the first file that changed during the load."""
     for f in files:
@@ -488,24 +481,17 @@ class _Prepared:
 @dataclass(frozen=True, slots=True)
 class _Front:
     """The blocking front of one load, run on the load's thread, up to the first byte
-    read: it reads through ``opened``, plans with ``config`` for ``devices`` (None:
-    discover them), times itself with ``clock`` and ends by starting the host reads, on
-    threads whose calls the loop of ``token`` awaits; their landed jobs go to a
-    ``_Progress`` that reports to ``hub``. The files it opens, the host images it
-    allocates and the threads it takes go into ``files``, ``images`` and ``lent`` as they
-    are made, and the reads it starts (and where they land) into ``started``: the caller
-    frees them all (``release``, ``close_images``) if the load fails."""
+    read: it plans with ``config`` for ``devices`` (None: discover them), times itself
+    with ``clock`` and ends by starting the host reads, whose landed jobs go to a
+    ``_Progress`` that reports to ``hub``. It reads through ``resources.opened``, and the
+    files it opens, the host images it allocates, the threads it lends and the reads it
+    starts are ``resources``' as soon as each is made: its close frees them all."""
 
-    opened: OpenFiles
+    resources: LoadResources
     config: Config
     devices: Sequence[Device] | None
     clock: Callable[[], float]
-    token: anyio.lowlevel.EventLoopToken
     hub: ProgressHub
-    files: list[DataFile] = field(default_factory=list)
-    images: list[Image | None] = field(default_factory=list)
-    lent: list[LoadThreads] = field(default_factory=list)
-    started: list[tuple[HostReads, _Progress]] = field(default_factory=list)
 
     def parse_and_plan(
         self, path: str
@@ -515,7 +501,7 @@ class _Front:
         round trips cost as much as the work. Returns the header and (index, when it was
         indexed, the rest); for a split set only the first file's header, and nothing is
         opened."""
-        first, index = read_whole_model(path, self.opened)
+        first, index = read_whole_model(path, self.resources.opened)
         if index is None:
             return first, None
         indexed = self.clock()
@@ -530,8 +516,13 @@ class _Front:
         found = tuple(self.devices) if self.devices is not None else enumerate_devices(config)
         plan = make_plan(index, found, config)
         raise_if_stopped()
+        resources = self.resources
         open_data_files(
-            index, self.opened, mode=plan.mode, alignment=config.pipeline.alignment, into=self.files
+            index,
+            resources.opened,
+            mode=plan.mode,
+            alignment=config.pipeline.alignment,
+            keep=resources.keep_file,
         )
         return self._prepare(index, found, plan, self.clock())
 
@@ -542,7 +533,8 @@ class _Front:
         file's disk found (a ``stat``), the read jobs cut and the host reads started:
         work that grows with the model (a model of hundreds of GiB has 10^4 jobs), off
         the loop."""
-        config, files, clock = self.config, self.files, self.clock
+        config, resources, clock = self.config, self.resources, self.clock
+        files = resources.files
         alignment = config.pipeline.alignment
         swapped = needs_swap(index.byte_order)
         if swapped:
@@ -551,10 +543,11 @@ class _Front:
         slots = tensor_slots(index, layouts)
         spans = TensorSpans(index, layouts)
         began = clock()
+        resources.make_room(len(layouts))
         allocate_host_images(
             layouts,
             files,
-            self.images,
+            resources.place,
             mapped=plan.mode in MAPPED_MODES,
             writable=swapped,
             alignment=alignment,
@@ -624,18 +617,19 @@ class _Front:
         started: their images exist, and the reads then run while the loop sets up the
         rest (device buffers, transfers) instead of after it. ``swapped``: the bytes are
         big-endian and swapped as they land."""
-        config, files, clock = self.config, self.files, self.clock
-        threads = self._lend(disks.total_readers, "aiogguf-reader")
+        config, resources, clock = self.config, self.resources, self.clock
+        files = resources.files
+        threads = resources.lend(disks.total_readers, "aiogguf-reader")
         workers = config.pipeline.validate_workers
         # With checks off nothing runs on check threads: the readers' stand in.
         check = config.load.check_tensors
-        check_threads = self._lend(workers, "aiogguf-check") if check else threads
+        check_threads = resources.lend(workers, "aiogguf-check") if check else threads
         validation = Validation(
             index,
             layouts,
             slots,
             spans,
-            self.images,
+            resources.images,
             files,
             mode=plan.mode,
             enabled=check,
@@ -648,7 +642,7 @@ class _Front:
         pieces: PieceSink | None = validation.check_piece if validation.by_pieces else None
         reader = Reader(
             files,
-            self.images,
+            resources.images,
             direct=[f.direct_ok for f in files],
             clock=clock,
             swap=ByteSwap(index, layouts) if swapped else None,
@@ -665,30 +659,11 @@ class _Front:
             jobs=sum(len(file_jobs) for file_jobs in jobs),
             checked=check,
         )
-        self.started.append((reads, progress))
+        resources.hold_reads(reads, progress.close)
         # The files the transfer threads read from too are checked by the engine.
         verify = [None if i in staged else f.check_unchanged for i, f in enumerate(files)]
         reads.start(jobs, disks, verify=verify, landed=progress.host_landed)
         return validation, reader, reads, progress
-
-    def _lend(self, count: int, name: str) -> LoadThreads:
-        threads = LoadThreads(count, name=name).enter(self.token)
-        self.lent.append(threads)
-        return threads
-
-    async def release(self) -> None:
-        """On the loop, as the load ends: stop the host reads and wait for them (unless
-        the load has; a failed one), then give the threads back."""
-        for reads, progress in self.started:
-            await reads.abandon()
-            progress.close()
-        for threads in self.lent:
-            threads.leave()
-
-
-def _close_all(files: Sequence[DataFile]) -> None:
-    for f in files:
-        f.close()
 
 
 @contextmanager
@@ -716,36 +691,30 @@ async def run_load(
     devices: Sequence[Device] | None = None,
     opener: FileOpener | None = None,
 ) -> Model:
-    """Parse, index, plan and load ``path``. Resources are pushed on ``stack`` until the
-    returned model owns them; on failure the caller closes the stack. ``opener`` opens
-    every file of the load, once (default: any path)."""
+    """Parse, index, plan and load ``path``. What the load holds is one
+    ``LoadResources`` on ``stack``, which the caller closes (told why, on failure); the
+    returned model has taken the images. ``opener`` opens every file of the load, once
+    (default: any path)."""
     with _load_errors(path):
         t0 = hub.elapsed()
         hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
-        # Each file is opened once, by the parse stage; the engine reads through the same
-        # descriptors (its DataFiles hold duplicates), so the table closes with the stack.
-        opened = stack.enter_context(OpenFiles(opener))
         # The load's threads, ready for it (a process that has loaded before has them),
         # or started now, in order (transfer threads are started when the plan asks for
         # them). Its own thread, for its one-off blocking calls (parse, index, plan,
-        # open, allocate, close), is taken last, so that it is the last to start: the
-        # front is pure Python, and while it runs, a thread that waits to start waits
-        # for the GIL too.
+        # open, allocate, close), is taken last (by the resources), so that it is the
+        # last to start: the front is pure Python, and while it runs, a thread that
+        # waits to start waits for the GIL too.
         reserve_threads(load_thread_count(config, uploads=False))
-        threads = await stack.enter_async_context(LoadThreads(1, name="aiogguf-load"))
-        # The files to read, opened (duplicates of the parsed descriptors) by the same
-        # call that plans a single-file model, and the host images it allocates; both
-        # freed with the stack unless the model takes the images.
-        front = _Front(opened, config, devices, hub.elapsed, anyio.lowlevel.current_token(), hub)
-        stack.callback(_close_all, front.files)
-        stack.push_async_callback(_free_images, front.images, threads)
-        # Before the images are freed: the reads that write into them end first.
-        stack.push_async_callback(front.release)
+        # Each file is opened once, by the parse stage (``resources.opened``); the engine
+        # reads through the same descriptors (its DataFiles hold duplicates).
+        resources = await stack.enter_async_context(LoadResources(opener))
+        threads = resources.thread
+        front = _Front(resources, config, devices, hub.elapsed, hub)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
             index, t1, prepared = whole
         else:
-            index = await open_index(path, threads=threads, files=opened, first=first)
+            index = await open_index(path, threads=threads, files=resources.opened, first=first)
             t1 = hub.elapsed()
             prepared = await threads.run_sync(front.plan_and_open, index)
         t2 = prepared.planned
@@ -753,11 +722,9 @@ async def run_load(
         load = _Load(
             index,
             prepared,
-            front.images,
+            resources,
             config,
             hub,
-            threads=threads,
-            files=front.files,
             metadata_stages=[
                 ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),
                 ("plan", StageTimes(t1, t2, t2 - t1, len(plan.tensors), 0)),
@@ -772,4 +739,4 @@ async def run_load(
             f"{len(plan.buffers)} buffers",
             force=True,
         )
-        return await load.run(stack)
+        return await load.run()

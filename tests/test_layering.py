@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.devices": 2,
     "aiogguf.stages": 3,
     "aiogguf.engine": 4,
+    "aiogguf.load_resources": 4,
     "aiogguf.api": 5,
     "aiogguf.dry_run": 5,
     "aiogguf.server_policy": 6,
