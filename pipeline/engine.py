@@ -19,17 +19,18 @@ host ones, cutting the jobs and starting the host reads run on the load's own th
 for a single-file model in one call (``_Front``): the loop's thread only awaits, and
 the reads run while it sets up the rest.
 
-How the stages are joined: the front hands on records (``Plan``, ``BufferLayout``s,
-``TensorSlot``s, ``ReadJob``s: ``aiogguf.jobs`` cuts them). The reader hands each landed
-piece to a ``PieceSink`` (the validate stage's piece checks, when some tensor is checked
-by pieces) and the upload stage fills each staging slot with a ``SlotFill`` (the
-reader's ``fill_slot``): the engine wires both. Each landed host job goes, by a callback
-on the loop's thread attached before the reads start, to ``_Progress``, which counts it
-and puts the tensors it completed on one memory object stream to the checks
-(``Validation.tensors_ready``). That stream has room for every job, so it never pushes
-back: what bounds memory is the buffers the plan allocates, the staging slots (a
-transfer thread waits for a free one) and the whole-tensor checks in flight (``submit``
-waits for a free one).
+How the stages are joined: the front hands on records (one ``_Layout``: the ``Plan``,
+``BufferLayout``s, ``TensorSlot``s, ``ReadJob``s that ``aiogguf.jobs`` cuts). The reader
+hands each landed piece to a ``PieceSink`` (the validate stage's piece checks, when some
+tensor is checked by pieces) and the upload stage fills each staging slot with a
+``SlotFill`` (the reader's ``fill_slot``): the engine wires both. Each landed host job
+goes, by a callback on the loop's thread attached before the reads start, to
+``_Progress``, which counts it and puts the tensors it completed on one memory object
+stream to the checks (``Validation.tensors_ready``). That stream has room for every job,
+so it never pushes back (nor does the read stage's own, on which ``O_DIRECT`` jobs wait
+for the check threads): what bounds memory is the buffers the plan allocates, the
+staging slots (a transfer thread waits for a free one) and the whole-tensor checks in
+flight (``submit`` waits for a free one).
 
 The engine only wires. Each stage's own work lives in its module: descriptors, disk
 limits, byte order and locks in ``read``; images and mapping advice in ``allocate``;
@@ -232,66 +233,65 @@ class _Progress:
 
 class _Load:
     """One load in flight. Only ``run()`` is public; the rest is the wiring: what each
-    stage does lives in its module, what the load did is put together by ``report``."""
+    stage does lives in its module, what the load did is put together by ``report``.
+
+    It gets the load's ``_Layout`` (a record), its read side (started already) and its
+    ``LoadResources``, which hold everything open until the caller closes them."""
 
     def __init__(
         self,
         index: WeightIndex,
-        prepared: _Prepared,
+        layout: _Layout,
+        reading: _ReadSide,
         resources: LoadResources,
         config: Config,
         hub: ProgressHub,
         *,
         metadata_stages: Sequence[tuple[str, StageTimes]] = (),
     ) -> None:
-        self.resources = resources  # files, images and threads: the load's, until the model's
-        self.prepared = prepared
         self.index = index
-        self.plan = plan = prepared.plan
-        self.devices = {d.name: d for d in prepared.devices}
+        self.layout = layout
+        self.reading = reading
+        self.resources = resources
         self.config = config
         self.hub = hub
-        self.mode = plan.mode
-        self.layouts = prepared.layouts
-        self.slots = prepared.slots
-        self.spans = prepared.spans
         # Host images exist already; device ones are allocated by ``run``.
         self.allocation = Allocation(
-            self.layouts,
+            layout.layouts,
             resources.images,
             resources.place,
             clock=hub.elapsed,
-            host_times=prepared.host_times,
+            host_times=layout.host_times,
         )
-        self.warnings: list[str] = list(plan.warnings)
+        self.warnings: list[str] = list(layout.plan.warnings)
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
-        self.progress = prepared.progress
 
     # --- the whole load ---------------------------------------------------------------
 
     async def run(self) -> Model:
         """Load every tensor; what it holds stays with ``resources`` (closed by the caller)
         but for the images, which the model takes."""
-        resources = self.resources
+        resources, layout, plan = self.resources, self.layout, self.layout.plan
         files = resources.files
-        for warning in direct_refusals(files, self.mode):
+        for warning in direct_refusals(files, plan.mode):
             self._warn(warning)
-        prepared = self.prepared
-        disks, validation, reader = prepared.disks, prepared.validation, prepared.reader
+        reading = self.reading
+        validation, reader, progress = reading.validation, reading.reader, reading.progress
         uploader: Uploader | None = None
-        if any(not lay.plan.host for lay in self.layouts):
+        if any(not lay.plan.host for lay in layout.layouts):
             # Transfer threads: as many as the busiest disk allows readers (a transfer
             # thread reads as much as it copies).
+            devices = {d.name: d for d in layout.devices}
             uploader = await resources.open_uploader(
-                self.devices, self.config, threads=disks.busiest
+                devices, self.config, threads=layout.disks.busiest
             )
         # A stage that fails cancels the others; the caller sees its error, unwrapped.
         with one_error():
             async with validation:
-                await self._stream(prepared.reads, reader, uploader, validation)
+                await self._stream(uploader)
         if reader.lock_refusal is not None:
             self._warn(
-                f"{reader.lock_refusal}; the whole load needs {self.progress.bytes_total} "
+                f"{reader.lock_refusal}; the whole load needs {progress.bytes_total} "
                 "bytes locked; it goes on with the rest unlocked"
             )
         uploads = uploader.stats if uploader is not None else ()
@@ -300,7 +300,7 @@ class _Load:
         # read of a cut-off page would kill): the load fails instead. The readers
         # checked the files that only they read; those the transfer threads read too
         # are checked here.
-        if staged := [files[i] for i in prepared.staged_files]:
+        if staged := [files[i] for i in layout.staged_files]:
             await resources.thread.run_sync(_check_unchanged, staged)
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
@@ -308,25 +308,20 @@ class _Load:
         failures = validation.failures
         if failures and not self.config.load.keep_invalid:
             raise TensorValidationError(failures, self.index.files[0].path)
-        self.progress.emit(Stage.DONE)
-        report = _report(self, reader, disks.names, uploads, validation)
+        progress.emit(Stage.DONE)
+        report = _report(self, uploads)
         images = resources.take_images()  # the model owns them now
-        return Model(self.index, self.plan, images, self.slots, report, failures=failures)
+        return Model(self.index, plan, images, layout.slots, report, failures=failures)
 
-    async def _stream(
-        self,
-        reads: HostReads,
-        reader: Reader,
-        uploader: Uploader | None,
-        validation: Validation,
-    ) -> None:
+    async def _stream(self, uploader: Uploader | None) -> None:
         """The streaming half: the host reads (started already), device buffers,
         transfers and checks, all at once."""
         pipeline = self.config.pipeline
-        device_jobs = self.prepared.device_jobs
+        device_jobs = self.layout.device_jobs
         if uploader is not None:
             assert uploader.slot_bytes == pipeline.staging_bytes(), "device jobs fill a slot each"
-        progress = self.progress
+        reading = self.reading
+        progress = reading.progress
         ready_send = progress.ready_send
         progress.go_live()
         async with anyio.create_task_group() as tg:
@@ -334,9 +329,9 @@ class _Load:
                 tg.start_soon(self.allocation.run, uploader.allocate)
             if device_jobs:
                 assert uploader is not None
-                tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
-            tg.start_soon(self._host, reads, ready_send)
-            tg.start_soon(self._validate_loop, progress.ready_receive, validation)
+                tg.start_soon(self._transfer, uploader, device_jobs, ready_send.clone())
+            tg.start_soon(self._host, reading.reads, ready_send)
+            tg.start_soon(self._validate_loop, progress.ready_receive)
 
     @staticmethod
     async def _host(reads: HostReads, ready: MemoryObjectSendStream[list[str]]) -> None:
@@ -348,12 +343,12 @@ class _Load:
     async def _transfer(
         self,
         uploader: Uploader,
-        reader: Reader,
         jobs: Sequence[ReadJob],
         ready: MemoryObjectSendStream[list[str]],
     ) -> None:
         """Every device job through the upload stage's transfer threads; then the device
         tensors are ready (every copy has completed when ``transfer`` returns)."""
+        reader, progress = self.reading.reader, self.reading.progress
         async with ready:
             targets: list[tuple[ReadJob, DeviceBuffer]] = []
             for job in jobs:
@@ -364,7 +359,7 @@ class _Load:
             def landed(job: ReadJob) -> None:
                 now = self.hub.elapsed()
                 reader.count(job, now, now)
-                self.progress.landed(job)
+                progress.landed(job)
 
             # Device jobs are read (and checked) before they land: the read stage starts
             # now, before the validate stage's first check.
@@ -374,32 +369,27 @@ class _Load:
             # The reader fills each slot, handing its pieces to the piece sink as they land.
             fill: SlotFill = reader.fill_slot
             await uploader.transfer(targets, fill, landed=landed)
-            if self.progress.device_landed:
-                await ready.send(list(self.progress.device_landed))
+            if progress.device_landed:
+                await ready.send(list(progress.device_landed))
 
     # --- completion and validation ----------------------------------------------------
 
-    async def _validate_loop(
-        self, ready: MemoryObjectReceiveStream[list[str]], validation: Validation
-    ) -> None:
+    async def _validate_loop(self, ready: MemoryObjectReceiveStream[list[str]]) -> None:
+        validation, progress = self.reading.validation, self.reading.progress
         async with ready:
             async for names in _batches(ready):
                 await validation.tensors_ready(names)
-                self.progress.tensors_checked(len(names))
+                progress.tensors_checked(len(names))
 
     def _warn(self, message: str) -> None:
         self.warnings.append(message)
         warnings.warn(message, LoadWarning, stacklevel=2)
 
 
-def _report(
-    load: _Load,
-    reader: Reader,
-    disks: Sequence[str],
-    uploads: Sequence[DeviceUploadStats],
-    validation: Validation,
-) -> LoadReport:
+def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
     """The finished load's report, from what each stage counted."""
+    reader, validation = load.reading.reader, load.reading.validation
+    plan, disks = load.layout.plan, load.layout.disks.names
     stages = [
         *load.stages,
         ("allocate", load.allocation.times()),
@@ -409,12 +399,12 @@ def _report(
         stages.append(("validate", validation.times()))
     files = load.index.files
     return build_report(
-        load.plan,
+        plan,
         path=files[0].path,
         total_s=load.hub.elapsed(),
         stages=stages,
         files=[
-            (parsed.path, stats, load.mode == "direct" and direct, disk)
+            (parsed.path, stats, plan.mode == "direct" and direct, disk)
             for parsed, stats, direct, disk in zip(
                 files, reader.stats, reader.direct, disks, strict=True
             )
@@ -456,14 +446,16 @@ _Names = tuple[MemoryObjectSendStream[list[str]], MemoryObjectReceiveStream[list
 
 
 @dataclass(frozen=True, slots=True)
-class _Prepared:
-    """What the blocking front of a load hands the loop: devices, plan, buffer layouts,
-    where each tensor sits, when the host images (already allocated) were made, the
-    jobs, and the read side of the load, its host reads already running."""
+class _Layout:
+    """How one load lies out, made on the load's thread before its first read: the
+    devices and plan (``planned``: when, on the load's clock), the buffer layouts,
+    where each tensor sits (``slots``, ``spans``), when the host images were allocated,
+    each file's disk, the jobs, and the files the transfer threads read from too. A
+    record: nothing in it is open or running (that is the ``LoadResources``')."""
 
     devices: tuple[Device, ...]
     plan: Plan
-    planned: float  # on the load's clock
+    planned: float
     layouts: tuple[BufferLayout, ...]
     slots: dict[str, TensorSlot]
     spans: TensorSpans
@@ -471,11 +463,19 @@ class _Prepared:
     disks: Disks
     jobs: list[list[ReadJob]]  # host jobs, per file
     device_jobs: list[ReadJob]
-    staged_files: tuple[int, ...]  # the files the transfer threads read from too
+    staged_files: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _ReadSide:
+    """The read side of one load, its host reads already started on the load's thread:
+    the checks, the reader, the reads (owned by the ``LoadResources``, which stops
+    them), and ``_Progress``, where their landed jobs go."""
+
     validation: Validation
     reader: Reader
-    reads: HostReads  # started
-    progress: _Progress  # where the host jobs go as they land, attached before they start
+    reads: HostReads
+    progress: _Progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -495,23 +495,23 @@ class _Front:
 
     def parse_and_plan(
         self, path: str
-    ) -> tuple[ParsedFile, tuple[WeightIndex, float, _Prepared] | None]:
+    ) -> tuple[ParsedFile, tuple[WeightIndex, float, _Layout, _ReadSide] | None]:
         """Blocking: a single-file model parsed, indexed and ``plan_and_open``-ed in one
         call: each call is a round trip through the loop, and in a fresh process the
         round trips cost as much as the work. Returns the header and (index, when it was
-        indexed, the rest); for a split set only the first file's header, and nothing is
-        opened."""
+        indexed, the layout, the read side); for a split set only the first file's
+        header, and nothing is opened."""
         first, index = read_whole_model(path, self.resources.opened)
         if index is None:
             return first, None
         indexed = self.clock()
-        return first, (index, indexed, self.plan_and_open(index))
+        return first, (index, indexed, *self.plan_and_open(index))
 
-    def plan_and_open(self, index: WeightIndex) -> _Prepared:
+    def plan_and_open(self, index: WeightIndex) -> tuple[_Layout, _ReadSide]:
         """Blocking: the load's devices (the first discovery imports CuPy and starts
         CUDA) and its plan (placement rules are matched against every tensor name); then
-        the files to read, opened in the plan's mode, and the rest of what the streaming
-        half needs (``_prepare``)."""
+        the files to read, opened in the plan's mode, the layout (``_lay_out``) and the
+        host reads started (``_start_reads``)."""
         config = self.config
         found = tuple(self.devices) if self.devices is not None else enumerate_devices(config)
         plan = make_plan(index, found, config)
@@ -524,15 +524,16 @@ class _Front:
             alignment=config.pipeline.alignment,
             keep=resources.keep_file,
         )
-        return self._prepare(index, found, plan, self.clock())
+        layout = self._lay_out(index, found, plan, self.clock())
+        raise_if_stopped()  # a cancelled load starts no read
+        return layout, self._start_reads(index, layout)
 
-    def _prepare(
+    def _lay_out(
         self, index: WeightIndex, devices: tuple[Device, ...], plan: Plan, planned: float
-    ) -> _Prepared:
+    ) -> _Layout:
         """Blocking: the buffers of ``plan`` laid out, its host images allocated, each
-        file's disk found (a ``stat``), the read jobs cut and the host reads started:
-        work that grows with the model (a model of hundreds of GiB has 10^4 jobs), off
-        the loop."""
+        file's disk found (a ``stat``) and the read jobs cut: work that grows with the
+        model (a model of hundreds of GiB has 10^4 jobs), off the loop."""
         config, resources, clock = self.config, self.resources, self.clock
         files = resources.files
         alignment = config.pipeline.alignment
@@ -579,11 +580,7 @@ class _Front:
             aligned=plan.mode == "direct",
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
-        raise_if_stopped()  # a cancelled load starts no read
-        validation, reader, reads, progress = self._start_reads(
-            index, plan, layouts, slots, spans, disks, jobs, staged, swapped
-        )
-        return _Prepared(
+        return _Layout(
             devices,
             plan,
             planned,
@@ -595,30 +592,17 @@ class _Front:
             jobs,
             device_jobs,
             staged,
-            validation,
-            reader,
-            reads,
-            progress,
         )
 
-    def _start_reads(
-        self,
-        index: WeightIndex,
-        plan: Plan,
-        layouts: tuple[BufferLayout, ...],
-        slots: dict[str, TensorSlot],
-        spans: TensorSpans,
-        disks: Disks,
-        jobs: list[list[ReadJob]],
-        staged: tuple[int, ...],
-        swapped: bool,
-    ) -> tuple[Validation, Reader, HostReads, _Progress]:
+    def _start_reads(self, index: WeightIndex, layout: _Layout) -> _ReadSide:
         """The read side of the load (checks, reader, reader threads), and its host reads
         started: their images exist, and the reads then run while the loop sets up the
-        rest (device buffers, transfers) instead of after it. ``swapped``: the bytes are
-        big-endian and swapped as they land."""
+        rest (device buffers, transfers) instead of after it."""
         config, resources, clock = self.config, self.resources, self.clock
+        plan, layouts, disks, jobs = layout.plan, layout.layouts, layout.disks, layout.jobs
         files = resources.files
+        # Big-endian bytes are swapped as they land.
+        swapped = needs_swap(index.byte_order)
         threads = resources.lend(disks.total_readers, "aiogguf-reader")
         workers = config.pipeline.validate_workers
         # With checks off nothing runs on check threads: the readers' stand in.
@@ -627,8 +611,8 @@ class _Front:
         validation = Validation(
             index,
             layouts,
-            slots,
-            spans,
+            layout.slots,
+            layout.spans,
             resources.images,
             files,
             mode=plan.mode,
@@ -655,15 +639,16 @@ class _Front:
             self.hub,
             plan,
             layouts,
-            spans,
+            layout.spans,
             jobs=sum(len(file_jobs) for file_jobs in jobs),
             checked=check,
         )
         resources.hold_reads(reads, progress.close)
         # The files the transfer threads read from too are checked by the engine.
+        staged = layout.staged_files
         verify = [None if i in staged else f.check_unchanged for i, f in enumerate(files)]
         reads.start(jobs, disks, verify=verify, landed=progress.host_landed)
-        return validation, reader, reads, progress
+        return _ReadSide(validation, reader, reads, progress)
 
 
 @contextmanager
@@ -712,16 +697,17 @@ async def run_load(
         front = _Front(resources, config, devices, hub.elapsed, hub)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
-            index, t1, prepared = whole
+            index, t1, layout, reading = whole
         else:
             index = await open_index(path, threads=threads, files=resources.opened, first=first)
             t1 = hub.elapsed()
-            prepared = await threads.run_sync(front.plan_and_open, index)
-        t2 = prepared.planned
-        plan = prepared.plan
+            layout, reading = await threads.run_sync(front.plan_and_open, index)
+        t2 = layout.planned
+        plan = layout.plan
         load = _Load(
             index,
-            prepared,
+            layout,
+            reading,
             resources,
             config,
             hub,
@@ -733,9 +719,9 @@ async def run_load(
         hub.emit(
             Stage.PLAN,
             0,
-            load.progress.bytes_total,
+            reading.progress.bytes_total,
             0,
-            load.progress.tensors_total,
+            reading.progress.tensors_total,
             f"{len(plan.buffers)} buffers",
             force=True,
         )
