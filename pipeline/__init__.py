@@ -44,17 +44,28 @@ from aiogguf.errors import ClosedResourceError as ClosedResourceError
 from aiogguf.errors import ConfigError as ConfigError
 from aiogguf.errors import GGUFError as GGUFError
 from aiogguf.errors import GGUFFormatError as GGUFFormatError
+from aiogguf.errors import IntegrityError as IntegrityError
 from aiogguf.errors import LoadError as LoadError
 from aiogguf.errors import LoadWarning as LoadWarning
+from aiogguf.errors import ManifestError as ManifestError
+from aiogguf.errors import ManifestMismatchError as ManifestMismatchError
 from aiogguf.errors import PathNotAllowedError as PathNotAllowedError
 from aiogguf.errors import PlacementError as PlacementError
 from aiogguf.errors import SplitError as SplitError
 from aiogguf.errors import TensorFailure as TensorFailure
 from aiogguf.errors import TensorValidationError as TensorValidationError
 from aiogguf.events import Progress as Progress
+from aiogguf.hashing import VerifyReport as VerifyReport
+from aiogguf.hashing import hash_model as hash_model
+from aiogguf.hashing import hash_model_sync as hash_model_sync
+from aiogguf.hashing import verify_model as verify_model
+from aiogguf.hashing import verify_model_sync as verify_model_sync
+from aiogguf.hashing import verify_sha256 as verify_sha256
+from aiogguf.hashing import verify_sha256_sync as verify_sha256_sync
 from aiogguf.io.devices.base import DeviceKind as DeviceKind
 from aiogguf.io.opener import FileOpener as FileOpener
 from aiogguf.io.opener import RootedOpener as RootedOpener
+from aiogguf.manifest import Manifest as Manifest
 from aiogguf.model import Model as Model
 from aiogguf.records import Plan as Plan
 from aiogguf.records import TensorClass as TensorClass
@@ -76,11 +87,15 @@ __all__ = [
     "FileOpener",
     "GGUFError",
     "GGUFFormatError",
+    "IntegrityError",
     "LoadError",
     "LoadHandle",
     "LoadMode",
     "LoadReport",
     "LoadWarning",
+    "Manifest",
+    "ManifestError",
+    "ManifestMismatchError",
     "Model",
     "PathNotAllowedError",
     "PlacementError",
@@ -94,8 +109,11 @@ __all__ = [
     "TensorPlacement",
     "TensorValidationError",
     "UploadReport",
+    "VerifyReport",
     "WarmUp",
     "WeightIndex",
+    "hash_model",
+    "hash_model_sync",
     "inspect",
     "inspect_sync",
     "load",
@@ -106,6 +124,10 @@ __all__ = [
     "release_device_memory_sync",
     "release_staging",
     "release_staging_sync",
+    "verify_model",
+    "verify_model_sync",
+    "verify_sha256",
+    "verify_sha256_sync",
     "warm_up",
     "warm_up_sync",
 ]

@@ -207,9 +207,11 @@ async def warm_up(
     on a GPU machine), fill each device's staging pool with the slots such a load uses,
     run the checks once, start the threads such a load uses, and rehearse: load a model of
     40 KiB, built in memory, through the same stages and devices (``rehearsal``), so that
-    the first real load runs on warm code. Everything runs on the load threads; call
-    it before serving (``aiogguf serve`` does), since part of CUDA's start-up holds the
-    GIL.
+    the first real load runs on warm code. Last, once per process, it runs a full
+    collection of the cyclic garbage collector: the objects the imports made are owed
+    one, and unpaid it falls, with the GIL held for tens of milliseconds, into one of the
+    first loads. Everything runs on the load threads; call it before serving (``aiogguf
+    serve`` does), since part of CUDA's start-up and the collection hold the GIL.
 
     Raises ``ConfigError`` for a bad configuration, ``PlacementError`` for placement
     rules no model can follow, and ``LoadError`` when a device cannot pin memory.
@@ -229,6 +231,9 @@ async def warm_up(
         if rehearsal is not None:
             async with LoadThreads(1, name="aiogguf-warm-up") as threads:
                 await threads.run_sync(rehearsal.close)
+    if not _collected:
+        async with LoadThreads(1, name="aiogguf-warm-up") as threads:
+            await threads.run_sync(_pay_collector_debt)
     return WarmUp(targets, pinned, time.perf_counter() - began)
 
 
@@ -272,6 +277,19 @@ def _prepare_devices(
                 n = zeros.size - zeros.size % ggml_type.block_bytes
                 PieceCheck("warm-up", ggml_type, n).finish(zeros[:n])
     return tuple(t.name for t in targets), pinned
+
+
+_collected = False
+
+
+def _pay_collector_debt() -> None:
+    """Blocking, once per process: a full collection, which the garbage collector owes
+    every object made since the last one (``import aiogguf`` alone makes tens of
+    thousands). A load frees what it makes, so after this one no load triggers a full
+    pass; before it, the collector's next full pass came during a load."""
+    global _collected
+    _collected = True
+    gc.collect()
 
 
 def _open_rehearsal() -> RehearsalFile | None:

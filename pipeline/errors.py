@@ -10,7 +10,10 @@ Every error a user can see from aiogguf is one of these::
     ├── LoadError                  I/O failed or came up short: path and offset
     │   ├── BigEndianError         a big-endian tensor whose type cannot be byte-swapped
     │   └── PathNotAllowedError    a file outside the roots a loader may read (a server's)
+    ├── ManifestError              a hash manifest that cannot be used: path, field, expected
+    │   └── ManifestMismatchError  a manifest of another model or file (says why)
     └── TensorValidationError      every bad tensor of a load, at once (``.failures``)
+        └── IntegrityError         bytes that differ from a hash manifest (file, block, offset)
 
     ClosedResourceError            a model, buffer, file or mapping used after close():
                                    a bug in the caller, so a ValueError, not a GGUFError
@@ -36,8 +39,11 @@ __all__ = [
     "ConfigError",
     "GGUFError",
     "GGUFFormatError",
+    "IntegrityError",
     "LoadError",
     "LoadWarning",
+    "ManifestError",
+    "ManifestMismatchError",
     "PathNotAllowedError",
     "PlacementError",
     "SplitError",
@@ -174,6 +180,43 @@ class TensorValidationError(GGUFError):
         n = len(self.failures)
         noun = "tensor" if n == 1 else "tensors"
         super().__init__(f"{_where(path)}found {n} {noun} with invalid data:\n{lines}")
+
+
+class IntegrityError(TensorValidationError):
+    """Bytes of the model differ from its hash manifest: ``failures`` names every bad
+    tensor, each with the file, the block and its offset."""
+
+    def __init__(
+        self, failures: Sequence[TensorFailure], path: str | None = None, summary: str = ""
+    ) -> None:
+        """``summary``: the message, where no tensor is to blame (a whole file's sha256)."""
+        super().__init__(failures, path)
+        self.args = (f"{_where(path)}{summary}" if summary else self._one_line(path),)
+
+    def _one_line(self, path: str | None) -> str:
+        # One line, whatever the count: a command prints it as is.
+        n = len(self.failures)
+        noun = "tensor differs" if n == 1 else "tensors differ"
+        shown = "; ".join(str(f) for f in self.failures[:3])
+        more = f"; and {n - 3} more" if n > 3 else ""
+        return f"{_where(path)}{n} {noun} from the manifest: {shown}{more}"
+
+
+class ManifestError(GGUFError):
+    """A hash manifest that cannot be used: malformed, too large, or of an unknown
+    version. Names the manifest, the field and what was expected there."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, field: str, problem: str) -> None:
+        self.path: str | None = os.fspath(path) if path is not None else None
+        self.field = field
+        self.problem = problem
+        where = f"{field}: " if field else ""
+        super().__init__(f"{_where(path)}{where}{problem}")
+
+
+class ManifestMismatchError(ManifestError):
+    """A well-formed manifest that describes another model or file (other sizes, other
+    tensors, another header): refused before any byte is compared."""
 
 
 class LoadWarning(UserWarning):

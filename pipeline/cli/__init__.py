@@ -32,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("aiogguf.cli.plan", "show where every tensor would go (dry run)"),
     "load": ("aiogguf.cli.load", "load a model with a progress bar and print the report"),
     "validate": ("aiogguf.cli.validate", "load with checks on and list every bad tensor"),
+    "hash": ("aiogguf.cli.hash", "hash a model once and write its manifest"),
+    "verify": ("aiogguf.cli.verify", "check a model against a sha256 or a manifest"),
     "bench": ("aiogguf.cli.bench", "measure load throughput against this machine's limits"),
     "config": ("aiogguf.cli.config", "print the effective configuration"),
     "serve": ("aiogguf.cli.serve", "run the HTTP load server"),

@@ -9,6 +9,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
     TaskID,
     TextColumn,
     TimeRemainingColumn,
@@ -23,21 +24,25 @@ from aiogguf.events import Stage
 from aiogguf.report import LoadReport
 from aiogguf.units import format_bytes
 
-__all__ = ["load_with_progress", "render_report"]
+__all__ = ["byte_columns", "load_with_progress", "render_report"]
 
 
-def load_with_progress(
-    path: str | os.PathLike[str], config: Config, console: Console
-) -> LoadReport:
-    """Load ``path`` showing a progress bar (bytes, GB/s, ETA); return the report."""
-    columns = (
+def byte_columns() -> tuple[ProgressColumn, ...]:
+    """The columns of a progress bar in bytes: name, bar, bytes, GB/s, ETA."""
+    return (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as bar:
+
+
+def load_with_progress(
+    path: str | os.PathLike[str], config: Config, console: Console
+) -> LoadReport:
+    """Load ``path`` showing a progress bar (bytes, GB/s, ETA); return the report."""
+    with Progress(*byte_columns(), console=console, transient=False) as bar:
         task: TaskID = bar.add_task(os.path.basename(os.fspath(path)), total=None)
 
         def on_progress(event: LoadProgress) -> None:

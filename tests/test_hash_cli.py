@@ -1,0 +1,131 @@
+"""``aiogguf hash`` and ``aiogguf verify``: the sidecar manifest, one manifest for a split
+set, the exit statuses, one line on every refusal or mismatch, and a pass that stops
+soon when cancelled."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from aiogguf.cli import main
+from aiogguf.hashing import hash_model
+from aiogguf.testing.synth import write_synthetic_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hash-cli") / "m.gguf"
+    write_synthetic_model(path, size_bytes="3MiB", seed=9, n_layer=2)
+    assert main(["hash", str(path)]) == 0
+    return path
+
+
+def one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_hash_writes_the_manifest_beside_the_model(model: Path) -> None:
+    sidecar = model.with_name("m.gguf.manifest.json")
+    data = json.loads(sidecar.read_text())
+    assert data["format"] == "aiogguf-manifest"
+    assert data["files"][0]["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest()
+
+
+def test_verify_passes_a_clean_model(model: Path) -> None:
+    assert main(["verify", str(model), "--manifest", f"{model}.manifest.json"]) == 0
+    oid = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert main(["verify", str(model), "--sha256", oid]) == 0
+    assert main(["verify", str(model), "--sha256", f"sha256:{oid.upper()}"]) == 0
+
+
+def test_verify_names_a_damaged_tensor_in_one_line(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    damaged = tmp_path / "m.gguf"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 1
+    damaged.write_bytes(data)
+    status = main(["verify", str(damaged), "--manifest", f"{model}.manifest.json"])
+    line = one_line(capsys)
+    assert status == 2
+    assert line.startswith(f"aiogguf verify: {damaged}: 1 tensor differs from the manifest")
+    assert "block 0 at offset" in line
+    oid = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert main(["verify", str(damaged), "--sha256", oid]) == 2
+    assert f"expected {oid}" in one_line(capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--sha256", "abc"], "expected 64 hex digits"),
+        (["--manifest", "{d}/none.json"], "cannot open"),
+        (["--manifest", "{d}/bad.json"], "not JSON"),
+        (["--manifest", "{d}/other.json"], "not a manifest of this model"),
+    ],
+)
+def test_verify_refuses_in_one_line(
+    model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    words: str,
+) -> None:
+    (tmp_path / "bad.json").write_text("{")
+    other = tmp_path / "o.gguf"
+    write_synthetic_model(other, size_bytes="1MiB", seed=9, n_layer=1)
+    assert main(["hash", str(other), "-o", str(tmp_path / "other.json")]) == 0
+    capsys.readouterr()
+    status = main(["verify", str(model), *[a.replace("{d}", str(tmp_path)) for a in args]])
+    assert status == 2
+    assert words in one_line(capsys)
+
+
+def test_one_manifest_covers_a_split_set(tmp_path: Path) -> None:
+    write_synthetic_model(tmp_path / "s.gguf", size_bytes="3MiB", seed=2, n_layer=3, split_count=3)
+    first = tmp_path / "s-00001-of-00003.gguf"
+    assert main(["hash", str(first)]) == 0
+    data = json.loads((tmp_path / "s-00001-of-00003.gguf.manifest.json").read_text())
+    assert [f["name"] for f in data["files"]] == [f"s-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert {t["file"] for t in data["tensors"]} == {0, 1, 2}
+    assert main(["verify", str(first), "--manifest", f"{first}.manifest.json"]) == 0
+
+
+def test_llama_format_round_trips_through_verify(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "h.txt"
+    assert main(["hash", str(model), "--format", "llama", "-o", str(out)]) == 0
+    assert out.read_text().startswith("xxh64     ")
+    assert main(["verify", str(model), "--manifest", str(out)]) == 0
+
+
+def test_hash_to_stdout(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hash", str(model), "--format", "llama", "-o", "-"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.rstrip().splitlines()[-1].startswith("uuid      ")
+    assert "wrote stdout" in captured.err
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_pass_stops_within_a_piece(tmp_path: Path) -> None:
+    path = tmp_path / "big.gguf"
+    write_synthetic_model(path, size_bytes="96MiB", seed=1, n_layer=2)
+    seen: list[int] = []
+    cancelled_at: list[float] = []
+    with anyio.CancelScope() as scope:
+
+        def progress(done: int, total: int) -> None:
+            seen.append(done)
+            cancelled_at.append(time.perf_counter())
+            scope.cancel()
+
+        await hash_model(path, progress=progress)
+    assert scope.cancelled_caught
+    assert seen[0] < path.stat().st_size // 2  # it did not read on to the end
+    assert time.perf_counter() - cancelled_at[0] < 1.0
