@@ -19,17 +19,18 @@ host ones, cutting the jobs and starting the host reads run on the load's own th
 for a single-file model in one call (``_Front``): the loop's thread only awaits, and
 the reads run while it sets up the rest.
 
-How the stages are joined: the front hands on records (``Plan``, ``BufferLayout``s,
-``TensorSlot``s, ``ReadJob``s: ``aiogguf.jobs`` cuts them). The reader hands each landed
-piece to a ``PieceSink`` (the validate stage's piece checks, when some tensor is checked
-by pieces) and the upload stage fills each staging slot with a ``SlotFill`` (the
-reader's ``fill_slot``): the engine wires both. Each landed host job goes, by a callback
-on the loop's thread attached before the reads start, to ``_Progress``, which counts it
-and puts the tensors it completed on one memory object stream to the checks
-(``Validation.tensors_ready``). That stream has room for every job, so it never pushes
-back: what bounds memory is the buffers the plan allocates, the staging slots (a
-transfer thread waits for a free one) and the whole-tensor checks in flight (``submit``
-waits for a free one).
+How the stages are joined: the front hands on records (one ``_Layout``: the ``Plan``,
+``BufferLayout``s, ``TensorSlot``s, ``ReadJob``s that ``aiogguf.jobs`` cuts). The reader
+hands each landed piece to a ``PieceSink`` (the validate stage's piece checks, when some
+tensor is checked by pieces) and the upload stage fills each staging slot with a
+``SlotFill`` (the reader's ``fill_slot``): the engine wires both. Each landed host job
+goes, by a callback on the loop's thread attached before the reads start, to
+``_Progress``, which counts it and puts the tensors it completed on one memory object
+stream to the checks (``Validation.tensors_ready``). That stream has room for every job,
+so it never pushes back (nor does the read stage's own, on which ``O_DIRECT`` jobs wait
+for the check threads): what bounds memory is the buffers the plan allocates, the
+staging slots (a transfer thread waits for a free one) and the whole-tensor checks in
+flight (``submit`` waits for a free one).
 
 The engine only wires. Each stage's own work lives in its module: descriptors, disk
 limits, byte order and locks in ``read``; images and mapping advice in ``allocate``;
@@ -38,9 +39,10 @@ both ways of checking a tensor behind ``validate.Validation`` (the rules in
 the report.
 
 Every task lives in one task group; a failure anywhere cancels the rest and surfaces
-as that one exception. Everything allocated is owned by a ``Resources`` stack until the
-model takes it; if the load fails or is cancelled, the stack releases it all (files,
-mappings, host and device buffers) before the exception propagates.
+as that one exception. Everything the load opens, allocates, lends or starts is owned by
+one ``LoadResources`` until the model takes the images; if the load fails or is
+cancelled, its one close stops the reads and transfers and then releases it all (threads,
+mappings, host and device buffers, files) before the exception propagates.
 """
 
 from __future__ import annotations
@@ -50,10 +52,9 @@ import os
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
-import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.config import Config
@@ -66,12 +67,12 @@ from aiogguf.errors import (
     from_os_error,
 )
 from aiogguf.events import ProgressHub, Stage
-from aiogguf.images import DeviceImage, Image
+from aiogguf.images import DeviceImage
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile
-from aiogguf.io.opener import FileOpener, OpenFiles
-from aiogguf.io.workers import LoadThreads, raise_if_stopped, reserve_threads
+from aiogguf.io.opener import FileOpener
+from aiogguf.io.workers import raise_if_stopped, reserve_threads
 from aiogguf.jobs import (
     BufferLayout,
     PieceSink,
@@ -85,10 +86,11 @@ from aiogguf.jobs import (
     split_jobs,
     tensor_slots,
 )
+from aiogguf.load_resources import LoadResources
 from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
 from aiogguf.report import LoadReport, build_report
-from aiogguf.stages.allocate import Allocation, allocate_host_images, close_images
+from aiogguf.stages.allocate import Allocation, allocate_host_images
 from aiogguf.stages.index import open_index, read_whole_model
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import (
@@ -231,67 +233,65 @@ class _Progress:
 
 class _Load:
     """One load in flight. Only ``run()`` is public; the rest is the wiring: what each
-    stage does lives in its module, what the load did is put together by ``report``."""
+    stage does lives in its module, what the load did is put together by ``report``.
+
+    It gets the load's ``_Layout`` (a record), its read side (started already) and its
+    ``LoadResources``, which hold everything open until the caller closes them."""
 
     def __init__(
         self,
         index: WeightIndex,
-        prepared: _Prepared,
-        images: list[Image | None],
+        layout: _Layout,
+        reading: _ReadSide,
+        resources: LoadResources,
         config: Config,
         hub: ProgressHub,
         *,
-        threads: LoadThreads,
-        files: Sequence[DataFile],
         metadata_stages: Sequence[tuple[str, StageTimes]] = (),
     ) -> None:
-        self.threads = threads  # the load's thread for its one-off blocking calls
-        self.files = files  # open, one per file of the model
-        self.prepared = prepared
         self.index = index
-        self.plan = plan = prepared.plan
-        self.devices = {d.name: d for d in prepared.devices}
+        self.layout = layout
+        self.reading = reading
+        self.resources = resources
         self.config = config
         self.hub = hub
-        self.mode = plan.mode
-        self.layouts = prepared.layouts
-        self.slots = prepared.slots
-        self.spans = prepared.spans
-        # Host images exist already (``images``); device ones are allocated by ``run``.
+        # Host images exist already; device ones are allocated by ``run``.
         self.allocation = Allocation(
-            self.layouts, images, clock=hub.elapsed, host_times=prepared.host_times
+            layout.layouts,
+            resources.images,
+            resources.place,
+            clock=hub.elapsed,
+            host_times=layout.host_times,
         )
-        self.images = self.allocation.images
-        self.warnings: list[str] = list(plan.warnings)
+        self.warnings: list[str] = list(layout.plan.warnings)
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
-        self.progress = prepared.progress
 
     # --- the whole load ---------------------------------------------------------------
 
-    async def run(self, stack: AsyncExitStack) -> Model:
-        """Load every tensor; resources go on ``stack`` (closed by the caller on failure)."""
-        files = self.files
-        for warning in direct_refusals(files, self.mode):
+    async def run(self) -> Model:
+        """Load every tensor; what it holds stays with ``resources`` (closed by the caller)
+        but for the images, which the model takes."""
+        resources, layout, plan = self.resources, self.layout, self.layout.plan
+        files = resources.files
+        for warning in direct_refusals(files, plan.mode):
             self._warn(warning)
-        prepared = self.prepared
-        disks, validation, reader = prepared.disks, prepared.validation, prepared.reader
+        reading = self.reading
+        validation, reader, progress = reading.validation, reading.reader, reading.progress
         uploader: Uploader | None = None
-        if any(not lay.plan.host for lay in self.layouts):
+        if any(not lay.plan.host for lay in layout.layouts):
             # Transfer threads: as many as the busiest disk allows readers (a transfer
             # thread reads as much as it copies).
-            transfer_threads = await stack.enter_async_context(
-                LoadThreads(disks.busiest, name="aiogguf-transfer")
-            )
-            uploader = await stack.enter_async_context(
-                Uploader(self.devices, self.config, threads=transfer_threads)
+            devices = {d.name: d for d in layout.devices}
+            uploader = await resources.open_uploader(
+                devices, self.config, threads=layout.disks.busiest
             )
         # A stage that fails cancels the others; the caller sees its error, unwrapped.
         with one_error():
             async with validation:
-                await self._stream(prepared.reads, reader, uploader, validation)
+                await self._stream(uploader)
         if reader.lock_refusal is not None:
             self._warn(
-                f"{reader.lock_refusal}; the whole load needs {self.progress.bytes_total} "
+                f"{reader.lock_refusal}; the whole load needs {progress.bytes_total} "
                 "bytes locked; it goes on with the rest unlocked"
             )
         uploads = uploader.stats if uploader is not None else ()
@@ -300,33 +300,28 @@ class _Load:
         # read of a cut-off page would kill): the load fails instead. The readers
         # checked the files that only they read; those the transfer threads read too
         # are checked here.
-        if staged := [files[i] for i in prepared.staged_files]:
-            await self.threads.run_sync(_check_unchanged, staged)
+        if staged := [files[i] for i in layout.staged_files]:
+            await resources.thread.run_sync(_check_unchanged, staged)
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
                 self._warn(f"{f.path}: {f.direct_refusal}; the rest was read with mode 'none'")
         failures = validation.failures
         if failures and not self.config.load.keep_invalid:
             raise TensorValidationError(failures, self.index.files[0].path)
-        self.progress.emit(Stage.DONE)
-        report = _report(self, reader, disks.names, uploads, validation)
-        images = self.allocation.take()  # the model owns them now
-        return Model(self.index, self.plan, images, self.slots, report, failures=failures)
+        progress.emit(Stage.DONE)
+        report = _report(self, uploads)
+        images = resources.take_images()  # the model owns them now
+        return Model(self.index, plan, images, layout.slots, report, failures=failures)
 
-    async def _stream(
-        self,
-        reads: HostReads,
-        reader: Reader,
-        uploader: Uploader | None,
-        validation: Validation,
-    ) -> None:
+    async def _stream(self, uploader: Uploader | None) -> None:
         """The streaming half: the host reads (started already), device buffers,
         transfers and checks, all at once."""
         pipeline = self.config.pipeline
-        device_jobs = self.prepared.device_jobs
+        device_jobs = self.layout.device_jobs
         if uploader is not None:
             assert uploader.slot_bytes == pipeline.staging_bytes(), "device jobs fill a slot each"
-        progress = self.progress
+        reading = self.reading
+        progress = reading.progress
         ready_send = progress.ready_send
         progress.go_live()
         async with anyio.create_task_group() as tg:
@@ -334,9 +329,9 @@ class _Load:
                 tg.start_soon(self.allocation.run, uploader.allocate)
             if device_jobs:
                 assert uploader is not None
-                tg.start_soon(self._transfer, uploader, reader, device_jobs, ready_send.clone())
-            tg.start_soon(self._host, reads, ready_send)
-            tg.start_soon(self._validate_loop, progress.ready_receive, validation)
+                tg.start_soon(self._transfer, uploader, device_jobs, ready_send.clone())
+            tg.start_soon(self._host, reading.reads, ready_send)
+            tg.start_soon(self._validate_loop, progress.ready_receive)
 
     @staticmethod
     async def _host(reads: HostReads, ready: MemoryObjectSendStream[list[str]]) -> None:
@@ -348,12 +343,12 @@ class _Load:
     async def _transfer(
         self,
         uploader: Uploader,
-        reader: Reader,
         jobs: Sequence[ReadJob],
         ready: MemoryObjectSendStream[list[str]],
     ) -> None:
         """Every device job through the upload stage's transfer threads; then the device
         tensors are ready (every copy has completed when ``transfer`` returns)."""
+        reader, progress = self.reading.reader, self.reading.progress
         async with ready:
             targets: list[tuple[ReadJob, DeviceBuffer]] = []
             for job in jobs:
@@ -364,7 +359,7 @@ class _Load:
             def landed(job: ReadJob) -> None:
                 now = self.hub.elapsed()
                 reader.count(job, now, now)
-                self.progress.landed(job)
+                progress.landed(job)
 
             # Device jobs are read (and checked) before they land: the read stage starts
             # now, before the validate stage's first check.
@@ -374,32 +369,27 @@ class _Load:
             # The reader fills each slot, handing its pieces to the piece sink as they land.
             fill: SlotFill = reader.fill_slot
             await uploader.transfer(targets, fill, landed=landed)
-            if self.progress.device_landed:
-                await ready.send(list(self.progress.device_landed))
+            if progress.device_landed:
+                await ready.send(list(progress.device_landed))
 
     # --- completion and validation ----------------------------------------------------
 
-    async def _validate_loop(
-        self, ready: MemoryObjectReceiveStream[list[str]], validation: Validation
-    ) -> None:
+    async def _validate_loop(self, ready: MemoryObjectReceiveStream[list[str]]) -> None:
+        validation, progress = self.reading.validation, self.reading.progress
         async with ready:
             async for names in _batches(ready):
                 await validation.tensors_ready(names)
-                self.progress.tensors_checked(len(names))
+                progress.tensors_checked(len(names))
 
     def _warn(self, message: str) -> None:
         self.warnings.append(message)
         warnings.warn(message, LoadWarning, stacklevel=2)
 
 
-def _report(
-    load: _Load,
-    reader: Reader,
-    disks: Sequence[str],
-    uploads: Sequence[DeviceUploadStats],
-    validation: Validation,
-) -> LoadReport:
+def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
     """The finished load's report, from what each stage counted."""
+    reader, validation = load.reading.reader, load.reading.validation
+    plan, disks = load.layout.plan, load.layout.disks.names
     stages = [
         *load.stages,
         ("allocate", load.allocation.times()),
@@ -409,12 +399,12 @@ def _report(
         stages.append(("validate", validation.times()))
     files = load.index.files
     return build_report(
-        load.plan,
+        plan,
         path=files[0].path,
         total_s=load.hub.elapsed(),
         stages=stages,
         files=[
-            (parsed.path, stats, load.mode == "direct" and direct, disk)
+            (parsed.path, stats, plan.mode == "direct" and direct, disk)
             for parsed, stats, direct, disk in zip(
                 files, reader.stats, reader.direct, disks, strict=True
             )
@@ -444,13 +434,6 @@ async def _batches(stream: MemoryObjectReceiveStream[list[str]]) -> AsyncIterato
         yield batch
 
 
-async def _free_images(images: list[Image | None], threads: LoadThreads) -> None:
-    """Free the images the model did not take (a failed load); no thread call when
-    there are none (a load that succeeded)."""
-    if any(image is not None for image in images):
-        await threads.run_sync(close_images, images)
-
-
 def _check_unchanged(files: Sequence[DataFile]) -> None:
     """Blocking: raise ``LoadError`` for the first file that changed during the load."""
     for f in files:
@@ -463,14 +446,16 @@ _Names = tuple[MemoryObjectSendStream[list[str]], MemoryObjectReceiveStream[list
 
 
 @dataclass(frozen=True, slots=True)
-class _Prepared:
-    """What the blocking front of a load hands the loop: devices, plan, buffer layouts,
-    where each tensor sits, when the host images (already allocated) were made, the
-    jobs, and the read side of the load, its host reads already running."""
+class _Layout:
+    """How one load lies out, made on the load's thread before its first read: the
+    devices and plan (``planned``: when, on the load's clock), the buffer layouts,
+    where each tensor sits (``slots``, ``spans``), when the host images were allocated,
+    each file's disk, the jobs, and the files the transfer threads read from too. A
+    record: nothing in it is open or running (that is the ``LoadResources``')."""
 
     devices: tuple[Device, ...]
     plan: Plan
-    planned: float  # on the load's clock
+    planned: float
     layouts: tuple[BufferLayout, ...]
     slots: dict[str, TensorSlot]
     spans: TensorSpans
@@ -478,71 +463,79 @@ class _Prepared:
     disks: Disks
     jobs: list[list[ReadJob]]  # host jobs, per file
     device_jobs: list[ReadJob]
-    staged_files: tuple[int, ...]  # the files the transfer threads read from too
+    staged_files: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _ReadSide:
+    """The read side of one load, its host reads already started on the load's thread:
+    the checks, the reader, the reads (owned by the ``LoadResources``, which stops
+    them), and ``_Progress``, where their landed jobs go."""
+
     validation: Validation
     reader: Reader
-    reads: HostReads  # started
-    progress: _Progress  # where the host jobs go as they land, attached before they start
+    reads: HostReads
+    progress: _Progress
 
 
 @dataclass(frozen=True, slots=True)
 class _Front:
     """The blocking front of one load, run on the load's thread, up to the first byte
-    read: it reads through ``opened``, plans with ``config`` for ``devices`` (None:
-    discover them), times itself with ``clock`` and ends by starting the host reads, on
-    threads whose calls the loop of ``token`` awaits; their landed jobs go to a
-    ``_Progress`` that reports to ``hub``. The files it opens, the host images it
-    allocates and the threads it takes go into ``files``, ``images`` and ``lent`` as they
-    are made, and the reads it starts (and where they land) into ``started``: the caller
-    frees them all (``release``, ``close_images``) if the load fails."""
+    read: it plans with ``config`` for ``devices`` (None: discover them), times itself
+    with ``clock`` and ends by starting the host reads, whose landed jobs go to a
+    ``_Progress`` that reports to ``hub``. It reads through ``resources.opened``, and the
+    files it opens, the host images it allocates, the threads it lends and the reads it
+    starts are ``resources``' as soon as each is made: its close frees them all."""
 
-    opened: OpenFiles
+    resources: LoadResources
     config: Config
     devices: Sequence[Device] | None
     clock: Callable[[], float]
-    token: anyio.lowlevel.EventLoopToken
     hub: ProgressHub
-    files: list[DataFile] = field(default_factory=list)
-    images: list[Image | None] = field(default_factory=list)
-    lent: list[LoadThreads] = field(default_factory=list)
-    started: list[tuple[HostReads, _Progress]] = field(default_factory=list)
 
     def parse_and_plan(
         self, path: str
-    ) -> tuple[ParsedFile, tuple[WeightIndex, float, _Prepared] | None]:
+    ) -> tuple[ParsedFile, tuple[WeightIndex, float, _Layout, _ReadSide] | None]:
         """Blocking: a single-file model parsed, indexed and ``plan_and_open``-ed in one
         call: each call is a round trip through the loop, and in a fresh process the
         round trips cost as much as the work. Returns the header and (index, when it was
-        indexed, the rest); for a split set only the first file's header, and nothing is
-        opened."""
-        first, index = read_whole_model(path, self.opened)
+        indexed, the layout, the read side); for a split set only the first file's
+        header, and nothing is opened."""
+        first, index = read_whole_model(path, self.resources.opened)
         if index is None:
             return first, None
         indexed = self.clock()
-        return first, (index, indexed, self.plan_and_open(index))
+        return first, (index, indexed, *self.plan_and_open(index))
 
-    def plan_and_open(self, index: WeightIndex) -> _Prepared:
+    def plan_and_open(self, index: WeightIndex) -> tuple[_Layout, _ReadSide]:
         """Blocking: the load's devices (the first discovery imports CuPy and starts
         CUDA) and its plan (placement rules are matched against every tensor name); then
-        the files to read, opened in the plan's mode, and the rest of what the streaming
-        half needs (``_prepare``)."""
+        the files to read, opened in the plan's mode, the layout (``_lay_out``) and the
+        host reads started (``_start_reads``)."""
         config = self.config
         found = tuple(self.devices) if self.devices is not None else enumerate_devices(config)
         plan = make_plan(index, found, config)
         raise_if_stopped()
+        resources = self.resources
         open_data_files(
-            index, self.opened, mode=plan.mode, alignment=config.pipeline.alignment, into=self.files
+            index,
+            resources.opened,
+            mode=plan.mode,
+            alignment=config.pipeline.alignment,
+            keep=resources.keep_file,
         )
-        return self._prepare(index, found, plan, self.clock())
+        layout = self._lay_out(index, found, plan, self.clock())
+        raise_if_stopped()  # a cancelled load starts no read
+        return layout, self._start_reads(index, layout)
 
-    def _prepare(
+    def _lay_out(
         self, index: WeightIndex, devices: tuple[Device, ...], plan: Plan, planned: float
-    ) -> _Prepared:
+    ) -> _Layout:
         """Blocking: the buffers of ``plan`` laid out, its host images allocated, each
-        file's disk found (a ``stat``), the read jobs cut and the host reads started:
-        work that grows with the model (a model of hundreds of GiB has 10^4 jobs), off
-        the loop."""
-        config, files, clock = self.config, self.files, self.clock
+        file's disk found (a ``stat``) and the read jobs cut: work that grows with the
+        model (a model of hundreds of GiB has 10^4 jobs), off the loop."""
+        config, resources, clock = self.config, self.resources, self.clock
+        files = resources.files
         alignment = config.pipeline.alignment
         swapped = needs_swap(index.byte_order)
         if swapped:
@@ -551,10 +544,11 @@ class _Front:
         slots = tensor_slots(index, layouts)
         spans = TensorSpans(index, layouts)
         began = clock()
+        resources.make_room(len(layouts))
         allocate_host_images(
             layouts,
             files,
-            self.images,
+            resources.place,
             mapped=plan.mode in MAPPED_MODES,
             writable=swapped,
             alignment=alignment,
@@ -586,11 +580,7 @@ class _Front:
             aligned=plan.mode == "direct",
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
-        raise_if_stopped()  # a cancelled load starts no read
-        validation, reader, reads, progress = self._start_reads(
-            index, plan, layouts, slots, spans, disks, jobs, staged, swapped
-        )
-        return _Prepared(
+        return _Layout(
             devices,
             plan,
             planned,
@@ -602,40 +592,28 @@ class _Front:
             jobs,
             device_jobs,
             staged,
-            validation,
-            reader,
-            reads,
-            progress,
         )
 
-    def _start_reads(
-        self,
-        index: WeightIndex,
-        plan: Plan,
-        layouts: tuple[BufferLayout, ...],
-        slots: dict[str, TensorSlot],
-        spans: TensorSpans,
-        disks: Disks,
-        jobs: list[list[ReadJob]],
-        staged: tuple[int, ...],
-        swapped: bool,
-    ) -> tuple[Validation, Reader, HostReads, _Progress]:
+    def _start_reads(self, index: WeightIndex, layout: _Layout) -> _ReadSide:
         """The read side of the load (checks, reader, reader threads), and its host reads
         started: their images exist, and the reads then run while the loop sets up the
-        rest (device buffers, transfers) instead of after it. ``swapped``: the bytes are
-        big-endian and swapped as they land."""
-        config, files, clock = self.config, self.files, self.clock
-        threads = self._lend(disks.total_readers, "aiogguf-reader")
+        rest (device buffers, transfers) instead of after it."""
+        config, resources, clock = self.config, self.resources, self.clock
+        plan, layouts, disks, jobs = layout.plan, layout.layouts, layout.disks, layout.jobs
+        files = resources.files
+        # Big-endian bytes are swapped as they land.
+        swapped = needs_swap(index.byte_order)
+        threads = resources.lend(disks.total_readers, "aiogguf-reader")
         workers = config.pipeline.validate_workers
         # With checks off nothing runs on check threads: the readers' stand in.
         check = config.load.check_tensors
-        check_threads = self._lend(workers, "aiogguf-check") if check else threads
+        check_threads = resources.lend(workers, "aiogguf-check") if check else threads
         validation = Validation(
             index,
             layouts,
-            slots,
-            spans,
-            self.images,
+            layout.slots,
+            layout.spans,
+            resources.images,
             files,
             mode=plan.mode,
             enabled=check,
@@ -648,7 +626,7 @@ class _Front:
         pieces: PieceSink | None = validation.check_piece if validation.by_pieces else None
         reader = Reader(
             files,
-            self.images,
+            resources.images,
             direct=[f.direct_ok for f in files],
             clock=clock,
             swap=ByteSwap(index, layouts) if swapped else None,
@@ -661,34 +639,16 @@ class _Front:
             self.hub,
             plan,
             layouts,
-            spans,
+            layout.spans,
             jobs=sum(len(file_jobs) for file_jobs in jobs),
             checked=check,
         )
-        self.started.append((reads, progress))
+        resources.hold_reads(reads, progress.close)
         # The files the transfer threads read from too are checked by the engine.
+        staged = layout.staged_files
         verify = [None if i in staged else f.check_unchanged for i, f in enumerate(files)]
         reads.start(jobs, disks, verify=verify, landed=progress.host_landed)
-        return validation, reader, reads, progress
-
-    def _lend(self, count: int, name: str) -> LoadThreads:
-        threads = LoadThreads(count, name=name).enter(self.token)
-        self.lent.append(threads)
-        return threads
-
-    async def release(self) -> None:
-        """On the loop, as the load ends: stop the host reads and wait for them (unless
-        the load has; a failed one), then give the threads back."""
-        for reads, progress in self.started:
-            await reads.abandon()
-            progress.close()
-        for threads in self.lent:
-            threads.leave()
-
-
-def _close_all(files: Sequence[DataFile]) -> None:
-    for f in files:
-        f.close()
+        return _ReadSide(validation, reader, reads, progress)
 
 
 @contextmanager
@@ -716,48 +676,41 @@ async def run_load(
     devices: Sequence[Device] | None = None,
     opener: FileOpener | None = None,
 ) -> Model:
-    """Parse, index, plan and load ``path``. Resources are pushed on ``stack`` until the
-    returned model owns them; on failure the caller closes the stack. ``opener`` opens
-    every file of the load, once (default: any path)."""
+    """Parse, index, plan and load ``path``. What the load holds is one
+    ``LoadResources`` on ``stack``, which the caller closes (told why, on failure); the
+    returned model has taken the images. ``opener`` opens every file of the load, once
+    (default: any path)."""
     with _load_errors(path):
         t0 = hub.elapsed()
         hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
-        # Each file is opened once, by the parse stage; the engine reads through the same
-        # descriptors (its DataFiles hold duplicates), so the table closes with the stack.
-        opened = stack.enter_context(OpenFiles(opener))
         # The load's threads, ready for it (a process that has loaded before has them),
         # or started now, in order (transfer threads are started when the plan asks for
         # them). Its own thread, for its one-off blocking calls (parse, index, plan,
-        # open, allocate, close), is taken last, so that it is the last to start: the
-        # front is pure Python, and while it runs, a thread that waits to start waits
-        # for the GIL too.
+        # open, allocate, close), is taken last (by the resources), so that it is the
+        # last to start: the front is pure Python, and while it runs, a thread that
+        # waits to start waits for the GIL too.
         reserve_threads(load_thread_count(config, uploads=False))
-        threads = await stack.enter_async_context(LoadThreads(1, name="aiogguf-load"))
-        # The files to read, opened (duplicates of the parsed descriptors) by the same
-        # call that plans a single-file model, and the host images it allocates; both
-        # freed with the stack unless the model takes the images.
-        front = _Front(opened, config, devices, hub.elapsed, anyio.lowlevel.current_token(), hub)
-        stack.callback(_close_all, front.files)
-        stack.push_async_callback(_free_images, front.images, threads)
-        # Before the images are freed: the reads that write into them end first.
-        stack.push_async_callback(front.release)
+        # Each file is opened once, by the parse stage (``resources.opened``); the engine
+        # reads through the same descriptors (its DataFiles hold duplicates).
+        resources = await stack.enter_async_context(LoadResources(opener))
+        threads = resources.thread
+        front = _Front(resources, config, devices, hub.elapsed, hub)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
-            index, t1, prepared = whole
+            index, t1, layout, reading = whole
         else:
-            index = await open_index(path, threads=threads, files=opened, first=first)
+            index = await open_index(path, threads=threads, files=resources.opened, first=first)
             t1 = hub.elapsed()
-            prepared = await threads.run_sync(front.plan_and_open, index)
-        t2 = prepared.planned
-        plan = prepared.plan
+            layout, reading = await threads.run_sync(front.plan_and_open, index)
+        t2 = layout.planned
+        plan = layout.plan
         load = _Load(
             index,
-            prepared,
-            front.images,
+            layout,
+            reading,
+            resources,
             config,
             hub,
-            threads=threads,
-            files=front.files,
             metadata_stages=[
                 ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),
                 ("plan", StageTimes(t1, t2, t2 - t1, len(plan.tensors), 0)),
@@ -766,10 +719,10 @@ async def run_load(
         hub.emit(
             Stage.PLAN,
             0,
-            load.progress.bytes_total,
+            reading.progress.bytes_total,
             0,
-            load.progress.tensors_total,
+            reading.progress.tensors_total,
             f"{len(plan.buffers)} buffers",
             force=True,
         )
-        return await load.run(stack)
+        return await load.run()

@@ -2,7 +2,8 @@
 
 A host image is page-aligned anonymous memory (modes ``none``/``direct``) or mappings of
 exactly its file ranges (``mmap``/``mlock``); a device image is device memory that the
-upload stage copies into. The allocate stage makes them; the model owns them after.
+upload stage copies into. The allocate stage makes them; the load's ``LoadResources``
+owns them (the stages see them read-only) until the model takes them.
 """
 
 from __future__ import annotations

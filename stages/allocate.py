@@ -83,7 +83,7 @@ def allocate_mapped(
 def allocate_host_images(
     layouts: Sequence[BufferLayout],
     files: Sequence[DataFile],
-    into: list[Image | None],
+    place: Callable[[int, Image], None],
     *,
     mapped: bool,
     writable: bool,
@@ -92,8 +92,8 @@ def allocate_host_images(
     lock: bool = False,
     huge_pages: HugePages = "off",
 ) -> None:
-    """Blocking: every host buffer's image, put in ``into`` (indexed by buffer, as long as
-    ``layouts``) as soon as it exists, so that the caller frees it if a later one fails.
+    """Blocking: every host buffer's image, handed to ``place(buffer index, image)`` as
+    soon as it exists, so that its owner frees it if a later one fails.
 
     ``mapped``: host buffers are mappings of the file (else anonymous memory, aligned to
     ``alignment``); ``writable``: the bytes are swapped in place (such buffers are copies,
@@ -101,7 +101,6 @@ def allocate_host_images(
     ``lock`` (mode ``mlock``): the loaded mapped ranges lock their pages as the readers
     fault them in (``lock_on_fault``); ``huge_pages``: the config's setting for anonymous
     images (``allocate_host``)."""
-    into[:] = [None] * len(layouts)
     for layout in layouts:
         raise_if_stopped()
         if not layout.plan.host:
@@ -112,34 +111,36 @@ def allocate_host_images(
             # every page of a private mapping, so a mapping would save no memory, and
             # the swap's own writes would be exposed to SIGBUS if the file were cut.
             image = allocate_mapped(layout, files, writable=writable)
-            into[layout.index] = image
+            place(layout.index, image)
             advise(image, numa=numa_nodes() > 1, prefetch=prefetch)
             if lock and not layout.plan.lazy:
                 lock_on_fault(image)
         else:
-            into[layout.index] = allocate_host(layout, alignment, huge_pages=huge_pages)
+            place(layout.index, allocate_host(layout, alignment, huge_pages=huge_pages))
 
 
 class Allocation:
     """The images of one load: host ones allocated before it starts
     (``allocate_host_images``, with the plan), device ones by ``run``; the transfers
     into buffer ``k`` await ``ready(k)``, so they start as soon as it exists while later
-    ones are still being allocated. ``images`` (indexed by buffer, shared
-    with the engine, which frees what is left in it if the load fails: ``close_images``)
-    holds them until ``take()``."""
+    ones are still being allocated. The images belong to their owner (the engine's, which
+    frees what is left if the load fails): this stage sees them read-only (``images``,
+    indexed by buffer) and hands it each new one (``place``)."""
 
     def __init__(
         self,
         layouts: Sequence[BufferLayout],
-        images: list[Image | None],
+        images: Sequence[Image | None],
+        place: Callable[[int, Image], None],
         *,
         clock: Callable[[], float],
         host_times: StageTimes | None = None,
     ) -> None:
-        """``images``: the host images, shared (the caller frees what is left in it if
-        the load fails); ``host_times``: when they were allocated."""
+        """``images``: the load's images, the host ones there already; ``host_times``:
+        when those were allocated."""
         self.layouts = layouts
-        self.images = images
+        self._images = images
+        self._place = place
         self._ready = {lay.index: anyio.Event() for lay in layouts if not lay.plan.host}
         self._meter = StageMeter(clock)
         if host_times is not None:
@@ -157,22 +158,16 @@ class Allocation:
                 continue
             with self._meter.span(items=1, nbytes=layout.nbytes):
                 buffer = await allocate_device(layout.plan.device, max(layout.nbytes, 1))
-                self.images[layout.index] = DeviceImage(layout, buffer)
+                self._place(layout.index, DeviceImage(layout, buffer))
             self._ready[layout.index].set()
 
     async def ready(self, k: int) -> Image:
         """Buffer ``k``'s image, once it exists."""
         if (event := self._ready.get(k)) is not None:
             await event.wait()
-        image = self.images[k]
+        image = self._images[k]
         assert image is not None
         return image
-
-    def take(self) -> list[Image | None]:
-        """Hand every image to the caller (the model): nothing is left to close."""
-        images = list(self.images)
-        self.images[:] = [None] * len(self.images)
-        return images
 
     def times(self) -> StageTimes:
         return self._meter.times()

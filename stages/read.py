@@ -72,17 +72,17 @@ def open_data_files(
     *,
     mode: str,
     alignment: int,
-    into: list[DataFile],
+    keep: Callable[[DataFile], None],
 ) -> None:
-    """Blocking: open the load's files for reading, appending each to ``into`` as it
-    opens; the caller closes them, also those opened before a failure. The descriptors
+    """Blocking: open the load's files for reading, each handed to ``keep`` as soon as it
+    opens, in order: its owner closes them, also those opened before a failure. The descriptors
     are those the parse stage read (``opened``), so the file that was parsed is the file
     that is read, whatever its name points at now. A file that refuses ``O_DIRECT`` in
     mode ``direct`` is read with mode ``none`` (``direct_refusals`` words it)."""
     direct = mode == "direct"
     for parsed in index.files:
         f = open_file(parsed.path, direct=direct, alignment=alignment, fd=opened.open(parsed.path))
-        into.append(f)
+        keep(f)
         # Every mode reads each file front to back (O_DIRECT ignores the advice): the
         # kernel then reads ahead in larger steps, and a cold buffered load costs it
         # fewer, larger reads (the README's cold figures).
