@@ -5,15 +5,22 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from aiogguf.errors import ClosedResourceError, TensorFailure
-from aiogguf.images import DeviceImage, Image
+from aiogguf.images import DeviceImage, Image, MappedImage
 from aiogguf.jobs import TensorSlot
 from aiogguf.records import MetadataValue, Plan, TensorEntry, WeightIndex
 from aiogguf.report import LoadReport
+
+if TYPE_CHECKING:
+    from torch import Tensor as TorchTensor
+else:
+    # torch is imported on first use, not with the model: at run time (get_type_hints,
+    # documentation tools) the annotation resolves to Any.
+    TorchTensor = Any
 
 __all__ = ["Model", "ModelState"]
 
@@ -121,6 +128,34 @@ class Model:
             return data.view(image.buffer.xp.dtype(dtype)).reshape(shape)
         raw = np.frombuffer(image.tensor_bytes(slot), dtype=np.uint8)
         return raw.view(np.dtype(dtype)).reshape(shape)
+
+    def torch(self, name: str) -> TorchTensor:
+        """The tensor as a ``torch.Tensor`` sharing its memory (no copy), on its device
+        (``cpu``, or ``cuda:N`` through DLPack from CuPy), with ggml's dtype (BF16 as
+        ``bfloat16``); a quantized one as ``uint8`` rows of blocks ``(..., ne1,
+        row_bytes)``, gguf-py's shape. Needs the ``torch`` extra; valid while the model
+        is open.
+
+        Host tensors of the mapped modes (``mmap``, ``mlock``) are the file's read-only
+        pages (``writable`` says so): torch has no read-only tensor, and a write into one
+        ends the process with SIGSEGV. ``mode="none"`` or ``"direct"`` gives writable
+        tensors in the process's own memory.
+        """
+        from aiogguf.torch_tensors import to_torch
+
+        return to_torch(self._array(name), self.index[name])
+
+    def torch_tensors(self) -> dict[str, TorchTensor]:
+        """Every tensor as ``torch(name)`` gives it, by name, in the order of ``tensors``."""
+        from aiogguf.torch_tensors import to_torch
+
+        return {e.name: to_torch(self._array(e.name), e) for e in self.index.tensors}
+
+    def writable(self, name: str) -> bool:
+        """Whether the tensor's memory may be written: False for host tensors of the
+        mapped modes (``mmap``, ``mlock``), which are the file's read-only pages."""
+        image, _ = self._image(name)
+        return not isinstance(image, MappedImage)
 
     def raw(self, name: str) -> memoryview:
         """The tensor's exact bytes in host memory (copied back from a device if needed)."""

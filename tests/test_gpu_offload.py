@@ -26,16 +26,14 @@ import anyio
 import numpy as np
 import pytest
 from corrupt import expected_bad
-from stand_ins import cupy_stand_in
+from upload_helpers import cupy_stand_in_backend
 
 import aiogguf
 from aiogguf.errors import TensorValidationError
 from aiogguf.events import Progress
-from aiogguf.io.devices import cupy_backend
 from aiogguf.io.devices.cupy_backend import (
     CupyCopyStream,
     cupy_devices,
-    forget_cupy_devices,
     import_cupy,
 )
 from aiogguf.io.devices.sim import SimCopyStream
@@ -93,16 +91,8 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
         return
     if request.param == "stand-in":
         # The CuPy backend end to end on a CPU: CuPy's names over host memory.
-        # (A patch of its own: a test's ``monkeypatch.undo()`` must not undo it.)
-        stand_in = cupy_stand_in()
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(cupy_backend, "import_cupy", lambda: stand_in)
-            forget_cupy_devices()
-            try:
-                yield Rig("cupy", "CUDA0", {"n_gpu_layers": -1}, CupyCopyStream, stand_in)
-            finally:
-                aiogguf.release_staging_sync()  # its pool holds the stand-in's slots
-                forget_cupy_devices()
+        with cupy_stand_in_backend() as stand_in:
+            yield Rig("cupy", "CUDA0", {"n_gpu_layers": -1}, CupyCopyStream, stand_in)
         return
     cupy = import_cupy()
     if cupy is None:

@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.integrity": 1,
     "aiogguf.hash_stream": 1,
     "aiogguf.model": 2,
+    "aiogguf.torch_tensors": 2,
     "aiogguf.devices": 2,
     "aiogguf.stages": 3,
     "aiogguf.engine": 4,

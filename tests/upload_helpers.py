@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,3 +128,25 @@ def assert_exact(targets: Sequence[Target], buffers: Sequence[DeviceBuffer]) -> 
     for t, buf in zip(targets, buffers, strict=True):
         assert bytes(buf.to_host(0, buf.nbytes)) == t.payload.tobytes()
         assert np.array_equal(host_array(buf, 0, buf.nbytes), t.payload)
+
+
+@contextlib.contextmanager
+def cupy_stand_in_backend() -> Iterator[Any]:
+    """The CuPy backend over ``stand_ins/cupy`` (CuPy's names on host memory) for the
+    length of the block; yields the stand-in module. A patch of its own: a test's
+    ``monkeypatch.undo()`` must not undo it."""
+    import pytest
+    from stand_ins import cupy_stand_in
+
+    import aiogguf
+    from aiogguf.io.devices import cupy_backend
+
+    stand_in = cupy_stand_in()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cupy_backend, "import_cupy", lambda: stand_in)
+        cupy_backend.forget_cupy_devices()
+        try:
+            yield stand_in
+        finally:
+            aiogguf.release_staging_sync()  # its pool holds the stand-in's slots
+            cupy_backend.forget_cupy_devices()
