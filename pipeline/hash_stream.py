@@ -2,21 +2,23 @@
 
 The file is read once, in order, in reads of ``READ_BYTES`` (whole blocks of the data
 section) into a ring of ``RING_SLOTS`` buffers that are reused, so memory stays flat
-whatever the model's size. Two lanes, each a call on a load thread, share the work:
+whatever the model's size. Lanes, each a call on a load thread, share the work:
 
 - the *reader* reads a piece, then hashes it while it is in the CPU's cache: the header
   fingerprint, each block's digest, each tensor's digest (xxh3, many GB/s);
-- the *serial* lane takes the pieces in order for the digests that must see the whole
-  file in sequence (sha256 of the file, llama.cpp's per-tensor and whole-model digests),
-  then hands the buffer back.
+- each *ordered* lane takes the pieces in file order for digests that must see the file
+  in sequence: sha256 of the file; llama.cpp's per-tensor digests; its whole-model
+  digests. A buffer goes back to the reader once every ordered lane is done with it.
 
-xxhash and hashlib let the GIL go for a large buffer, so the lanes run on two cores.
+xxhash and hashlib let the GIL go for a large buffer, so the lanes run on separate cores
+(sha256, the slowest, runs on one core: it cannot be split).
 Both check the load's stop flag between pieces and while they wait for each other, so a
 cancelled pass ends within a piece; a lane that fails ends the other one.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import queue
 import threading
@@ -28,7 +30,7 @@ import xxhash
 
 from aiogguf.io.files import DataFile
 from aiogguf.io.workers import Stopped, raise_if_stopped
-from aiogguf.llama_hash import LlamaDigests, LlamaHasher
+from aiogguf.llama_hash import LlamaDigests, LlamaHasher, merge_llama
 from aiogguf.manifest import FileHashes, TensorHash, block_digest
 
 __all__ = ["READ_BYTES", "RING_SLOTS", "FileLayout", "FilePass", "FileResult", "Wanted"]
@@ -127,9 +129,10 @@ def _pieces(layout: FileLayout, block_bytes: int) -> list[tuple[int, int]]:
 
 
 class FilePass:
-    """Hashes one open file in one pass: run ``read_lane`` and ``serial_lane`` at once
-    on two threads, then take ``result``. ``report(nbytes)`` is called from the serial
-    lane after each piece; ``stop()`` (any thread) ends both lanes soon."""
+    """Hashes one open file in one pass: run ``read_lane`` and every one of
+    ``ordered_lanes`` at once, each on a thread of its own, then take ``result``.
+    ``report(nbytes)`` is called once each piece has been through every lane;
+    ``stop()`` (any thread) ends every lane soon."""
 
     def __init__(
         self,
@@ -148,15 +151,31 @@ class FilePass:
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(len(self._buffers)):
             self._free.put(slot)
-        self._full: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         self._stop = threading.Event()  # set: stopped from outside, or a lane failed
         self._header = xxhash.xxh3_128()
         self._blocks: list[bytes] = []
         self._tensors = _TensorDigests(layout.tensors, layout.file_index)
         self._sha256 = hashlib.sha256()
-        self._llama = (
-            LlamaHasher(layout.name, layout.tensors, sorted(wanted.llama)) if wanted.llama else None
-        )
+        # The llama digests take two lanes: per tensor, and over the whole model.
+        self._llama = [
+            LlamaHasher(layout.name, layout.tensors, sorted(wanted.llama), part)
+            for part in (("tensors", "model") if wanted.llama else ())
+        ]
+        consumers: list[Callable[[int, memoryview], None]] = [h.update for h in self._llama]
+        if wanted.sha256:
+            consumers.append(lambda offset, view: self._sha256.update(view))
+        self._consumers = consumers
+        self._queues: list[queue.SimpleQueue[tuple[int, int, int] | None]] = [
+            queue.SimpleQueue() for _ in consumers
+        ]
+        # Per slot: the lanes that have yet to release it; guarded by ``_lock``.
+        self._holders = [0] * len(self._buffers)
+        self._lock = threading.Lock()
+
+    @property
+    def ordered_lanes(self) -> list[Callable[[], None]]:
+        """The lanes that take the pieces in file order, one blocking call each."""
+        return [functools.partial(self._ordered_lane, i) for i in range(len(self._consumers))]
 
     def stop(self) -> None:
         self._stop.set()
@@ -183,12 +202,31 @@ class FilePass:
                 view = memoryview(self._buffers[slot])[:n]
                 self._data.read_into(view, offset)
                 self._hash_in_place(offset, view)
-                self._full.put((slot, offset, n))
+                if not self._queues:
+                    self._release(slot, n)
+                    continue
+                with self._lock:
+                    self._holders[slot] = len(self._queues)
+                for q in self._queues:
+                    q.put((slot, offset, n))
+        except Stopped:
+            return  # cancelled (the awaiting task says so), or a lane failed (it says why)
         except BaseException:
             self._stop.set()
             raise
         finally:
-            self._full.put(None)
+            for q in self._queues:
+                q.put(None)
+
+    def _release(self, slot: int, n: int) -> None:
+        """A lane is done with ``slot``: the last one hands it back and reports."""
+        with self._lock:
+            self._holders[slot] -= 1
+            last = self._holders[slot] <= 0
+        if last:
+            self._free.put(slot)
+            if self._report is not None:
+                self._report(n)
 
     def _hash_in_place(self, offset: int, view: memoryview) -> None:
         if not self._wanted.blocks:
@@ -203,28 +241,23 @@ class FilePass:
                 self._blocks.append(block_digest(view[k * B : (k + 1) * B], first + k))
             self._tensors.update(offset, view)
 
-    def serial_lane(self) -> None:
-        """Blocking: the digests over the file in order; hands each buffer back."""
+    def _ordered_lane(self, lane: int) -> None:
+        """Blocking: pass each piece, in file order, to consumer ``lane``."""
+        consume, q = self._consumers[lane], self._queues[lane]
         try:
-            while (item := self._take(self._full)) is not None:
+            while (item := self._take(q)) is not None:
                 assert isinstance(item, tuple)
                 slot, offset, n = item
-                view = memoryview(self._buffers[slot])[:n]
-                if self._wanted.sha256:
-                    self._sha256.update(view)
-                if self._llama is not None:
-                    self._llama.update(offset, view)
-                self._free.put(slot)
-                if self._report is not None:
-                    self._report(n)
+                consume(offset, memoryview(self._buffers[slot])[:n])
+                self._release(slot, n)
         except Stopped:
-            return  # the reader failed or the pass was stopped: it says why
+            return  # cancelled, or another lane failed: as in ``read_lane``
         except BaseException:
             self._stop.set()
             raise
 
     def result(self) -> FileResult:
-        """The digests, once both lanes have returned."""
+        """The digests, once every lane has returned."""
         layout = self.layout
         self._tensors.finish()
         file = FileHashes(
@@ -236,5 +269,5 @@ class FilePass:
             header_xxh3_128=self._header.digest(),
             blocks=tuple(self._blocks),
         )
-        llama = self._llama.result() if self._llama is not None else None
+        llama = merge_llama(*(h.result() for h in self._llama)) if self._llama else None
         return FileResult(file, tuple(self._tensors.done), llama)

@@ -37,6 +37,7 @@ from aiogguf.llama_hash import (
     LlamaDigests,
     LlamaManifest,
     check_llama,
+    match_llama,
     parse_llama,
 )
 from aiogguf.manifest import (
@@ -63,6 +64,8 @@ __all__ = [
     "verify_sha256_sync",
 ]
 
+# The most lanes a pass runs at once: the reader and two ordered lanes.
+LANES = 3
 # Called on the loop's thread with (bytes hashed so far, bytes in all).
 HashProgress = Callable[[int, int], None]
 
@@ -133,16 +136,18 @@ async def _hash_files(
 
 
 async def _run_lanes(threads: LoadThreads, one: FilePass) -> None:
-    reader = threads.submit(one.read_lane)
-    serial = threads.submit(one.serial_lane)
-    try:
-        await threads.wait(reader, on_cancel=one.stop)
-    except BaseException:
-        one.stop()
-        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-            await threads.wait(serial)
-        raise
-    await threads.wait(serial, on_cancel=one.stop)
+    """Run the pass's lanes at once; raise what the first that failed raised."""
+    calls = [threads.submit(one.read_lane), *(threads.submit(lane) for lane in one.ordered_lanes)]
+    for i, call in enumerate(calls):
+        try:
+            await threads.wait(call, on_cancel=one.stop)
+        except BaseException:
+            one.stop()
+            with anyio.CancelScope(shield=True):
+                for rest in calls[i + 1 :]:
+                    with contextlib.suppress(Exception):
+                        await threads.wait(rest)
+            raise
 
 
 async def _indexed(
@@ -155,10 +160,10 @@ async def _indexed(
     """Index the model, ``check`` the index, hash every file."""
     files = OpenFiles(opener)
     try:
-        async with LoadThreads(2, name="aiogguf-hash") as threads:
+        async with LoadThreads(LANES, name="aiogguf-hash") as threads:
             index = await open_index(path, threads=threads, files=files)
             if check is not None:
-                check(index)
+                await threads.run_sync(check, index)
             layouts = _layouts(index)
             paths = [f.path for f in index.files]
             return index, await _hash_files(paths, layouts, wanted, threads, files, progress)
@@ -265,8 +270,15 @@ async def verify_model(
             raise IntegrityChecker(expected, index, file_names=names).error(found, where)
         against = "aiogguf manifest"
     else:
-        wanted = Wanted(sha256=False, blocks=False, llama=manifest.algorithms)
-        index, results = await _indexed(path, opener, wanted, progress)
+        llama = manifest
+        wanted = Wanted(sha256=False, blocks=False, llama=llama.algorithms)
+
+        def match(idx: WeightIndex) -> None:
+            names = [os.path.basename(f.path) for f in idx.files]
+            tensor_files = {t.name: names[t.file_index] for t in idx.tensors}
+            match_llama(llama, tensor_files, names, manifest_path)
+
+        index, results = await _indexed(path, opener, wanted, progress, match)
         digests = [r.llama for r in results if r.llama is not None]
         mismatches = check_llama(manifest, digests, manifest_path)
         if mismatches:

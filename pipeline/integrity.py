@@ -29,6 +29,7 @@ from aiogguf.manifest import (
     TensorHash,
     block_digest,
     block_span,
+    header_digest,
     tensor_digest,
 )
 from aiogguf.records import ParsedFile, WeightIndex
@@ -252,6 +253,13 @@ class IntegrityChecker:
                     bad.append(name)
             settled.append(replace(m, tensors=tuple(bad), unchecked=()))
         return settled
+
+    def check_header(self, file_index: int, data: Buffer) -> bool:
+        """Whether ``data``, file ``file_index``'s bytes before its data section, has
+        the manifest's header fingerprint (False: another model, or a damaged header)."""
+        f = self.manifest.files[file_index]
+        view = _bytes_view(data)
+        return len(view) == f.header_bytes and header_digest(view) == f.header_xxh3_128
 
     def check_tensor(self, name: str, data: Buffer) -> bool:
         """Whether ``data`` (a tensor's whole data) matches the manifest's digest of

@@ -26,8 +26,8 @@ import hashlib
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import xxhash
 
@@ -47,6 +47,8 @@ __all__ = [
     "LlamaMismatch",
     "check_llama",
     "format_llama",
+    "match_llama",
+    "merge_llama",
     "parse_llama",
     "skipped_by_gguf_py",
 ]
@@ -95,20 +97,28 @@ class LlamaDigests:
 
 class LlamaHasher:
     """Streams one file's bytes, in order, into the digests of ``algorithms`` (a subset
-    of ``ALGORITHMS`` and ``uuid``). ``tensors``: (name, start, end) file offsets."""
+    of ``ALGORITHMS`` and ``uuid``). ``tensors``: (name, start, end) file offsets.
+    ``part``: ``"tensors"`` or ``"model"`` computes only the per-tensor or only the
+    whole-model digests, so that two threads can share the work (``merge_llama``)."""
 
     def __init__(
-        self, file_name: str, tensors: Sequence[tuple[str, int, int]], algorithms: Sequence[str]
+        self,
+        file_name: str,
+        tensors: Sequence[tuple[str, int, int]],
+        algorithms: Sequence[str],
+        part: Literal["all", "tensors", "model"] = "all",
     ) -> None:
         self.file_name = file_name
         self._algorithms = [a for a in ALGORITHMS if a in algorithms]
         self._uuid = UUID in algorithms
         self._tensors = sorted(tensors, key=lambda t: t[1])
         self._next = 0  # first tensor not finished
+        self._per_tensor = part != "model"
         self._open: dict[str, list[_Hash]] = {}
         self._done: list[tuple[str, Mapping[str, str]]] = []
-        self._has_skipped = any(skipped_by_gguf_py(t[0]) for t in self._tensors)
-        self._model = self._new_model()
+        whole = part != "tensors"
+        self._has_skipped = whole and any(skipped_by_gguf_py(t[0]) for t in self._tensors)
+        self._model = self._new_model() if whole else []
         self._model_all = self._new_model() if self._has_skipped else []
 
     def _new_model(self) -> list[_Hash]:
@@ -130,9 +140,9 @@ class LlamaHasher:
             if lo < hi:
                 part = view[lo - offset : hi - offset]
                 states = self._open.get(name)
-                if states is None:
+                if states is None and self._per_tensor:
                     states = self._open[name] = [_NEW[a]() for a in self._algorithms]
-                for state in states:
+                for state in states or ():
                     state.update(part)
                 if not skipped_by_gguf_py(name):
                     for state in self._model:
@@ -145,13 +155,15 @@ class LlamaHasher:
             i += 1
 
     def _finish(self, name: str) -> None:
+        if not self._per_tensor:
+            return
         states = self._open.pop(name, None) or [_NEW[a]() for a in self._algorithms]
         digests = {a: s.hexdigest() for a, s in zip(self._algorithms, states, strict=True)}
         self._done.append((name, digests))
 
     def _model_digests(self, states: Sequence[_Hash]) -> dict[str, str]:
         digests = {a: s.hexdigest() for a, s in zip(self._algorithms, states, strict=False)}
-        if self._uuid:
+        if self._uuid and states:
             sha1 = states[-1]
             assert isinstance(sha1, type(hashlib.sha1()))
             digests[UUID] = str(uuid.UUID(bytes=sha1.digest()[:16], version=5))
@@ -168,6 +180,11 @@ class LlamaHasher:
             model=self._model_digests(self._model),
             model_all=self._model_digests(self._model_all) if self._has_skipped else {},
         )
+
+
+def merge_llama(tensors: LlamaDigests, model: LlamaDigests) -> LlamaDigests:
+    """One file's digests from a ``"tensors"`` and a ``"model"`` hasher."""
+    return replace(model, tensors=tensors.tensors)
 
 
 def format_llama(files: Sequence[LlamaDigests]) -> str:
@@ -258,7 +275,7 @@ def _basename(key: str) -> str:
     return key.replace("\\", "/").rsplit("/", 1)[-1]
 
 
-def _tensor_of(key: str, tensors: Mapping[str, Mapping[str, str]]) -> str | None:
+def _tensor_of(key: str, tensors: Mapping[str, object]) -> str | None:
     """The tensor a ``FILE:TENSOR`` key names: the longest suffix after a colon that is
     a tensor of the model (file names may hold colons too)."""
     at = key.find(":")
@@ -269,54 +286,70 @@ def _tensor_of(key: str, tensors: Mapping[str, Mapping[str, str]]) -> str | None
     return None
 
 
+def match_llama(
+    manifest: LlamaManifest,
+    tensor_files: Mapping[str, str],
+    file_names: Sequence[str],
+    manifest_path: str | os.PathLike[str] | None = None,
+) -> list[tuple[LlamaLine, str, str | None]]:
+    """What each line of ``manifest`` is about: (line, file name, tensor name or None
+    for a whole-model line), for a model whose tensors are ``tensor_files`` (tensor
+    name → its file's name) and whose files are ``file_names``. Needs no digest, so a
+    manifest of another model is refused before any data is read.
+
+    Raises ``ManifestMismatchError``: a key that is neither a tensor nor a file of the
+    model, or a tensor (or, without tensor lines, a file) that the lines leave out."""
+
+    def refuse(why: str) -> ManifestMismatchError:
+        return ManifestMismatchError(manifest_path, "", f"not a manifest of this model: {why}")
+
+    about: list[tuple[LlamaLine, str, str | None]] = []
+    seen_tensors: set[str] = set()
+    seen_files: set[str] = set()
+    for line in manifest.lines:
+        tensor = _tensor_of(line.key, tensor_files) if line.algorithm != UUID else None
+        if tensor is not None:
+            seen_tensors.add(tensor)
+            about.append((line, tensor_files[tensor], tensor))
+            continue
+        name = _basename(line.key)
+        if name not in file_names and len(file_names) == 1 and ":" not in name:
+            name = file_names[0]  # one file, renamed since
+        if name not in file_names:
+            raise refuse(f"line {line.number} names {line.key[:120]!r}, no tensor or file of it")
+        seen_files.add(name)
+        about.append((line, name, None))
+    if seen_tensors:
+        missing = [n for n in tensor_files if n not in seen_tensors and not skipped_by_gguf_py(n)]
+        if missing:
+            raise refuse(f"it has no line for tensor {missing[0]!r}")
+    else:
+        missing = [name for name in file_names if name not in seen_files]
+        if missing:
+            raise refuse(f"it has no line for {missing[0]!r}")
+    return about
+
+
 def check_llama(
     manifest: LlamaManifest,
     computed: Sequence[LlamaDigests],
     manifest_path: str | os.PathLike[str] | None = None,
 ) -> list[LlamaMismatch]:
     """The lines of ``manifest`` whose digests differ from ``computed`` (the model's
-    files, hashed for ``manifest.algorithms``).
-
-    Raises ``ManifestMismatchError`` for a manifest of another model: a key that is
-    neither a tensor nor a file of the model, or a model tensor (or file) that its
-    lines leave out."""
-
-    def refuse(why: str) -> ManifestMismatchError:
-        return ManifestMismatchError(manifest_path, "", f"not a manifest of this model: {why}")
-
-    tensors: dict[str, Mapping[str, str]] = {}
-    tensor_file: dict[str, str] = {}
-    for f in computed:
-        for name, digests in f.tensors:
-            tensors[name] = digests
-            tensor_file[name] = f.file_name
+    files, hashed for ``manifest.algorithms``). Raises as ``match_llama`` does."""
+    tensors = {name: digests for f in computed for name, digests in f.tensors}
+    tensor_files = {name: f.file_name for f in computed for name, _ in f.tensors}
     by_name = {f.file_name: f for f in computed}
+    about = match_llama(manifest, tensor_files, list(by_name), manifest_path)
     found: list[LlamaMismatch] = []
-    seen_tensors: set[str] = set()
-    seen_files: set[str] = set()
-    for line in manifest.lines:
-        tensor = _tensor_of(line.key, tensors) if line.algorithm != UUID else None
+    for line, file_name, tensor in about:
         if tensor is not None:
-            seen_tensors.add(tensor)
             got = tensors[tensor][line.algorithm]
             if got != line.digest:
-                found.append(LlamaMismatch(line, tensor_file[tensor], tensor, got))
+                found.append(LlamaMismatch(line, file_name, tensor, got))
             continue
-        named = by_name.get(_basename(line.key))
-        if named is None and len(computed) == 1 and ":" not in _basename(line.key):
-            named = computed[0]  # one file, renamed since
-        if named is None:
-            raise refuse(f"line {line.number} names {line.key[:120]!r}, no tensor or file of it")
-        seen_files.add(named.file_name)
-        got = named.model[line.algorithm]
-        if got != line.digest and named.model_all.get(line.algorithm) != line.digest:
-            found.append(LlamaMismatch(line, named.file_name, None, got))
-    if seen_tensors:
-        missing = [n for n in tensors if n not in seen_tensors and not skipped_by_gguf_py(n)]
-        if missing:
-            raise refuse(f"it has no line for tensor {missing[0]!r}")
-    else:
-        missing = [f.file_name for f in computed if f.file_name not in seen_files]
-        if missing:
-            raise refuse(f"it has no line for {missing[0]!r}")
+        f = by_name[file_name]
+        got = f.model[line.algorithm]
+        if got != line.digest and f.model_all.get(line.algorithm) != line.digest:
+            found.append(LlamaMismatch(line, file_name, None, got))
     return found

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,7 +14,10 @@ import anyio
 import pytest
 
 from aiogguf.cli import main
-from aiogguf.hashing import hash_model
+from aiogguf.errors import LoadError
+from aiogguf.hashing import hash_model, hash_model_llama_sync, hash_model_sync
+from aiogguf.io.files import DataFile
+from aiogguf.llama_hash import LlamaHasher
 from aiogguf.testing.synth import write_synthetic_model
 
 
@@ -129,3 +133,32 @@ async def test_a_cancelled_pass_stops_within_a_piece(tmp_path: Path) -> None:
     assert scope.cancelled_caught
     assert seen[0] < path.stat().st_size // 2  # it did not read on to the end
     assert time.perf_counter() - cancelled_at[0] < 1.0
+
+
+def test_a_lane_that_fails_fails_the_pass_with_its_own_error(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: LlamaHasher, offset: int, data: object) -> None:
+        raise RuntimeError("lane broke")
+
+    monkeypatch.setattr(LlamaHasher, "update", broken)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="lane broke"):
+        hash_model_llama_sync(model)
+    assert time.perf_counter() - started < 5
+
+
+def test_a_file_cut_short_while_it_is_hashed_is_a_load_error(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = tmp_path / "m.gguf"
+    victim.write_bytes(model.read_bytes())
+    real = DataFile.read_into
+
+    def shrinking(self: DataFile, dest: object, offset: int, **kw: object) -> None:
+        os.truncate(self.path, offset + 10)
+        real(self, dest, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DataFile, "read_into", shrinking)
+    with pytest.raises(LoadError, match="file ended"):
+        hash_model_sync(victim)

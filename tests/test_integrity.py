@@ -246,3 +246,31 @@ def test_verify_names_every_bad_tensor_at_once(model: Path, clean_manifest: Mani
         verify_model_sync(model, clean_manifest)
     assert {f.name for f in info.value.failures} == {t.name for t in bad}
     assert verify_model_sync(model, hash_model_sync(model, block_bytes=BLOCK)).files == 1
+
+
+def test_a_header_is_checked_against_its_fingerprint(clean: Path, clean_manifest: Manifest) -> None:
+    f = clean_manifest.files[0]
+    header = bytearray(clean.read_bytes()[: f.header_bytes])
+    checker = IntegrityChecker(clean_manifest)
+    assert checker.check_header(0, header)
+    header[100] ^= 1
+    assert not checker.check_header(0, header)
+    assert not checker.check_header(0, header[:-1])
+
+
+def test_another_models_manifest_is_refused_before_any_data_is_read(
+    clean: Path, split_sets: tuple[list[Path], list[Path]]
+) -> None:
+    read: list[int] = []
+    other = hash_model_sync(split_sets[0][0], block_bytes=BLOCK)
+    with pytest.raises(ManifestMismatchError):
+        verify_model_sync(clean, other, progress=lambda done, total: read.append(done))
+    assert read == []
+
+
+def test_a_renamed_model_still_checks(
+    clean: Path, clean_manifest: Manifest, tmp_path: Path
+) -> None:
+    renamed = tmp_path / "renamed.gguf"
+    shutil.copyfile(clean, renamed)
+    assert verify_model_sync(renamed, clean_manifest).files == 1

@@ -174,8 +174,10 @@ def test_a_llama_manifest_of_another_model_is_refused(model: Path, tmp_path: Pat
     other = tmp_path / "o.gguf"
     write_synthetic_model(other, size_bytes="2MiB", seed=8, n_layer=3)
     text = format_llama(hash_model_llama_sync(other))
+    read: list[int] = []
     with pytest.raises(ManifestMismatchError, match="not a manifest of this model"):
-        verify_model_sync(model, parse_llama(text))
+        verify_model_sync(model, parse_llama(text), progress=lambda d, t: read.append(d))
+    assert read == []  # refused before any data was read
     one_tensor = "\n".join(line for line in text.splitlines() if "token_embd" in line)
     with pytest.raises(ManifestMismatchError, match="no line for tensor"):
         verify_model_sync(model, parse_llama(one_tensor))
