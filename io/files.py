@@ -159,7 +159,8 @@ def open_file(
 
 
 class DataFile(Closeable):
-    """An open model file: positional reads into caller-owned memory. Use ``open_file``."""
+    """An open model file: positional reads into caller-owned memory (the local
+    ``ByteSource``, and a ``DirectSource``: ``aiogguf.io.source``). Use ``open_file``."""
 
     def __init__(
         self,

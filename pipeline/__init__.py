@@ -5,11 +5,11 @@ first ``aiogguf.load(...)`` inside a running event loop imports nothing on the l
 thread (an import there stalls every task of the loop for its whole length). What a load
 imports on first use (CuPy, a simulated device's backing) it imports on its own threads.
 The optional parts stay out until used: ``aiogguf.server`` (aiohttp), ``aiogguf.cli``,
-``aiogguf.testing`` (the benchmark harness) and CuPy.
+``aiogguf.compat`` (gguf-py), ``aiogguf.testing`` (the benchmark harness), CuPy and torch.
 
-The public API is this module's ``__all__``, ``aiogguf.server`` and ``aiogguf.testing``;
-every other module is internal (its ``__all__`` names what the rest of the package uses)
-and may change.
+The public API is this module's ``__all__``, ``aiogguf.server``, ``aiogguf.compat`` and
+``aiogguf.testing``; every other module is internal (its ``__all__`` names what the rest
+of the package uses) and may change.
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ from aiogguf.events import ProgressHub, Stage
 from aiogguf.images import DeviceImage
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
-from aiogguf.io.files import DataFile
 from aiogguf.io.opener import FileOpener
+from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import raise_if_stopped, reserve_threads
 from aiogguf.jobs import (
     BufferLayout,
@@ -434,7 +434,7 @@ async def _batches(stream: MemoryObjectReceiveStream[list[str]]) -> AsyncIterato
         yield batch
 
 
-def _check_unchanged(files: Sequence[DataFile]) -> None:
+def _check_unchanged(files: Sequence[ByteSource]) -> None:
     """Blocking: raise ``LoadError`` for the first file that changed during the load."""
     for f in files:
         f.check_unchanged()
@@ -627,7 +627,7 @@ class _Front:
         reader = Reader(
             files,
             resources.images,
-            direct=[f.direct_ok for f in files],
+            direct=[f if f.direct_ok else None for f in files],
             clock=clock,
             swap=ByteSwap(index, layouts) if swapped else None,
             pieces=pieces,

@@ -40,6 +40,7 @@ from aiogguf.io.byteswap import can_convert, to_native
 from aiogguf.io.files import DataFile, FileAdvice, open_file
 from aiogguf.io.mapping import FileMapping
 from aiogguf.io.opener import OpenFiles
+from aiogguf.io.source import ByteSource, DirectSource
 from aiogguf.io.workers import Call, LoadThreads, raise_if_stopped
 from aiogguf.jobs import BufferLayout, PieceSink, ReadJob, StageTimes
 from aiogguf.records import Plan, WeightIndex
@@ -199,7 +200,9 @@ class FileStats:
 class Reader:
     """Executes one load's read jobs, one at a time, on the calling thread (``HostReads``
     runs the host ones; the upload stage's transfer threads call ``fill_slot``), and
-    counts what landed. ``swap`` (big-endian files) converts the bytes of a landed job in
+    counts what landed. It reads each file through its ``ByteSource`` (``files``), and
+    through ``direct[i]`` where file ``i``'s reads bypass the page cache (None: they do
+    not). ``swap`` (big-endian files) converts the bytes of a landed job in
     place before anyone else sees them; ``pieces`` (a ``PieceSink``, the engine's
     choice) gets each piece as soon as it has landed: buffered reads on the reader's own
     thread, right after its read; ``O_DIRECT`` reads (which land
@@ -208,10 +211,10 @@ class Reader:
 
     def __init__(
         self,
-        files: Sequence[DataFile],
+        files: Sequence[ByteSource],
         images: Sequence[Image | None],
         *,
-        direct: Sequence[bool],
+        direct: Sequence[DirectSource | None],
         clock: Callable[[], float],
         swap: Callable[[ReadJob, memoryview], None] | None = None,
         pieces: PieceSink | None = None,
@@ -230,7 +233,7 @@ class Reader:
     @property
     def direct(self) -> Sequence[bool]:
         """Per file: whether reads really bypass the page cache."""
-        return self._direct
+        return [d is not None for d in self._direct]
 
     def times(self, fill_s: float = 0.0) -> StageTimes:
         """The stage's times over every file; ``fill_s``: time the transfer threads
@@ -290,7 +293,7 @@ class Reader:
 
     def checks_apart(self, file_index: int) -> bool:
         """Whether the file's jobs are checked on the check threads, after the read."""
-        return self._pieces is not None and self._direct[file_index]
+        return self._pieces is not None and self._direct[file_index] is not None
 
     def _resident_locked(self, mapping: FileMapping, job: ReadJob, image: MappedImage) -> bool:
         """Mode ``mlock``: lock the job's pages and read them in; False when they are not
@@ -328,14 +331,14 @@ class Reader:
             previous = lo
 
     def _read_into(self, job: ReadJob, dest: memoryview) -> None:
-        file = self._files[job.file_index]
-        if self._direct[job.file_index]:
-            file.read_direct_into(dest, job.file_offset, job.nbytes, need_end=job.useful_end)
+        direct = self._direct[job.file_index]
+        if direct is not None:
+            direct.read_direct_into(dest, job.file_offset, job.nbytes, need_end=job.useful_end)
         else:
             # Only the useful bytes: in a direct load whose file fell back to buffered
             # reads the job still spans the aligned slot, which may pass the file's end.
             lo, hi = job.useful_start - job.file_offset, job.useful_end - job.file_offset
-            file.read_into(dest[lo:hi], job.useful_start)
+            self._files[job.file_index].read_into(dest[lo:hi], job.useful_start)
 
     def fill_slot(self, job: ReadJob, slot: memoryview) -> None:
         """Read ``job`` into a staging slot (``slot`` is ``job.nbytes`` long), in the

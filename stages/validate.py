@@ -24,8 +24,8 @@ from anyio.abc import TaskGroup
 from aiogguf.checks import HOST_SLICE_BYTES, Bytes, PieceCheck, TensorChecker, precheck
 from aiogguf.errors import TensorFailure
 from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
-from aiogguf.io.files import DataFile
 from aiogguf.io.ggml_types import GGMLType
+from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import LoadThreads, raise_if_stopped
 from aiogguf.jobs import BufferLayout, ReadJob, StageMeter, StageTimes, TensorSlot, TensorSpans
 from aiogguf.records import WeightIndex
@@ -58,7 +58,7 @@ class FileBytes:
     default action also ends the process.
     """
 
-    file: DataFile
+    file: ByteSource
     offset: int
     nbytes: int
 
@@ -271,7 +271,7 @@ class Validation:
         slots: Mapping[str, TensorSlot],
         spans: TensorSpans,
         images: Sequence[Image | None],
-        files: Sequence[DataFile],
+        files: Sequence[ByteSource],
         *,
         mode: str,
         enabled: bool,

@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.load_resources": 4,
     "aiogguf.api": 5,
     "aiogguf.dry_run": 5,
+    "aiogguf.compat": 6,
     "aiogguf.hashing": 5,
     "aiogguf.server_policy": 6,
     "aiogguf.server_limiter": 6,

@@ -1,0 +1,59 @@
+"""Where a load's bytes come from: what the read and validate stages ask of a model file.
+
+The stages read through a ``ByteSource``: positional reads into memory the caller owns,
+a check that the source did not change under the load, and a close. Today's one kind
+is a local file opened beneath its root (``aiogguf.io.opener``), ``DataFile``; another
+kind (a reader of HTTP ranges) plugs in by being a ``ByteSource``, and the stages need
+no change to read it.
+
+What only a local file can do stays with ``DataFile`` and is asked of it by name, never
+through this protocol: reads that bypass the page cache (``DirectSource``, mode
+``direct``), mappings (modes ``mmap``/``mlock``), and the disk it lies on (its reader
+limit). A source without them is read in mode ``none``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["ByteSource", "DirectSource"]
+
+
+class ByteSource(Protocol):
+    """The bytes of one model file, read by position from any thread at once."""
+
+    @property
+    def path(self) -> str:
+        """The file's name, in messages and errors."""
+        ...
+
+    def read_into(self, dest: Buffer, offset: int) -> None:
+        """Blocking: fill all of ``dest`` with the bytes at ``[offset, offset +
+        len(dest))``. Raises ``LoadError`` (naming the path and offset) if the source
+        ends first or the read fails."""
+        ...
+
+    def check_unchanged(self) -> None:
+        """Blocking: raise ``LoadError`` if the source is no longer what was opened
+        (truncated, rewritten, replaced): the bytes a load read would not match it."""
+        ...
+
+    def close(self) -> None:
+        """Release the source; reads in flight may finish. Idempotent."""
+        ...
+
+
+class DirectSource(ByteSource, Protocol):
+    """A source whose reads can bypass the page cache (a local file in mode ``direct``)."""
+
+    def read_direct_into(
+        self, dest: Buffer, offset: int, length: int | None = None, *, need_end: int | None = None
+    ) -> int:
+        """Blocking: read ``length`` bytes (default all of ``dest``) at ``offset``, all
+        aligned to the source's alignment, around the page cache; returns how many were
+        read (fewer only at the end of the file; ``need_end`` says where the bytes the
+        caller needs end)."""
+        ...

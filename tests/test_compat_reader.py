@@ -1,0 +1,181 @@
+"""``aiogguf.compat.GGUFReader`` passes the assertions gguf-py's ``GGUFReader`` passes.
+
+Each file is read by both readers, and the same function checks each against an oracle
+of its own: MANIFEST.json (keys, values, tensor names, types, shapes, offsets, sizes)
+for llama.cpp's reference files, the writer's record (``SynthModel``) for synthetic
+ones, and the file's bytes read with plain ``open`` for every tensor's data. Then the
+two readers are compared part by part: every field's ``parts``, ``data`` and ``types``,
+every tensor's attributes and data (dtype, shape, bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import REFERENCE_DIR
+
+from aiogguf.errors import TensorValidationError
+from aiogguf.testing.synth import Corruption, CorruptionKind, SynthModel, write_synthetic_model
+
+gguf = pytest.importorskip("gguf")
+from aiogguf.compat import GGUFReader  # noqa: E402 - needs gguf, as the skip says
+
+NAMES = sorted(p.name for p in REFERENCE_DIR.glob("*.gguf")) or ["<missing>"]
+READERS: dict[str, Callable[[Path], Any]] = {"gguf-py": gguf.GGUFReader, "aiogguf": GGUFReader}
+Q = gguf.GGMLQuantizationType
+
+
+def file_bytes(path: Path, offset: int, n: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(n)
+
+
+def check_reader(
+    reader: Any, path: Path, data_offset: int, kv: dict[str, Any], tensors: list[dict[str, Any]]
+) -> None:
+    """What a user of gguf-py's reader relies on, against an oracle of the file.
+    ``tensors``: name, type, ne (ggml order), offset (in the data section), n_bytes."""
+    assert reader.data_offset == data_offset
+    assert reader.byte_order == "I"
+    assert list(reader.fields)[:3] == ["GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"]
+    assert reader.get_field("GGUF.tensor_count").contents() == len(tensors)
+    assert reader.get_field("no.such.key") is None
+    for key, want in kv.items():
+        field = reader.get_field(key)
+        assert field.name == key
+        if isinstance(want, dict):  # an array: its item type and length
+            assert field.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType[want["array_of"]]]
+            assert len(field.data) == want["len"] == len(field.contents())
+            if want["array_of"] == "STRING":
+                assert field.contents(0) == str(field.parts[field.data[0]].tobytes(), "utf-8")
+        else:
+            assert field.contents() == want, key
+    assert [t.name for t in reader.tensors] == [t["name"] for t in tensors]
+    dequantized: set[int] = set()
+    for i, (got, want) in enumerate(zip(reader.tensors, tensors, strict=True)):
+        assert reader.get_tensor(i) is got
+        assert got.tensor_type == Q[want["type"]]
+        assert got.shape.tolist() == want["ne"]
+        assert got.n_elements == int(np.prod(want["ne"]))
+        assert got.n_bytes == want["n_bytes"] == got.data.nbytes
+        assert got.data_offset == data_offset + want["offset"]
+        assert got.field.name == got.name
+        assert got.data.tobytes() == file_bytes(path, got.data_offset, got.n_bytes), got.name
+        if got.tensor_type not in dequantized and got.n_elements <= 1 << 16:
+            dequantized.add(got.tensor_type)
+            try:
+                values = gguf.quants.dequantize(got.data, got.tensor_type)
+            except NotImplementedError:  # gguf-py has no kernel for a few (Q8_K)
+                continue
+            assert values.shape == tuple(reversed(want["ne"])), got.name
+
+
+def compare(ours: GGUFReader, theirs: Any) -> None:
+    assert (ours.alignment, ours.data_offset, ours.endianess) == (
+        theirs.alignment,
+        theirs.data_offset,
+        theirs.endianess,
+    )
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.name, mine.data, mine.types) == (
+            field.offset,
+            field.name,
+            field.data,
+            field.types,
+        ), key
+        assert len(mine.parts) == len(field.parts), key
+        for a, b in zip(mine.parts, field.parts, strict=True):
+            assert a.dtype == b.dtype, key
+            assert np.array_equal(a, b), key
+    for mine, tensor in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.name == tensor.name
+        assert (mine.tensor_type, mine.n_elements, mine.n_bytes, mine.data_offset) == (
+            tensor.tensor_type,
+            tensor.n_elements,
+            tensor.n_bytes,
+            tensor.data_offset,
+        )
+        assert mine.shape.dtype == tensor.shape.dtype
+        assert (mine.data.dtype, mine.data.shape) == (tensor.data.dtype, tensor.data.shape)
+        assert mine.data.tobytes() == tensor.data.tobytes()
+        assert mine.field.parts[3].tolist() == tensor.field.parts[3].tolist()
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_files(name: str, reader: str, reference_dir: Path, manifest: Any) -> None:
+    entry = {e["file"]: e for e in manifest}[name]
+    path = reference_dir / name
+    check_reader(
+        READERS[reader](path), path, entry["tensor_data_offset"], entry["kv"], entry["tensors"]
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_files_part_by_part(name: str, reference_dir: Path) -> None:
+    compare(GGUFReader(reference_dir / name), gguf.GGUFReader(reference_dir / name))
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
+    # gguf 0.19's reader refuses Q2_0 (id 42): the file both can read.
+    folder = tmp_path_factory.mktemp("compat")
+    return write_synthetic_model(
+        folder / "all.gguf", size_bytes="2MiB", seed=11, types="all-types", include_q2_0=False
+    )
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_synthetic_every_type(synth: SynthModel, reader: str) -> None:
+    data_offset = synth.tensors[0].file_offset - synth.tensors[0].offset
+    tensors = [
+        {"name": t.name, "type": t.type_name, "ne": list(t.shape), "offset": t.offset}
+        | {"n_bytes": t.nbytes}
+        for t in synth.tensors
+    ]
+    kv = {"general.architecture": "llama", "llama.block_count": synth.n_layer}
+    kv["tokenizer.ggml.tokens"] = {"array_of": "STRING", "len": synth.n_vocab}
+    check_reader(READERS[reader](synth.path), synth.path, data_offset, kv, tensors)
+
+
+def test_synthetic_part_by_part(synth: SynthModel) -> None:
+    compare(GGUFReader(synth.path), gguf.GGUFReader(synth.path))
+
+
+def test_modes(synth: SynthModel) -> None:
+    """'r' maps the file read-only (as gguf-py's 'r'), 'c' gives writable memory of the
+    process's own (as gguf-py's copy-on-write 'c'); 'r+' would write into the file."""
+    name = synth.tensors_of_type("F32")[0].name
+    mapped = {t.name: t for t in GGUFReader(synth.path).tensors}[name]
+    assert not mapped.data.flags.writeable
+    copied = {t.name: t for t in GGUFReader(synth.path, "c").tensors}[name]
+    copied.data[...] = 1.0
+    fresh = {t.name: t for t in GGUFReader(synth.path).tensors}[name]
+    assert fresh.data.tobytes() == mapped.data.tobytes() != copied.data.tobytes()
+    with pytest.raises(ValueError, match="'r\\+'"):
+        GGUFReader(synth.path, "r+")
+
+
+def test_the_pipeline_checks_what_gguf_py_hands_over(tmp_path: Path) -> None:
+    """The data comes through aiogguf's load: a NaN planted in a tensor is an error
+    naming it (gguf-py hands the bytes over); ``check_tensors=False`` reads it as is."""
+    clean = write_synthetic_model(tmp_path / "m.gguf", size_bytes="1MiB", seed=2, n_layer=2)
+    target = clean.tensors_of_type("F32")[0].name
+    bad = write_synthetic_model(
+        tmp_path / "bad.gguf",
+        size_bytes="1MiB",
+        seed=2,
+        n_layer=2,
+        corruptions=[Corruption(target, CorruptionKind.INF_ELEMENT, index=3)],
+    )
+    assert len(gguf.GGUFReader(bad.path).tensors) == clean.n_tensors
+    with pytest.raises(TensorValidationError, match=target):
+        GGUFReader(bad.path)
+    assert len(GGUFReader(bad.path, check_tensors=False).tensors) == clean.n_tensors
