@@ -55,8 +55,9 @@ FORMAT_VERSION: Final = 1
 BLOCK_BYTES: Final = 16 << 20
 MIN_BLOCK_BYTES: Final = 64 << 10
 MAX_BLOCK_BYTES: Final = 1 << 30
-# A manifest of 10^5 tensors and a few TB of blocks is ~20 MB of JSON.
-MAX_MANIFEST_BYTES: Final = 64 << 20
+# Room for 10^5 tensors and the blocks of a few TB, and a cap on what a hostile file
+# makes the JSON decoder allocate.
+MAX_MANIFEST_BYTES: Final = 32 << 20
 MAX_FILES: Final = 65535  # split.count is a u16
 MAX_NAME_CHARS: Final = 4096
 MAX_TENSOR_NAME_BYTES: Final = 63  # ggml's C reader (format §1.6)

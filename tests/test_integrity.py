@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiogguf.dry_run import inspect_sync
 from aiogguf.errors import IntegrityError, ManifestMismatchError
@@ -274,3 +276,47 @@ def test_a_renamed_model_still_checks(
     renamed = tmp_path / "renamed.gguf"
     shutil.copyfile(clean, renamed)
     assert verify_model_sync(renamed, clean_manifest).files == 1
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, Manifest, WeightIndex]:
+    path = tmp_path_factory.mktemp("tiny") / "t.gguf"
+    write_synthetic_model(path, size_bytes="1MiB", seed=3, n_layer=1)
+    manifest = hash_model_sync(path, block_bytes=64 << 10)
+    return path.read_bytes(), manifest, inspect_sync(path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_any_changed_bytes_are_found_in_their_blocks_and_tensors(
+    tiny: tuple[bytes, Manifest, WeightIndex], data: st.DataObject
+) -> None:
+    clean, manifest, index = tiny
+    f = manifest.files[0]
+    at = data.draw(
+        st.lists(st.integers(f.header_bytes, f.data_end - 1), min_size=1, max_size=5, unique=True)
+    )
+    damaged = bytearray(clean)
+    for offset in at:
+        damaged[offset] ^= data.draw(st.integers(1, 255))
+    whole = memoryview(damaged)[f.header_bytes : f.data_end]
+    found = IntegrityChecker(manifest, index).check_piece(0, f.header_bytes, whole)
+    assert {m.block for m in found} == {(o - f.header_bytes) // manifest.block_bytes for o in at}
+    hit = {t.name for t in index.tensors for o in at if t.offset <= o < t.end}
+    assert {n for m in found for n in m.tensors} == hit
+    assert all(not m.unchecked for m in found)
+
+
+def test_bytes_after_the_last_tensor_are_checked_by_verify(
+    model: Path, clean_manifest: Manifest
+) -> None:
+    f = clean_manifest.files[0]
+    assert f.size > f.data_end  # the writer pads after the last tensor
+    data = bytearray(model.read_bytes())
+    data[-1] ^= 1
+    model.write_bytes(data)
+    with pytest.raises(IntegrityError) as info:
+        verify_model_sync(model, clean_manifest)
+    (failure,) = info.value.failures
+    assert failure.name == "(between tensors)"
+    assert f"block {len(f.blocks)} at offset {f.data_end}" in failure.problem
