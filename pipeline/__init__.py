@@ -27,6 +27,7 @@ from aiogguf.api import LoadHandle as LoadHandle
 from aiogguf.api import WarmUp as WarmUp
 from aiogguf.api import load as load
 from aiogguf.api import load_sync as load_sync
+from aiogguf.api import open_model as open_model
 from aiogguf.api import release_device_memory as release_device_memory
 from aiogguf.api import release_device_memory_sync as release_device_memory_sync
 from aiogguf.api import release_staging as release_staging
@@ -118,6 +119,7 @@ __all__ = [
     "inspect_sync",
     "load",
     "load_sync",
+    "open_model",
     "plan",
     "plan_sync",
     "release_device_memory",

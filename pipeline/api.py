@@ -3,6 +3,7 @@ before serving, ``release_device_memory`` after."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
 import os
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 
@@ -42,6 +43,7 @@ __all__ = [
     "WarmUp",
     "load",
     "load_sync",
+    "open_model",
     "release_device_memory",
     "release_device_memory_sync",
     "release_staging",
@@ -81,6 +83,15 @@ class LoadHandle:
         with one_error():
             return await self._load()
 
+    def __await__(self) -> NoReturn:
+        # ``await aiogguf.load(...)`` would otherwise be Python's bare "object LoadHandle
+        # can't be used in 'await' expression", which names neither way that works.
+        raise TypeError(
+            "aiogguf.load(...) is not awaited: use `async with aiogguf.load(...) as model`, "
+            "or `model = await aiogguf.open_model(...)` (then `await model.aclose()`) for a "
+            "model that outlives a block"
+        )
+
     async def _load(self) -> Model:
         stack = AsyncExitStack()
         try:
@@ -119,10 +130,7 @@ class LoadHandle:
         tb: TracebackType | None,
     ) -> None:
         if self.model is not None:
-            # Unmapping and freeing many GiB takes a while: not on the loop's thread.
-            with anyio.CancelScope(shield=True):
-                async with LoadThreads(1, name="aiogguf-close") as threads:
-                    await threads.run_sync(self.model.close)
+            await self.model.aclose()
 
 
 def load(
@@ -152,6 +160,24 @@ def load(
     return LoadHandle(path, load_config(config, **overrides), progress, devices, opener)
 
 
+async def open_model(
+    path: str | os.PathLike[str],
+    config: Config | str | os.PathLike[str] | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    devices: Sequence[Device] | None = None,
+    opener: FileOpener | None = None,
+    **overrides: Any,
+) -> Model:
+    """Load a model that outlives any block: ``model = await aiogguf.open_model(path)``,
+    and ``await model.aclose()`` when done (a server's registry of models). Takes what
+    ``load`` takes and raises what it raises. A model collected while still open is
+    said with a ``ResourceWarning``: its memory is freed then, on whatever thread the
+    collector runs."""
+    handle = load(path, config, progress=progress, devices=devices, opener=opener, **overrides)
+    return await handle.__aenter__()
+
+
 @contextmanager
 def load_sync(
     path: str | os.PathLike[str],
@@ -170,15 +196,28 @@ def load_sync(
     async def enter() -> Model:
         return await handle.__aenter__()
 
-    model = run(enter)
+    model = run(enter, name="load_sync")
     try:
         yield model
     finally:
         model.close()
 
 
-def run(fn: Any, *args: Any) -> Any:
-    """Run ``fn(*args)`` in a fresh event loop, on uvloop when it is installed."""
+def run(fn: Any, *args: Any, name: str = "a blocking call") -> Any:
+    """Run ``fn(*args)`` in a fresh event loop, on uvloop when it is installed.
+
+    Raises ``RuntimeError`` naming the async twin when this thread runs a loop already
+    (``name``: the caller, for the message): a second loop cannot start there."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError(
+            f"aiogguf.{name}() runs an event loop of its own and this thread already runs "
+            "one: inside a loop use the async API (`async with aiogguf.load(...)`, "
+            "`await aiogguf.inspect(...)`), or call it from another thread"
+        )
     try:
         import uvloop  # noqa: F401
     except ImportError:
@@ -244,7 +283,9 @@ def warm_up_sync(
     **overrides: Any,
 ) -> WarmUp:
     """``warm_up`` for code without a loop (blocking; runs an event loop of its own)."""
-    result: WarmUp = run(functools.partial(warm_up, config, devices=devices, **overrides))
+    result: WarmUp = run(
+        functools.partial(warm_up, config, devices=devices, **overrides), name="warm_up_sync"
+    )
     return result
 
 

@@ -208,7 +208,7 @@ class GGUFReader:
         options: dict[str, Any] = {"mode": "mmap" if mode == "r" else "none", "n_gpu_layers": 0}
         options.update(load_options)
         # This file's own header (a shard's, for a split model): what gguf-py reads.
-        parsed: ParsedFile = run(functools.partial(parse_file, self.path))
+        parsed: ParsedFile = run(functools.partial(parse_file, self.path), name="compat.GGUFReader")
         swapped = needs_swap(parsed.byte_order)
         self.byte_order: Literal["I", "S"] = "S" if swapped else "I"
         self.alignment: int = parsed.alignment

@@ -80,7 +80,7 @@ async def plan(
 
 def inspect_sync(path: str | os.PathLike[str], *, opener: FileOpener | None = None) -> WeightIndex:
     """``inspect`` for code without a loop (blocking; runs an event loop of its own)."""
-    result: WeightIndex = run(functools.partial(inspect, path, opener=opener))
+    result: WeightIndex = run(functools.partial(inspect, path, opener=opener), name="inspect_sync")
     return result
 
 
@@ -94,7 +94,8 @@ def plan_sync(
 ) -> Plan:
     """``plan`` for code without a loop (blocking; runs an event loop of its own)."""
     result: Plan = run(
-        functools.partial(plan, path, config, devices=devices, opener=opener, **overrides)
+        functools.partial(plan, path, config, devices=devices, opener=opener, **overrides),
+        name="plan_sync",
     )
     return result
 

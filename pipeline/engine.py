@@ -40,8 +40,10 @@ the report.
 
 Every task lives in one task group; a failure anywhere cancels the rest and surfaces
 as that one exception. Everything the load opens, allocates, lends or starts is owned by
-one ``LoadResources`` until the model takes the images; if the load fails or is
-cancelled, its one close stops the reads and transfers and then releases it all (threads,
+one ``LoadResources`` until the model takes the images. If the load fails or is
+cancelled, the task group's cancellation stops the transfers and reads (each thread call
+is still waited for), and the resources' one close stops any reads still running (a
+load that failed before its streaming half) and then releases it all (threads,
 mappings, host and device buffers, files) before the exception propagates.
 """
 

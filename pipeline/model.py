@@ -7,10 +7,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import numpy as np
+import numpy.typing as npt
 
 from aiogguf.errors import ClosedResourceError, TensorFailure
 from aiogguf.images import DeviceImage, Image, MappedImage
+from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import TensorSlot
 from aiogguf.records import MetadataValue, Plan, TensorEntry, WeightIndex
 from aiogguf.report import LoadReport
@@ -93,8 +96,9 @@ class Model:
 
     @property
     def tensors(self) -> Mapping[str, Any]:
-        """Tensor name → array on its device, in the index's order; arrays are views
-        of the model's buffers, valid while it is open."""
+        """Tensor name → array on its device, in the index's order (llama.cpp's load
+        order, by layer; ``index.file_order`` is the files' own); arrays are views of
+        the model's buffers, valid while it is open."""
         # Made on each access: a view kept as an attribute would be a reference cycle,
         # and a cycle leaves a closed model's records to the cyclic collector.
         return _Tensors(self)
@@ -151,6 +155,16 @@ class Model:
 
         return {e.name: to_torch(self._array(e.name), e) for e in self.index.tensors}
 
+    def dequantize(self, name: str, dtype: npt.DTypeLike = np.float32) -> npt.NDArray[Any]:
+        """The tensor's values as a new host numpy array of ``dtype``, in numpy's shape
+        (the reversed ggml shape), through gguf-py's ``gguf.quants`` (the ``gguf``
+        extra). The slow path: numpy on the calling thread, a device tensor copied back
+        first; keep weights quantized where the consumer takes them so. Raises
+        ``NotImplementedError`` for a type gguf-py has no kernel for."""
+        from aiogguf.dequant import dequantize
+
+        return dequantize(self.raw(name), self.index[name], dtype)
+
     def writable(self, name: str) -> bool:
         """Whether the tensor's memory may be written: False for host tensors of the
         mapped modes (``mmap``, ``mlock``), which are the file's read-only pages."""
@@ -175,11 +189,25 @@ class Model:
             if image is not None:
                 image.close()
 
+    async def aclose(self) -> None:
+        """``close``, on a thread of the load pool (unmapping and freeing many GiB takes a
+        while: not on the loop's thread), done even while the caller is cancelled."""
+        if self._state is ModelState.CLOSED:
+            return
+        with anyio.CancelScope(shield=True):
+            async with LoadThreads(1, name="aiogguf-close") as threads:
+                await threads.run_sync(self.close)
+
     def __del__(self) -> None:
         if getattr(self, "_state", ModelState.CLOSED) is ModelState.OPEN:
             warnings.warn(
-                f"model {self.index.files[0].path} was never closed", ResourceWarning, stacklevel=1
+                f"model {self.index.files[0].path} was never closed (leave its `async with`, "
+                "or call `model.close()` / `await model.aclose()`)",
+                ResourceWarning,
+                stacklevel=1,
             )
+            # Its buffers and mappings would each say so too: once is enough.
+            self.close()
 
     def __repr__(self) -> str:
         return (

@@ -10,7 +10,7 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import TypeAlias, overload
+from typing import Any, TypeAlias, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -147,16 +147,30 @@ class StringItems(Sequence[str]):
 
 
 @dataclass(frozen=True, slots=True)
-class GGUFArray:
-    """A metadata array. Numeric items are a read-only numpy array in native byte order;
-    strings are a tuple of ``str`` (long arrays: ``StringItems``, decoded on first use);
-    nested arrays a tuple of ``GGUFArray``."""
+class GGUFArray(Sequence[Any]):
+    """A metadata array, a sequence of its items (``len``, ``[i]``, slices, ``for``,
+    ``in``). Numeric items are a read-only numpy array in native byte order (an item is a
+    numpy scalar, a slice a numpy array); strings are a tuple of ``str`` (long arrays:
+    ``StringItems``, decoded on first use); nested arrays a tuple of ``GGUFArray``.
+    ``to_python()`` gives plain Python values."""
 
     item_type: ValueType
     values: npt.NDArray[np.generic] | tuple[str, ...] | StringItems | tuple[GGUFArray, ...]
 
     def __len__(self) -> int:
         return len(self.values)
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Any]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.values[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.values)
 
     def __repr__(self) -> str:
         # Short on purpose: vocabularies hold 10^5 items, and asyncio.run (3.11) reprs the
@@ -305,6 +319,13 @@ class WeightIndex:
     @property
     def byte_order(self) -> ByteOrder:
         return self.files[0].byte_order
+
+    @property
+    def file_order(self) -> tuple[TensorEntry, ...]:
+        """Every tensor in the files' own order (file by file, as their tensor infos list
+        them, which is gguf-py's order); ``tensors`` is llama.cpp's load order (by layer,
+        format §3.2), which a load, ``Model.tensors`` and ``inspect`` follow."""
+        return tuple(self._by_name[info.name] for f in self.files for info in f.tensors)
 
     def __getitem__(self, name: str) -> TensorEntry:
         return self._by_name[name]

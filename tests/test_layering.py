@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.hash_stream": 1,
     "aiogguf.model": 2,
     "aiogguf.torch_tensors": 2,
+    "aiogguf.dequant": 2,
     "aiogguf.devices": 2,
     "aiogguf.stages": 3,
     "aiogguf.engine": 4,
