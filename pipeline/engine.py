@@ -541,7 +541,7 @@ class _Front:
         )
         checker = None
         if (manifest := find_manifest(config.load.manifest, index.files[0].path)) is not None:
-            checker = open_manifest(manifest, index, resources.files)
+            checker = open_manifest(manifest, index, resources.files, resources.opened)
         layout = self._lay_out(index, found, plan, self.clock(), checker)
         raise_if_stopped()  # a cancelled load starts no read
         return layout, self._start_reads(index, layout)

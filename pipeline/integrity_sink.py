@@ -44,6 +44,7 @@ from aiogguf.errors import (
 )
 from aiogguf.images import DeviceImage, HostImage
 from aiogguf.integrity import IntegrityChecker, Mismatch, match_manifest
+from aiogguf.io.opener import OpenFiles
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.jobs import BufferLayout, PieceSink, ReadJob, TensorSlot
@@ -70,8 +71,10 @@ def find_manifest(setting: str | None, model_path: str) -> str | None:
     return sidecar if os.path.isfile(sidecar) else None
 
 
-def _read(path: str) -> Manifest:
-    text = read_manifest_text(path)
+def _read(path: str, opened: OpenFiles) -> Manifest:
+    # Through the load's opener, as its model files are (a duplicate: the load's file
+    # table closes its own).
+    text = read_manifest_text(path, fd=os.dup(opened.open(path)))
     if not text.lstrip().startswith("{"):
         raise ManifestError(
             path,
@@ -82,12 +85,14 @@ def _read(path: str) -> Manifest:
     return parse_manifest(text, path)
 
 
-def open_manifest(path: str, index: WeightIndex, files: Sequence[ByteSource]) -> IntegrityChecker:
+def open_manifest(
+    path: str, index: WeightIndex, files: Sequence[ByteSource], opened: OpenFiles
+) -> IntegrityChecker:
     """Blocking: the manifest at ``path`` read, matched to the model and each file's
     header checked against its fingerprint; the checker of the load. Raises
     ``ManifestError`` (not a usable manifest) or ``ManifestMismatchError`` (one of
     another model, or a damaged header)."""
-    manifest = _read(path)
+    manifest = _read(path, opened)
     match_manifest(manifest, index, path)
     names = [os.path.basename(f.path) for f in index.files]
     checker = IntegrityChecker(manifest, index, file_names=names)

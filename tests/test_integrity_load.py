@@ -346,3 +346,18 @@ def test_the_commands_name_the_bad_tensor(model: Path) -> None:
     )
     assert run.returncode == 2
     assert name in run.stdout
+
+
+def test_the_manifest_is_opened_through_the_loads_opener(
+    model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    outside = tmp_path_factory.mktemp("outside") / "m.json"
+    outside.write_text(Path(sidecar(model)).read_text())
+    with aiogguf.RootedOpener([model.parent]) as opener:
+        with aiogguf.load_sync(model, opener=opener, manifest="auto", n_gpu_layers=0) as loaded:
+            assert loaded.failures == ()
+        with (
+            pytest.raises(aiogguf.PathNotAllowedError),
+            aiogguf.load_sync(model, opener=opener, manifest=outside, n_gpu_layers=0),
+        ):
+            pass
