@@ -69,6 +69,7 @@ from aiogguf.errors import (
     from_os_error,
 )
 from aiogguf.events import ProgressHub, Stage
+from aiogguf.headers import open_index, read_whole_model
 from aiogguf.images import DeviceImage
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
@@ -93,7 +94,6 @@ from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import Allocation, allocate_host_images
-from aiogguf.stages.index import open_index, read_whole_model
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import (
     ByteSwap,

@@ -21,6 +21,7 @@ import anyio
 from aiogguf.api import run
 from aiogguf.errors import IntegrityError, ManifestError, TensorFailure
 from aiogguf.hash_stream import FileLayout, FilePass, FileResult, Wanted
+from aiogguf.headers import open_index
 from aiogguf.integrity import (
     IntegrityChecker,
     compare_manifests,
@@ -48,7 +49,6 @@ from aiogguf.manifest import (
     read_manifest_text,
 )
 from aiogguf.records import WeightIndex
-from aiogguf.stages.index import open_index
 
 __all__ = [
     "HashProgress",
