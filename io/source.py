@@ -1,15 +1,20 @@
-"""Where a load's bytes come from: what the read and validate stages ask of a model file.
+"""Where a load's bytes come from: what the read and validate hot paths ask of a file.
 
-The stages read through a ``ByteSource``: positional reads into memory the caller owns,
-a check that the source did not change under the load, and a close. Today's one kind
-is a local file opened beneath its root (``aiogguf.io.opener``), ``DataFile``; another
-kind (a reader of HTTP ranges) plugs in by being a ``ByteSource``, and the stages need
-no change to read it.
+The read stage's ``Reader`` and the validate stage's ``FileBytes`` read through a
+``ByteSource``: positional reads into memory the caller owns, a check that the source
+did not change under the load, and a close. Today's one kind is a local file opened
+beneath its root (``aiogguf.io.opener``), ``DataFile``.
 
-What only a local file can do stays with ``DataFile`` and is asked of it by name, never
-through this protocol: reads that bypass the page cache (``DirectSource``, mode
-``direct``), mappings (modes ``mmap``/``mlock``), and the disk it lies on (its reader
-limit). A source without them is read in mode ``none``.
+The rest of a load still asks for a local file by name, never through this protocol:
+the parse stage reads the descriptors of the file table (``OpenFiles``);
+``open_data_files`` opens ``DataFile``s and advises them (``fadvise``); ``find_disks``
+finds each file's disk (``fileno``, ``stat``) for its reader limit; the engine asks each
+file whether ``O_DIRECT`` works (``direct_ok``, ``direct_refusal``; ``DirectSource``);
+the mapped modes map it (``allocate_mapped``); ``LoadResources`` holds ``DataFile``s;
+and ``resolve_mode`` makes ``auto`` ``mmap``. So another kind of source (a reader of
+HTTP ranges) needs more than being a ``ByteSource``: a way for the parse stage to read
+it, a way to be opened and held in place of a ``DataFile``, a reader limit without a
+disk, and mode ``none`` (no mappings, no ``O_DIRECT``).
 """
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ import anyio
 from aiogguf.api import run
 from aiogguf.config import Config, load_config
 from aiogguf.devices import enumerate_devices
+from aiogguf.headers import open_index
 from aiogguf.io.devices.base import Device
 from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads
 from aiogguf.records import Plan, WeightIndex
-from aiogguf.stages.index import open_index
 from aiogguf.stages.plan import make_plan
 
 __all__ = ["inspect", "inspect_sync", "plan", "plan_sync"]

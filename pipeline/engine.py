@@ -40,8 +40,10 @@ the report.
 
 Every task lives in one task group; a failure anywhere cancels the rest and surfaces
 as that one exception. Everything the load opens, allocates, lends or starts is owned by
-one ``LoadResources`` until the model takes the images; if the load fails or is
-cancelled, its one close stops the reads and transfers and then releases it all (threads,
+one ``LoadResources`` until the model takes the images. If the load fails or is
+cancelled, the task group's cancellation stops the transfers and reads (each thread call
+is still waited for), and the resources' one close stops any reads still running (a
+load that failed before its streaming half) and then releases it all (threads,
 mappings, host and device buffers, files) before the exception propagates.
 """
 
@@ -66,6 +68,7 @@ from aiogguf.errors import (
     from_os_error,
 )
 from aiogguf.events import ProgressHub, Stage
+from aiogguf.headers import open_index, read_whole_model
 from aiogguf.images import DeviceImage
 from aiogguf.integrity import IntegrityChecker
 from aiogguf.integrity_sink import (
@@ -99,7 +102,6 @@ from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import Allocation, allocate_host_images
-from aiogguf.stages.index import open_index, read_whole_model
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import (
     ByteSwap,

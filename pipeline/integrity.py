@@ -187,6 +187,20 @@ class IntegrityChecker:
         """The file offset where block ``block`` of file ``file_index`` starts."""
         return block_span(self.manifest.files[file_index], block, self.block_bytes)[0]
 
+    def whole_blocks(self, file_index: int, start: int, end: int) -> tuple[int, int]:
+        """The part of file range ``[start, end)`` made of whole blocks (the last block
+        may end at the data's end), as file offsets ``(lo, hi)``; ``lo == hi`` when it
+        holds none. A piece that is not block-aligned is checked on that part, and the
+        blocks at its edges once their other parts have landed."""
+        f = self.manifest.files[file_index]
+        B = self.block_bytes
+        lo = max(start, f.header_bytes)
+        lo = f.header_bytes + -(-(lo - f.header_bytes) // B) * B
+        hi = min(end, f.data_end)
+        if hi < f.data_end:
+            hi = f.header_bytes + max(0, (hi - f.header_bytes) // B) * B
+        return (lo, hi) if lo < hi else (lo, lo)
+
     def check_piece(self, file_index: int, file_offset: int, data: Buffer) -> list[Mismatch]:
         """Check the bytes ``data`` that landed from file ``file_index`` at
         ``file_offset``; return a ``Mismatch`` per block that differs (none: all good).

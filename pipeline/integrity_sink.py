@@ -48,7 +48,7 @@ from aiogguf.io.opener import OpenFiles
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.jobs import BufferLayout, PieceSink, ReadJob, TensorSlot
-from aiogguf.manifest import Manifest, parse_manifest, read_manifest_text
+from aiogguf.manifest import Manifest, parse_manifest, read_manifest_text, sidecar_path
 from aiogguf.records import WeightIndex
 
 if TYPE_CHECKING:
@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["IntegritySink", "block_grid", "both", "find_manifest", "open_manifest", "verdict"]
 
 AUTO = "auto"
-SUFFIX = ".manifest.json"
 
 
 def find_manifest(setting: str | None, model_path: str) -> str | None:
@@ -67,7 +66,7 @@ def find_manifest(setting: str | None, model_path: str) -> str | None:
         return None
     if setting != AUTO:
         return setting
-    sidecar = model_path + SUFFIX
+    sidecar = sidecar_path(model_path)
     return sidecar if os.path.isfile(sidecar) else None
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "manifest_json",
     "parse_manifest",
     "read_manifest_text",
+    "sidecar_path",
     "tensor_digest",
 ]
 
@@ -58,6 +59,7 @@ MAX_BLOCK_BYTES: Final = 1 << 30
 # Room for 10^5 tensors and the blocks of a few TB, and a cap on what a hostile file
 # makes the JSON decoder allocate.
 MAX_MANIFEST_BYTES: Final = 32 << 20
+SIDECAR_SUFFIX: Final = ".manifest.json"
 MAX_FILES: Final = 65535  # split.count is a u16
 MAX_NAME_CHARS: Final = 4096
 MAX_TENSOR_NAME_BYTES: Final = 63  # ggml's C reader (format §1.6)
@@ -111,6 +113,12 @@ class Manifest:
     tensors: tuple[TensorHash, ...]
     set_id: str
     version: int = FORMAT_VERSION
+
+
+def sidecar_path(model_path: str | os.PathLike[str]) -> str:
+    """Where a model's manifest is looked for and written by default: beside its
+    (first) file, ``MODEL.gguf.manifest.json``."""
+    return os.fspath(model_path) + SIDECAR_SUFFIX
 
 
 def block_span(file: FileHashes, block: int, block_bytes: int) -> tuple[int, int]:

@@ -121,11 +121,13 @@ def allocate_host_images(
 
 class Allocation:
     """The images of one load: host ones allocated before it starts
-    (``allocate_host_images``, with the plan), device ones by ``run``; the transfers
-    into buffer ``k`` await ``ready(k)``, so they start as soon as it exists while later
-    ones are still being allocated. The images belong to their owner (the engine's, which
-    frees what is left if the load fails): this stage sees them read-only (``images``,
-    indexed by buffer) and hands it each new one (``place``)."""
+    (``allocate_host_images``, with the plan), device ones by ``run``, in order;
+    ``ready(k)`` waits for buffer ``k``'s. The engine awaits ``ready`` for every device
+    job's buffer before it hands the device jobs to the upload stage in one call, so the
+    transfers start once all device buffers exist (the host reads run meanwhile). The
+    images belong to their owner (the load's ``LoadResources``, which frees what is left
+    if the load fails): this stage sees them read-only (``images``, indexed by buffer)
+    and hands it each new one (``place``)."""
 
     def __init__(
         self,

@@ -7,39 +7,20 @@ names across splits, the split checks of llama.cpp plus the agreement checks it 
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Sequence
 from typing import Final
 
 from aiogguf.errors import GGUFFormatError, SplitError
-from aiogguf.io.opener import OpenFiles
-from aiogguf.io.workers import LoadThreads, raise_if_stopped
+from aiogguf.io.workers import raise_if_stopped
+from aiogguf.names import MAX_LAYERS, layer_number, layer_of
 from aiogguf.records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
-from aiogguf.stages.parse import is_split, parse_model, read_header
 
 __all__ = [
-    "MAX_LAYERS",
     "build_index",
-    "layer_number",
-    "layer_of",
-    "open_index",
-    "read_whole_model",
     "tensor_class",
 ]
 
 U64_LIMIT: Final = 1 << 64
-# llama.cpp's LLAMA_MAX_LAYERS (format §1.10): it refuses a model with more. The plan
-# makes a record per layer, so a larger ``block_count`` (or ``blk.N``) is refused here,
-# before anything loops over the layers: a 2 KB header must not ask for 2^31 of them.
-MAX_LAYERS: Final = 512
-
-# The one pattern for a layer number at the start of a tensor's name. Group 1: ``blk.N``
-# read like C's sscanf("blk.%d"), so whitespace and a sign may precede the digits (§3.2).
-# Group 2: the ``N.`` of the other per-layer prefixes, tensors that llama.cpp creates in
-# its layer loop with that index, so they follow layer N's device.
-_LAYER = re.compile(r"blk\.\s*([+-]?\d+)|(?:enc\.blk|dec\.blk|posnet|convnext)\.(\d+)\.")
-
 # Name-based classification, tried in this order (format §3.1).
 _REPEATING_PREFIXES: Final = ("blk.", "enc.blk.", "dec.blk.", "posnet.", "convnext.")
 _INPUT_NAMES: Final = frozenset(
@@ -85,23 +66,6 @@ _GLOBAL_REPEATING_NAMES: Final = frozenset(
         "nextn.pre_projection",
     }
 )
-
-
-def layer_number(name: str) -> int | None:
-    """The layer whose loop iteration creates a tensor: the N of ``blk.N`` (as
-    ``layer_of`` reads it), ``enc.blk.N.``, ``dec.blk.N.``, ``posnet.N.`` or
-    ``convnext.N.``; else None."""
-    match = _LAYER.match(name)
-    if match is None:
-        return None
-    blk, other = match.groups()
-    return int(blk if blk is not None else other)
-
-
-def layer_of(name: str) -> int | None:
-    """The N of a leading ``blk.N``, or None when the name does not start with ``blk.``."""
-    match = _LAYER.match(name)
-    return int(match.group(1)) if match is not None and match.group(1) is not None else None
 
 
 def _in(names: frozenset[str], name: str) -> bool:
@@ -293,42 +257,3 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
         warnings=tuple(warnings),
         _by_name={t.name: t for t in tensors},
     )
-
-
-def read_whole_model(path: str, files: OpenFiles) -> tuple[ParsedFile, WeightIndex | None]:
-    """Blocking: parse ``path`` through ``files`` and, unless it is one split of a set,
-    index it too: one call for the common case of a single-file model.
-
-    Returns the parsed header and the index, or None for a split set (``open_index``
-    with ``first=`` parses the other splits). Raises as ``open_index`` does.
-    """
-    first = read_header(path, files)
-    return first, None if is_split(first) else build_index((first,))
-
-
-async def open_index(
-    path: str | os.PathLike[str],
-    *,
-    threads: LoadThreads | None = None,
-    files: OpenFiles | None = None,
-    first: ParsedFile | None = None,
-) -> WeightIndex:
-    """Parse a model (every split, concurrently) and index it.
-
-    ``path``: a single-file model or the first split of a split set.
-    ``threads``: the load's threads, for the parse and the index (default: a thread of
-        its own).
-    ``files``: the load's open files; each file is opened through it once and stays
-        open there for the engine (default: opened by path and closed after parsing).
-    ``first``: ``path`` already parsed through ``files`` (``read_whole_model``).
-    Raises ``GGUFFormatError``: a file is malformed or truncated.
-    Raises ``SplitError``: the split set is incomplete, out of order or mixed.
-    Raises ``PathNotAllowedError``: the opener of ``files`` refuses a file.
-    Raises ``LoadError``: a file cannot be read.
-    """
-    if threads is None:
-        async with LoadThreads(1, name="aiogguf-parse") as own:
-            return await open_index(path, threads=own, files=files, first=first)
-    parsed = await parse_model(path, threads=threads, files=files, first=first)
-    # Ordering and checking thousands of tensors takes milliseconds: not on the loop.
-    return await threads.run_sync(build_index, parsed)

@@ -20,6 +20,7 @@ from aiogguf.errors import PlacementError
 from aiogguf.io.devices.base import BufferRole, BufferType, Device, DeviceKind, all_buffer_types
 from aiogguf.io.mapping import may_lock_past_limit, memlock_limit
 from aiogguf.io.workers import raise_if_stopped
+from aiogguf.names import MAX_LAYERS, layer_number
 from aiogguf.records import (
     BufferPlan,
     DeviceSummary,
@@ -32,7 +33,6 @@ from aiogguf.records import (
     TensorPlacement,
     WeightIndex,
 )
-from aiogguf.stages.index import MAX_LAYERS, layer_number
 from aiogguf.units import format_bytes
 
 __all__ = [

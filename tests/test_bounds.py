@@ -16,10 +16,12 @@ from gguf_fields import metadata_value_field, set_field
 
 from aiogguf.config import Config
 from aiogguf.errors import GGUFFormatError, SplitError
+from aiogguf.headers import open_index
 from aiogguf.io.devices.cpu import CpuDevice
+from aiogguf.names import MAX_LAYERS
 from aiogguf.records import ParsedFile
 from aiogguf.stages import parse as parse_module
-from aiogguf.stages.index import MAX_LAYERS, build_index, open_index
+from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import parse_header
 from aiogguf.stages.plan import make_plan
 

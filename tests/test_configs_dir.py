@@ -14,8 +14,8 @@ from synthetic_index import llama_index
 import aiogguf
 from aiogguf.config import Config, LoadConfig, PipelineConfig, PlacementConfig
 from aiogguf.devices import enumerate_devices
+from aiogguf.headers import open_index
 from aiogguf.records import Plan, WeightIndex
-from aiogguf.stages.index import open_index
 from aiogguf.stages.plan import make_plan
 from aiogguf.testing.synth import write_synthetic_model
 

@@ -13,10 +13,10 @@ import pytest
 
 import aiogguf
 import aiogguf.dry_run
-import aiogguf.stages.index
+import aiogguf.headers
 from aiogguf.cli.plan import plan_to_json
+from aiogguf.headers import open_index
 from aiogguf.io.opener import AnyPathOpener, RootedOpener
-from aiogguf.stages.index import open_index
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 SIM = ["name=g0,free=8GiB", "name=g1,free=4GiB"]
@@ -121,9 +121,9 @@ async def test_blocking_work_never_runs_on_the_loop_thread(
             aiogguf.dry_run, name, on_a_thread(name, getattr(aiogguf.dry_run, name))
         )
     monkeypatch.setattr(
-        aiogguf.stages.index,
+        aiogguf.headers,
         "build_index",
-        on_a_thread("build_index", aiogguf.stages.index.build_index),
+        on_a_thread("build_index", aiogguf.headers.build_index),
     )
     real_close = aiogguf.dry_run.OpenFiles.close
     monkeypatch.setattr(aiogguf.dry_run.OpenFiles, "close", on_a_thread("close", real_close))

@@ -7,6 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -162,3 +166,54 @@ def test_a_file_cut_short_while_it_is_hashed_is_a_load_error(
     monkeypatch.setattr(DataFile, "read_into", shrinking)
     with pytest.raises(LoadError, match="file ended"):
         hash_model_sync(victim)
+
+
+SLOW_HASH = textwrap.dedent(
+    """
+    import sys, time
+    import aiogguf.cli
+    from aiogguf.cli import main
+    from aiogguf.io.files import DataFile
+
+    real = DataFile.read_into
+
+    def slow(self, dest, offset, **kw):
+        if offset > 0:
+            print("hashing", flush=True)
+        time.sleep(0.05)  # a slow disk: the pass is still on when Ctrl-C comes
+        real(self, dest, offset, **kw)
+
+    DataFile.read_into = slow
+    sys.argv = ["aiogguf", "hash", sys.argv[1], "-o", sys.argv[2]]
+    sys.exit(main())
+    """
+)
+
+
+def test_ctrl_c_stops_a_hash_within_a_second(tmp_path: Path) -> None:
+    """Status 130, one line, no manifest (not even half of one) left behind."""
+    path = tmp_path / "m.gguf"
+    write_synthetic_model(path, size_bytes="64MiB", seed=1, n_layer=2)
+    output = tmp_path / "out.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_HASH, str(path), str(output)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "hashing\n"
+        proc.send_signal(signal.SIGINT)
+        sent = time.perf_counter()
+        _, err = proc.communicate(timeout=30)
+        took = time.perf_counter() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == ["aiogguf hash: interrupted"]
+    assert took < 1.5  # the watchdog's 0.8 s at most, and the process's end
+    assert not output.exists()
+    assert list(tmp_path.glob(".aiogguf-*")) == []  # no half-written manifest left

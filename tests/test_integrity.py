@@ -320,3 +320,21 @@ def test_bytes_after_the_last_tensor_are_checked_by_verify(
     (failure,) = info.value.failures
     assert failure.name == "(between tensors)"
     assert f"block {len(f.blocks)} at offset {f.data_end}" in failure.problem
+
+
+def test_whole_blocks_are_the_block_aligned_part_of_a_range(
+    clean: Path, clean_manifest: Manifest
+) -> None:
+    f = clean_manifest.files[0]
+    h, B, end = f.header_bytes, BLOCK, f.data_end
+    checker = IntegrityChecker(clean_manifest)
+    assert checker.whole_blocks(0, 0, f.size) == (h, end)  # the whole data
+    assert checker.whole_blocks(0, h + 1, h + 3 * B + 5) == (h + B, h + 3 * B)
+    assert checker.whole_blocks(0, h + B, h + 2 * B) == (h + B, h + 2 * B)
+    assert checker.whole_blocks(0, h + 1, h + B + 1) == (h + B, h + B)  # none whole
+    last = h + (len(f.blocks) - 1) * B
+    assert checker.whole_blocks(0, last - 100, f.size) == (last, end)  # a short last block
+    data = clean.read_bytes()
+    for start, stop in ((h + 10, h + 5 * B), (last - 1, f.size), (0, h + 2 * B - 1)):
+        lo, hi = checker.whole_blocks(0, start, stop)
+        assert checker.check_piece(0, lo, data[lo:hi]) == []  # a piece it accepts

@@ -13,8 +13,9 @@ from conftest import REFERENCE_DIR
 from gguf_oracle import json_metadata, reference_reader, run_inspect
 
 from aiogguf.cli import main
+from aiogguf.names import layer_of
 from aiogguf.records import TensorClass
-from aiogguf.stages.index import layer_of, tensor_class
+from aiogguf.stages.index import tensor_class
 
 NAMES = sorted(p.name for p in REFERENCE_DIR.glob("*.gguf")) or ["<missing>"]
 LATER_SPLITS = {n for n in NAMES if "-split-" in n and "-00001-of-" not in n}

@@ -13,8 +13,8 @@ from synthetic_index import build_index, llama_index
 from aiogguf.config import Config
 from aiogguf.errors import ConfigError, PlacementError
 from aiogguf.io.devices import CpuDevice, Device, SimDevice
+from aiogguf.names import MAX_LAYERS
 from aiogguf.records import Plan, WeightIndex
-from aiogguf.stages.index import MAX_LAYERS
 from aiogguf.stages.plan import (
     assign_layers,
     make_plan,

@@ -20,9 +20,9 @@ import aiogguf
 from aiogguf import api
 from aiogguf.config import Config
 from aiogguf.devices import enumerate_devices
+from aiogguf.headers import read_whole_model
 from aiogguf.io.opener import OpenFiles
 from aiogguf.rehearsal import NAME, RehearsalFile, rehearsal_model
-from aiogguf.stages.index import read_whole_model
 from aiogguf.stages.plan import make_plan
 
 

@@ -17,8 +17,9 @@ import pytest
 
 import aiogguf.stages.parse as parse_stage
 from aiogguf.errors import GGUFError, SplitError
+from aiogguf.headers import open_index
 from aiogguf.records import ParsedFile
-from aiogguf.stages.index import build_index, open_index
+from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import parse_header, parse_model, split_paths
 
 SPLIT = "tiny-llama-Q4_K_M-split-{:05d}-of-00003.gguf"

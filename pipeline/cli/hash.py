@@ -19,12 +19,12 @@ from rich.progress import Progress
 from aiogguf.cli.loading import byte_columns
 from aiogguf.hashing import hash_model_llama_sync, hash_model_sync
 from aiogguf.llama_hash import format_llama
-from aiogguf.manifest import manifest_json
+from aiogguf.manifest import SIDECAR_SUFFIX, manifest_json
 from aiogguf.units import format_bytes
 
 __all__ = ["add_arguments", "byte_progress", "run", "write_atomically"]
 
-SUFFIXES = {"aiogguf": ".manifest.json", "llama": ".gguf-hash.txt"}
+SUFFIXES = {"aiogguf": SIDECAR_SUFFIX, "llama": ".gguf-hash.txt"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

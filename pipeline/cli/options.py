@@ -47,6 +47,13 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "mmap", "mlock", "none", "direct"],
         help="load mode (default: auto)",
     )
+    # llama.cpp's own flags for two of the modes, so that its command lines work here.
+    parser.add_argument(
+        "--no-mmap", dest="mode", action="store_const", const="none", help="= --mode none"
+    )
+    parser.add_argument(
+        "--mlock", dest="mode", action="store_const", const="mlock", help="= --mode mlock"
+    )
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
