@@ -225,6 +225,8 @@ class HttpSource:
         view = builtins.memoryview(dest).cast("B")
         if view.readonly:
             raise ValueError("destination buffer is read-only")
+        if not view:
+            return
         end = offset + len(view)
         if offset < 0 or end > self.size_bytes:
             raise LoadError(
@@ -304,16 +306,16 @@ class HttpSource:
             if response.read(1):
                 raise _Fault("the body is longer than asked for")
         except _Changed as exc:
-            self._drop(conn)
+            self._drop(conn, response)
             raise LoadError(self.path, start, f"the file changed during the load: {exc}") from None
         except (*_RETRIABLE, _Fault) as exc:
-            self._drop(conn)
+            self._drop(conn, response)
             raise _Progress(done, exc) from exc
         except BaseException:
-            self._drop(conn)  # stopped mid-body: the connection is mid-response
+            self._drop(conn, response)  # stopped mid-body: the connection is mid-response
             raise
         if response.will_close:
-            self._drop(conn)
+            self._drop(conn, response)
 
     def _request(self, start: int, end: int) -> tuple[_Connection, http.client.HTTPResponse]:
         where = self._where
@@ -333,9 +335,8 @@ class HttpSource:
                 self._where = where
                 return conn, response
             location = response.getheader("Location", "")
-            _discard(conn, response)
-            if response.will_close:
-                self._drop(conn)
+            if not _discard(response) or response.will_close:
+                self._drop(conn, response)
             where = _Target.parse(urllib.parse.urljoin(where.url, location), self.path)
         raise LoadError(self.path, start, f"more than {MAX_REDIRECTS} redirects")
 
@@ -407,7 +408,10 @@ class HttpSource:
         self._local.conn = fresh
         return fresh
 
-    def _drop(self, conn: _Connection) -> None:
+    def _drop(self, conn: _Connection, response: http.client.HTTPResponse | None = None) -> None:
+        """Close ``conn`` (and ``response``, whose reader holds its socket open)."""
+        if response is not None:
+            response.close()
         with self._lock:
             self._connections.discard(conn)
         if getattr(self._local, "conn", None) is conn:
@@ -434,12 +438,13 @@ def _exchange(conn: _Connection, target: str, headers: dict[str, str]) -> http.c
     return conn.getresponse()
 
 
-def _discard(conn: _Connection, response: http.client.HTTPResponse) -> None:
-    """Read a redirect's small body, so the connection can be used again."""
+def _discard(response: http.client.HTTPResponse) -> bool:
+    """Read a redirect's body if it is small; whether the connection can be used again."""
     try:
         response.read(64 << 10)
     except _RETRIABLE:
-        conn.close()
+        return False
+    return response.isclosed()
 
 
 def _shut(conn: _Connection) -> None:

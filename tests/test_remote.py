@@ -8,8 +8,11 @@ gguf-py elsewhere: every tensor's bytes must be equal.
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -227,3 +230,72 @@ async def test_a_server_never_reads_a_url(server: FileServer) -> None:
         assert status == 400, body  # the name is no file it can open
         assert "No such file" in body["error"]
     assert not server.faults.headers
+
+
+@contextmanager
+def _canned(answers: list[bytes]) -> Iterator[str]:
+    """A raw server on loopback that answers its requests, one connection each, with
+    ``answers`` in turn (whatever was asked); yields its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def serve() -> None:
+        for answer in answers:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/m.gguf"
+    finally:
+        listener.close()
+        thread.join(10)
+
+
+def _partial(content_range: str, body: bytes, extra: str = "") -> bytes:
+    head = (
+        f"HTTP/1.1 206 Partial Content\r\nContent-Range: {content_range}\r\n"
+        f'Content-Length: {len(body)}\r\nETag: "v1"\r\nConnection: close\r\n{extra}\r\n'
+    )
+    return head.encode() + body
+
+
+@pytest.mark.parametrize(
+    ("second", "problem"),
+    [
+        (_partial("bytes 0-9/1000", b"x" * 10), "asked for bytes 100-109, got 0-9"),
+        (_partial("bytes 100-109/99999999999", b"x" * 10), "changed during the load"),
+        (_partial("bytes 100-109/1000", b"x" * 10, 'ETag: "v2"\r\n'), "changed during"),
+        (_partial("bytes x-y/z", b"x" * 10), "no usable Content-Range"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n" + b"x" * 10, "expected a partial"),
+        (_partial("bytes 100-109/1000", b"x" * 10, "X: " + "a" * 70000 + "\r\n"), "tries"),
+    ],
+)
+def test_hostile_answers_are_load_errors(second: bytes, problem: str) -> None:
+    first = _partial("bytes 0-0/1000", b"G")
+    with _canned([first, second]) as url:
+        source = HttpSource(url, RemoteOptions(retries=0))
+        try:
+            assert (source.size_bytes, source.etag) == (1000, '"v1"')
+            with pytest.raises(LoadError, match=problem) as caught:
+                source.read_into(bytearray(10), 100)
+            assert caught.value.offset == 100
+        finally:
+            source.close()
+
+
+def test_a_range_past_the_end_is_refused_before_any_request() -> None:
+    with _canned([_partial("bytes 0-0/1000", b"G")]) as url:
+        source = HttpSource(url)
+        try:
+            source.read_into(bytearray(0), 1000)  # nothing to read: no request
+            with pytest.raises(LoadError, match="past the end"):
+                source.read_into(bytearray(10), 995)
+        finally:
+            source.close()
