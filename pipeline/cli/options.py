@@ -80,6 +80,18 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_manifest_option(parser: argparse.ArgumentParser) -> None:
+    """``--manifest [PATH]``: check the bytes against a hash manifest as they land."""
+    parser.add_argument(
+        "--manifest",
+        nargs="?",
+        const="auto",
+        metavar="PATH",
+        help="check every byte against a hash manifest (aiogguf hash) as it lands; "
+        "without PATH, or 'auto': MODEL.gguf.manifest.json beside the model, if any",
+    )
+
+
 def _parse_overrides(values: list[str]) -> list[dict[str, str]]:
     rules: list[dict[str, str]] = []
     for value in values:
@@ -114,6 +126,7 @@ def config_from_args(args: argparse.Namespace, **extra: Any) -> Config:
         "main_gpu": "main_gpu",
         "no_host": "no_host",
         "lazy": "lazy",
+        "manifest": "manifest",
     }
     for attr, key in flag_keys.items():
         overrides[key] = getattr(args, attr, None)
