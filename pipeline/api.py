@@ -155,7 +155,10 @@ def load(
     Raises ``GGUFFormatError``/``SplitError`` for bad files, ``PlacementError``,
     ``ConfigError``, ``LoadError`` for I/O failures (``PathNotAllowedError`` for a file
     the ``opener`` refuses), ``TensorValidationError`` listing
-    every bad tensor when ``check_tensors`` is on.
+    every bad tensor when ``check_tensors`` is on. ``manifest=PATH`` (or ``"auto"``:
+    ``MODEL.gguf.manifest.json`` beside the model, if any) checks every byte against a
+    hash manifest as it lands: ``ManifestMismatchError`` for one of another model,
+    ``IntegrityError`` (a ``TensorValidationError``) naming every tensor that differs.
     """
     return LoadHandle(path, load_config(config, **overrides), progress, devices, opener)
 

@@ -115,6 +115,17 @@ Size = Annotated[int, BeforeValidator(_to_bytes), Field(ge=0), _SizeMark]
 PositiveSize = Annotated[int, BeforeValidator(_to_bytes), Field(gt=0), _SizeMark]
 
 
+def _manifest_setting(value: object) -> object:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if value == "":
+        raise ValueError("expected a path or 'auto', got an empty string")
+    return value
+
+
+ManifestSetting = Annotated[str | None, BeforeValidator(_manifest_setting)]
+
+
 class _Section(BaseModel):
     model_config: ClassVar[ConfigDict] = ConfigDict(extra="forbid", frozen=True)
 
@@ -127,6 +138,9 @@ class LoadConfig(_Section):
     lazy: LazyMode = "off"
     lazy_min_bytes: Size = 4 * 1024**3
     prefetch: Bool = True
+    # A hash manifest the load's bytes are checked against as they land: a path, or
+    # "auto" for MODEL.gguf.manifest.json beside the model when it exists.
+    manifest: ManifestSetting = None
 
 
 class OverrideRule(_Section):
@@ -558,7 +572,7 @@ class Config(_Section):
 
 
 _SECTIONS = "load, placement, pipeline, device, server"
-_UNSET_NOTES = {"bandwidth": "as fast as the host copies"}
+_UNSET_NOTES = {"bandwidth": "as fast as the host copies", "manifest": "none checked"}
 
 _SECTION_OF: dict[str, str] = {
     **{k: "load" for k in LoadConfig.model_fields},

@@ -65,12 +65,20 @@ from aiogguf.errors import (
     GGUFError,
     LoadError,
     LoadWarning,
-    TensorValidationError,
     from_os_error,
 )
 from aiogguf.events import ProgressHub, Stage
 from aiogguf.headers import open_index, read_whole_model
 from aiogguf.images import DeviceImage
+from aiogguf.integrity import IntegrityChecker
+from aiogguf.integrity_sink import (
+    IntegritySink,
+    block_grid,
+    both,
+    find_manifest,
+    open_manifest,
+    verdict,
+)
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.files import DataFile
@@ -309,9 +317,14 @@ class _Load:
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
                 self._warn(f"{f.path}: {f.direct_refusal}; the rest was read with mode 'none'")
-        failures = validation.failures
-        if failures and not self.config.load.keep_invalid:
-            raise TensorValidationError(failures, self.index.files[0].path)
+        path = self.index.files[0].path
+        found = None
+        if reading.integrity is not None:
+            # The blocks no landed piece held whole, then the verdict.
+            found = await resources.thread.run_sync(reading.integrity.error, path)
+        failures, error = verdict(found, validation.failures, path)
+        if error is not None and not self.config.load.keep_invalid:
+            raise error
         progress.emit(Stage.DONE)
         report = _report(self, uploads)
         images = resources.take_images()  # the model owns them now
@@ -468,6 +481,7 @@ class _Layout:
     jobs: list[list[ReadJob]]  # host jobs, per file
     device_jobs: list[ReadJob]
     staged_files: tuple[int, ...]
+    checker: IntegrityChecker | None  # the manifest's, when one is checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,6 +494,7 @@ class _ReadSide:
     reader: Reader
     reads: HostReads
     progress: _Progress
+    integrity: IntegritySink | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,12 +552,20 @@ class _Front:
                 alignment=config.pipeline.alignment,
                 keep=resources.keep_file,
             )
-        layout = self._lay_out(index, found, plan, self.clock())
+        checker = None
+        if (manifest := find_manifest(config.load.manifest, index.files[0].path)) is not None:
+            checker = open_manifest(manifest, index, resources.files, resources.opened)
+        layout = self._lay_out(index, found, plan, self.clock(), checker)
         raise_if_stopped()  # a cancelled load starts no read
         return layout, self._start_reads(index, layout)
 
     def _lay_out(
-        self, index: WeightIndex, devices: tuple[Device, ...], plan: Plan, planned: float
+        self,
+        index: WeightIndex,
+        devices: tuple[Device, ...],
+        plan: Plan,
+        planned: float,
+        checker: IntegrityChecker | None,
     ) -> _Layout:
         """Blocking: the buffers of ``plan`` laid out, its host images allocated, each
         file's disk found (a ``stat``) and the read jobs cut: work that grows with the
@@ -592,6 +615,9 @@ class _Front:
             ),
             slot_bytes=pipeline.staging_bytes() if len(hosted) < len(layouts) else None,
             aligned=plan.mode == "direct",
+            # With a manifest, a hash block lies inside one job but at a range's edges.
+            blocks=block_grid(checker) if checker is not None else None,
+            alignment=alignment,
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
         return _Layout(
@@ -606,6 +632,7 @@ class _Front:
             jobs,
             device_jobs,
             staged,
+            checker,
         )
 
     def _start_reads(self, index: WeightIndex, layout: _Layout) -> _ReadSide:
@@ -638,6 +665,13 @@ class _Front:
         )
         # Landed pieces go to the piece checks, when some tensor is checked by pieces.
         pieces: PieceSink | None = validation.check_piece if validation.by_pieces else None
+        integrity = None
+        if layout.checker is not None:
+            integrity = IntegritySink(
+                layout.checker, files, resources.images, layouts, layout.slots
+            )
+            if not swapped:  # else the sink sees swapped bytes: it reads the file instead
+                pieces = integrity if pieces is None else both(pieces, integrity)
         reader = Reader(
             files,
             resources.images,
@@ -645,6 +679,7 @@ class _Front:
             clock=clock,
             swap=ByteSwap(index, layouts) if swapped else None,
             pieces=pieces,
+            file_check=integrity.check_from_file if integrity is not None else None,
             lock=plan.mode == "mlock",
         )
         reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)
@@ -662,7 +697,7 @@ class _Front:
         staged = layout.staged_files
         verify = [None if i in staged else f.check_unchanged for i, f in enumerate(files)]
         reads.start(jobs, disks, verify=verify, landed=progress.host_landed)
-        return _ReadSide(validation, reader, reads, progress)
+        return _ReadSide(validation, reader, reads, progress, integrity)
 
 
 @contextmanager

@@ -108,7 +108,7 @@ async def _hash_files(
     files: OpenFiles,
     progress: HashProgress | None,
 ) -> list[FileResult]:
-    """Each file in one pass, one file after the other (two lanes each)."""
+    """Each file in one pass (its lanes at once), one file after the other."""
     total = sum(layout.size for layout in layouts)
     done = 0
 
@@ -125,13 +125,14 @@ async def _hash_files(
     for path, layout in zip(paths, layouts, strict=True):
         data = await threads.run_sync(lambda p=path: open_file(p, fd=files.open(p)))
         try:
-            one = FilePass(data, layout, wanted, report)
+            # Its buffers are tens of MiB to fill with zeros: not on the loop's thread.
+            one = await threads.run_sync(FilePass, data, layout, wanted, report)
             await _run_lanes(threads, one)
             await threads.run_sync(data.check_unchanged)
         finally:
             with anyio.CancelScope(shield=True):
                 await threads.run_sync(data.close)
-        results.append(one.result())
+        results.append(await threads.run_sync(one.result))
     return results
 
 

@@ -270,11 +270,16 @@ def read_jobs(
     chunk_bytes: int,
     *,
     aligned: bool,
+    blocks: Sequence[tuple[int, int]] | None = None,
+    alignment: int = 1,
 ) -> Iterator[ReadJob]:
     """Split every range into reads of at most ``chunk_bytes``.
 
     ``aligned`` reads cover the widened slot (O_DIRECT needs aligned offsets and
-    lengths); unaligned reads cover exactly the range's bytes.
+    lengths); unaligned reads cover exactly the range's bytes. ``blocks`` (per file:
+    where its data section starts, and a block size): a read that does not reach its
+    range's end ends at a block boundary (aligned down to ``alignment`` when
+    ``aligned``), where one fits, so that a hash block lies inside one read.
     """
     seq = 0
     for layout, rs in ordered:
@@ -284,6 +289,8 @@ def read_jobs(
         while offset < end:
             raise_if_stopped()  # once per job (a model of hundreds of GiB has 10^4)
             n = min(chunk_bytes, end - offset)
+            if blocks is not None and offset + n < end:
+                n = _to_block(offset, n, blocks[r.file_index], alignment if aligned else 1)
             yield ReadJob(
                 seq=seq,
                 buffer_index=layout.index,
@@ -297,6 +304,17 @@ def read_jobs(
             )
             seq += 1
             offset += n
+
+
+def _to_block(offset: int, n: int, grid: tuple[int, int], alignment: int) -> int:
+    """``n`` cut so that ``offset + n`` falls on a block boundary of ``grid`` (aligned
+    down), unless no boundary fits."""
+    data_start, block_bytes = grid
+    end = offset + n
+    if end <= data_start:
+        return n
+    cut = align_down(end - (end - data_start) % block_bytes, alignment)
+    return cut - offset if cut > offset else n
 
 
 # Jobs smaller than this are not worth a reader of their own.
@@ -333,18 +351,30 @@ def split_jobs(
     host_bytes: int,
     slot_bytes: int | None,
     aligned: bool,
+    blocks: Sequence[tuple[int, int]] | None = None,
+    alignment: int = 1,
 ) -> tuple[list[list[ReadJob]], list[ReadJob]]:
     """Host jobs per file (at most ``host_bytes``: ``job_bytes``), and device jobs (at
     most ``chunk_bytes`` and ``slot_bytes``: each fills one staging slot), each in load
-    order. Lazy ranges are only mapped, never read."""
+    order, cut at ``blocks``' boundaries where given (``read_jobs``). Lazy ranges are
+    only mapped, never read."""
     ordered = [item for item in load_order(index, layouts) if not item[0].plan.lazy]
     staged = [item for item in ordered if not item[0].plan.host]
     hosted = [item for item in ordered if item[0].plan.host]
     device_jobs: list[ReadJob] = []
     if staged:
         assert slot_bytes is not None, "device buffers need a staging slot size"
-        device_jobs = list(read_jobs(staged, min(chunk_bytes, slot_bytes), aligned=aligned))
+        device_jobs = list(
+            read_jobs(
+                staged,
+                min(chunk_bytes, slot_bytes),
+                aligned=aligned,
+                blocks=blocks,
+                alignment=alignment,
+            )
+        )
     per_file: list[list[ReadJob]] = [[] for _ in index.files]
-    for job in read_jobs(hosted, host_bytes, aligned=aligned):
+    host_jobs = read_jobs(hosted, host_bytes, aligned=aligned, blocks=blocks, alignment=alignment)
+    for job in host_jobs:
         per_file[job.file_index].append(job)
     return per_file, device_jobs

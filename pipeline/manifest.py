@@ -211,12 +211,14 @@ def manifest_json(manifest: Manifest) -> str:
 # --- reading ---------------------------------------------------------------------------
 
 
-def read_manifest_text(path: str | os.PathLike[str]) -> str:
-    """Blocking: the text of the manifest at ``path``, at most ``MAX_MANIFEST_BYTES``.
+def read_manifest_text(path: str | os.PathLike[str], *, fd: int | None = None) -> str:
+    """Blocking: the text of the manifest at ``path``, at most ``MAX_MANIFEST_BYTES``;
+    ``fd``: a descriptor of it, opened already (a load's opener), closed here.
 
     Raises ``ManifestError`` (too large, not UTF-8) or ``LoadError`` (cannot be read)."""
     fspath = os.fspath(path)
-    fd = open_readable(fspath)
+    if fd is None:
+        fd = open_readable(fspath)
     try:
         with os_errors(fspath, None, "cannot read the manifest"):
             size = os.fstat(fd).st_size

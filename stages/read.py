@@ -207,7 +207,10 @@ class Reader:
     choice) gets each piece as soon as it has landed: buffered reads on the reader's own
     thread, right after its read; ``O_DIRECT`` reads (which land
     by DMA, not through the cache) once landed (``check_landed``), on a check thread,
-    so that the disk gets its next read while the last one is checked."""
+    so that the disk gets its next read while the last one is checked. ``file_check``
+    gets each job whose landed bytes are not the file's bytes as the piece sink would
+    see them (mapped images, which it must not read; swapped bytes), once it landed,
+    on the thread that landed it."""
 
     def __init__(
         self,
@@ -218,6 +221,7 @@ class Reader:
         clock: Callable[[], float],
         swap: Callable[[ReadJob, memoryview], None] | None = None,
         pieces: PieceSink | None = None,
+        file_check: Callable[[ReadJob], None] | None = None,
         lock: bool = False,
     ) -> None:
         self._files = files
@@ -226,6 +230,7 @@ class Reader:
         self._clock = clock
         self._swap = swap
         self._pieces = pieces
+        self._file_check = file_check
         self._lock = lock
         self.lock_refusal: str | None = None  # the kernel's first refusal to lock
         self.stats = [FileStats() for _ in files]
@@ -273,6 +278,8 @@ class Reader:
                 mapping.touch(job.useful_start, job.useful_end)
             if self._swap is not None:
                 self._swap(job, mapping.view(job.file_offset, job.nbytes))
+            if self._file_check is not None:
+                self._file_check(job)
             return
         assert isinstance(image, HostImage)
         dest = image.dest(job)
@@ -282,6 +289,8 @@ class Reader:
         self._read_into(job, dest)
         if self._swap is not None:
             self._swap(job, dest)
+            if self._file_check is not None:
+                self._file_check(job)
         if self._pieces is not None and not self.checks_apart(job.file_index):
             self._check_pieces(job, dest, read=False)
 
@@ -351,6 +360,8 @@ class Reader:
         self._read_into(job, slot)
         if self._swap is not None:
             self._swap(job, slot)
+            if self._file_check is not None:
+                self._file_check(job)
         if self._pieces is not None:
             self._check_pieces(job, slot, read=False)
 

@@ -74,7 +74,7 @@ def test_default_toml_lists_every_key_with_its_default() -> None:
     data = tomllib.loads((CONFIGS / "default.toml").read_text())
     # Keys without a TOML form for their default (unset, or arrays of tables), and the
     # one no longer used, are shown commented out.
-    commented = {"override", "path", "queue_depth"}
+    commented = {"override", "path", "queue_depth", "manifest"}
     for section, model in (
         ("load", LoadConfig),
         ("placement", PlacementConfig),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
+import importlib.metadata
 import os
 import signal
 import sys
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="aiogguf", description="Load GGUF models at hardware speed."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"aiogguf {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
@@ -86,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(command)
         command.set_defaults(_module=module)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's ``__version__``, which the CLI,
+    a layer below the package's re-exports, does not import)."""
+    try:
+        return importlib.metadata.version("aiogguf")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _exit_promptly_on_interrupt(command: str) -> None:

@@ -42,6 +42,7 @@ SETTLE_DEFAULT_S = 3.0
 # Queue depth no longer changes a load (``pipeline.queue_depth``): one value by default.
 FULL = ("1GiB", "1MiB,4MiB,16MiB,64MiB,256MiB", "1,2,4", "8", 3)
 QUICK = ("256MiB", "4MiB,64MiB", "2", "8", 1)
+JSON_NAME, PLOT_NAME = "aiogguf-bench.json", "aiogguf-bench.png"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,11 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cold", action="store_true", help="drop the file from the page cache before each run"
     )
     parser.add_argument(
-        "--json", metavar="FILE", default="aiogguf-bench.json", help="results (default %(default)s)"
+        "--out", metavar="DIR", help=f"write {JSON_NAME} and {PLOT_NAME} there (default: nothing)"
     )
-    parser.add_argument(
-        "--plot", metavar="FILE", default="aiogguf-bench.png", help="PNG plot (default %(default)s)"
-    )
+    parser.add_argument("--json", metavar="FILE", help="write the results here")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG plot here")
     parser.add_argument("--runs", type=int, help=f"runs per point (default {FULL[4]}, quick 1)")
     parser.add_argument("--modes", help="comma list of load modes (default all)")
     parser.add_argument("--chunk-sizes", metavar="LIST", help=f"default {FULL[1]}")
@@ -154,12 +154,26 @@ def run(args: argparse.Namespace) -> int:
         settle_s=args.settle,
         say=say,
     )
-    Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
-    console.print(f"wrote {args.json}")
-    skipped = plot_sweep(result, args.plot)
-    console.print(skipped if skipped else f"wrote {args.plot}")
+    json_path, plot_path = _outputs(args)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        console.print(f"wrote {json_path}")
+    if plot_path is not None:
+        skipped = plot_sweep(result, str(plot_path))
+        console.print(skipped if skipped else f"wrote {plot_path}")
     render(result, console)
     return 0
+
+
+def _outputs(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """Where to write the results and the plot: only where ``--json``, ``--plot`` or
+    ``--out`` say (a benchmark run from any folder leaves nothing there unasked)."""
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.json) if args.json else (out / JSON_NAME if out else None)
+    plot_path = Path(args.plot) if args.plot else (out / PLOT_NAME if out else None)
+    return json_path, plot_path
 
 
 def render(result: SweepResult, console: Console) -> None:

@@ -7,7 +7,7 @@ import argparse
 from rich.console import Console
 
 from aiogguf.cli.loading import load_with_progress, render_report
-from aiogguf.cli.options import add_placement_options, config_from_args
+from aiogguf.cli.options import add_manifest_option, add_placement_options, config_from_args
 
 __all__ = ["add_arguments", "run"]
 
@@ -15,6 +15,7 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="GGUF file (the first split of a split model)")
     add_placement_options(parser)
+    add_manifest_option(parser)
     parser.add_argument(
         "--no-check", action="store_true", help="skip tensor validation (check_tensors=false)"
     )

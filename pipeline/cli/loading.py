@@ -41,21 +41,32 @@ def byte_columns() -> tuple[ProgressColumn, ...]:
 def load_with_progress(
     path: str | os.PathLike[str], config: Config, console: Console
 ) -> LoadReport:
-    """Load ``path`` showing a progress bar (bytes, GB/s, ETA); return the report."""
-    with Progress(*byte_columns(), console=console, transient=False) as bar:
-        task: TaskID = bar.add_task(os.path.basename(os.fspath(path)), total=None)
+    """Load ``path`` showing a progress bar (bytes, GB/s, ETA); return the report. The
+    bar appears once the load reads: a load that fails before (a missing file, a bad
+    header, a placement refused) shows its one-line error alone."""
+    name = os.path.basename(os.fspath(path))
+    bar = Progress(*byte_columns(), console=console, transient=False)
+    task: TaskID | None = None
 
-        def on_progress(event: LoadProgress) -> None:
-            if event.stage in (Stage.READ, Stage.DONE):
-                bar.update(task, completed=event.bytes_done, total=event.bytes_total or None)
-            elif event.stage in (Stage.FAILED, Stage.CANCELLED):
-                bar.update(task, description=f"{os.path.basename(os.fspath(path))} (failed)")
+    def on_progress(event: LoadProgress) -> None:
+        nonlocal task
+        if event.stage in (Stage.READ, Stage.DONE):
+            if task is None:
+                bar.start()
+                task = bar.add_task(name, total=None)
+            bar.update(task, completed=event.bytes_done, total=event.bytes_total or None)
+        elif event.stage in (Stage.FAILED, Stage.CANCELLED) and task is not None:
+            bar.update(task, description=f"{name} (failed)")
 
-        async def go() -> LoadReport:
-            async with load(path, config, progress=on_progress) as model:
-                return model.report
+    async def go() -> LoadReport:
+        async with load(path, config, progress=on_progress) as model:
+            return model.report
 
+    try:
         report: LoadReport = run(go)
+    finally:
+        if task is not None:  # a bar never started would still print its blank line
+            bar.stop()
     return report
 
 

@@ -47,6 +47,13 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "mmap", "mlock", "none", "direct"],
         help="load mode (default: auto)",
     )
+    # llama.cpp's own flags for two of the modes, so that its command lines work here.
+    parser.add_argument(
+        "--no-mmap", dest="mode", action="store_const", const="none", help="= --mode none"
+    )
+    parser.add_argument(
+        "--mlock", dest="mode", action="store_const", const="mlock", help="= --mode mlock"
+    )
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +77,18 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         action="append",
         metavar="SPEC",
         help="add a simulated GPU: 24GiB or name=g0,free=24GiB,total=24GiB,unsupported=IQ1_M",
+    )
+
+
+def add_manifest_option(parser: argparse.ArgumentParser) -> None:
+    """``--manifest [PATH]``: check the bytes against a hash manifest as they land."""
+    parser.add_argument(
+        "--manifest",
+        nargs="?",
+        const="auto",
+        metavar="PATH",
+        help="check every byte against a hash manifest (aiogguf hash) as it lands; "
+        "without PATH, or 'auto': MODEL.gguf.manifest.json beside the model, if any",
     )
 
 
@@ -107,6 +126,7 @@ def config_from_args(args: argparse.Namespace, **extra: Any) -> Config:
         "main_gpu": "main_gpu",
         "no_host": "no_host",
         "lazy": "lazy",
+        "manifest": "manifest",
     }
     for attr, key in flag_keys.items():
         overrides[key] = getattr(args, attr, None)

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from aiogguf.cli.loading import load_with_progress
-from aiogguf.cli.options import add_placement_options, config_from_args
+from aiogguf.cli.options import add_manifest_option, add_placement_options, config_from_args
 from aiogguf.errors import TensorValidationError
 
 __all__ = ["add_arguments", "run"]
@@ -17,6 +17,7 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="GGUF file (the first split of a split model)")
     add_placement_options(parser)
+    add_manifest_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:

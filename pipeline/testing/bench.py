@@ -611,6 +611,13 @@ def run_sweep(
         )
         for pt in points
     )
+    mapped = sorted({pt.mode for pt in points if pt.mode in ("mmap", "mlock")})
+    if mapped and check_tensors is not False and not cold:
+        notes.append(
+            f"{'/'.join(mapped)} with checks on: the load reads every byte to check it, its "
+            "limit touches one byte per page; that ratio is the checks' price on a warm "
+            "cache, not a slow load (--no-check times the load alone)"
+        )
     if cold and drops and not all(drops):
         notes.append(
             f"the page cache could not be dropped before {drops.count(False)} of "
