@@ -439,12 +439,21 @@ class LoadThreads:
         between. What raises is raised once the rest has run (the loop logs it)."""
         self._woken.release()
         first: BaseException | None = None
-        for _ in range(len(self._for_loop)):
-            fn = self._for_loop.popleft()  # only this thread takes from it
-            try:
-                fn()
-            except Exception as exc:
-                first = first or exc
+        try:
+            for _ in range(len(self._for_loop)):
+                fn = self._for_loop.popleft()  # only this thread takes from it
+                try:
+                    fn()
+                except Exception as exc:
+                    first = first or exc
+        finally:
+            # A KeyboardInterrupt raised in the middle (a signal lands on the loop's
+            # thread) leaves the rest, calls' completions among them: they run on a
+            # wake-up of their own, or whoever awaits them would wait for ever.
+            if self._for_loop and self._woken.acquire(blocking=False):
+                token = self._token
+                assert token is not None
+                _run_sync_soon(token, self._run_for_loop, ())
         if first is not None:
             raise first
 

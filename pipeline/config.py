@@ -235,6 +235,13 @@ class PipelineConfig(_Section):
     # has them off (THP "never") every setting gives 4 KiB pages, silently.
     huge_pages: HugePages = "auto"
     path: tuple[PathLimit, ...] = ()
+    # Remote files (http:// and https://): reader threads, each one ranged request in
+    # flight on a keep-alive connection of its own; tries of a range after a reset, a
+    # timeout, a short body or a 5xx, in a row, before the load fails; seconds without a
+    # byte before a request counts as timed out.
+    remote_readers: Int = Field(default=16, ge=1, le=MAX_THREADS)
+    remote_retries: Int = Field(default=4, ge=0, le=100)
+    remote_timeout: Float = Field(default=30.0, gt=0.0, le=3600.0)
 
     @field_validator("alignment")
     @classmethod

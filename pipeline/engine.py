@@ -81,6 +81,7 @@ from aiogguf.integrity_sink import (
 )
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device, DeviceBuffer
+from aiogguf.io.files import DataFile
 from aiogguf.io.opener import FileOpener
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import raise_if_stopped, reserve_threads
@@ -100,6 +101,7 @@ from aiogguf.jobs import (
 from aiogguf.load_resources import LoadResources
 from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
+from aiogguf.remote import is_url, open_remote, read_remote_model, remote_config, remote_disks
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import Allocation, allocate_host_images
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
@@ -283,7 +285,7 @@ class _Load:
         but for the images, which the model takes."""
         resources, layout, plan = self.resources, self.layout, self.layout.plan
         files = resources.files
-        for warning in direct_refusals(files, plan.mode):
+        for warning in direct_refusals(resources.local_files, plan.mode):
             self._warn(warning)
         reading = self.reading
         validation, reader, progress = reading.validation, reading.reader, reading.progress
@@ -509,6 +511,7 @@ class _Front:
     devices: Sequence[Device] | None
     clock: Callable[[], float]
     hub: ProgressHub
+    remote: bool  # a URL: its one file is an ``HttpSource`` (``aiogguf.remote``)
 
     def parse_and_plan(
         self, path: str
@@ -518,7 +521,14 @@ class _Front:
         round trips cost as much as the work. Returns the header and (index, when it was
         indexed, the layout, the read side); for a split set only the first file's
         header, and nothing is opened."""
-        first, index = read_whole_model(path, self.resources.opened)
+        whole: tuple[ParsedFile, WeightIndex | None]
+        if self.remote:
+            source = open_remote(path, self.config)
+            self.resources.keep_file(source)
+            whole = read_remote_model(source)
+        else:
+            whole = read_whole_model(path, self.resources.opened)
+        first, index = whole
         if index is None:
             return first, None
         indexed = self.clock()
@@ -534,13 +544,14 @@ class _Front:
         plan = make_plan(index, found, config)
         raise_if_stopped()
         resources = self.resources
-        open_data_files(
-            index,
-            resources.opened,
-            mode=plan.mode,
-            alignment=config.pipeline.alignment,
-            keep=resources.keep_file,
-        )
+        if not self.remote:  # the remote file was opened to be parsed
+            open_data_files(
+                index,
+                resources.opened,
+                mode=plan.mode,
+                alignment=config.pipeline.alignment,
+                keep=resources.keep_file,
+            )
         checker = None
         if (manifest := find_manifest(config.load.manifest, index.files[0].path)) is not None:
             checker = open_manifest(manifest, index, resources.files, resources.opened)
@@ -560,7 +571,7 @@ class _Front:
         file's disk found (a ``stat``) and the read jobs cut: work that grows with the
         model (a model of hundreds of GiB has 10^4 jobs), off the loop."""
         config, resources, clock = self.config, self.resources, self.clock
-        files = resources.files
+        files = resources.local_files
         alignment = config.pipeline.alignment
         swapped = needs_swap(index.byte_order)
         if swapped:
@@ -586,7 +597,8 @@ class _Front:
         host_times = StageTimes(
             began, ended, ended - began, len(hosted), sum(lay.nbytes for lay in hosted)
         )
-        disks = find_disks(files, config)
+        remote = self.remote  # no disk to find: a reader limit of its own
+        disks = remote_disks(resources.files, config) if remote else find_disks(files, config)
         pipeline = config.pipeline
         jobs, device_jobs = split_jobs(
             index,
@@ -663,7 +675,7 @@ class _Front:
         reader = Reader(
             files,
             resources.images,
-            direct=[f if f.direct_ok else None for f in files],
+            direct=[f if isinstance(f, DataFile) and f.direct_ok else None for f in files],
             clock=clock,
             swap=ByteSwap(index, layouts) if swapped else None,
             pieces=pieces,
@@ -729,9 +741,12 @@ async def run_load(
         reserve_threads(load_thread_count(config, uploads=False))
         # Each file is opened once, by the parse stage (``resources.opened``); the engine
         # reads through the same descriptors (its DataFiles hold duplicates).
+        remote = is_url(os.fspath(path))
+        if remote:
+            config = remote_config(os.fspath(path), config, opener)
         resources = await stack.enter_async_context(LoadResources(opener))
         threads = resources.thread
-        front = _Front(resources, config, devices, hub.elapsed, hub)
+        front = _Front(resources, config, devices, hub.elapsed, hub, remote)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
             index, t1, layout, reading = whole

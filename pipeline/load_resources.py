@@ -33,13 +33,17 @@ from aiogguf.config import Config
 from aiogguf.images import Image
 from aiogguf.io.devices.base import Device
 from aiogguf.io.files import DataFile
+from aiogguf.io.http_source import HttpSource
 from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads
 from aiogguf.stages.allocate import close_images
 from aiogguf.stages.read import HostReads
 from aiogguf.stages.upload import Uploader
 
-__all__ = ["LoadResources"]
+__all__ = ["LoadFile", "LoadResources"]
+
+# A file of a load: local, or remote (``aiogguf.remote``).
+LoadFile = DataFile | HttpSource
 
 
 class LoadResources:
@@ -53,7 +57,7 @@ class LoadResources:
     def __init__(self, opener: FileOpener | None = None) -> None:
         self.opened = OpenFiles(opener)
         self._token = anyio.lowlevel.current_token()
-        self._files: list[DataFile] = []
+        self._files: list[LoadFile] = []
         self._images: list[Image | None] = []
         self._lent: list[LoadThreads] = []
         self._reads: list[tuple[HostReads, Callable[[], None]]] = []
@@ -74,11 +78,17 @@ class LoadResources:
     # --- what the load takes --------------------------------------------------------
 
     @property
-    def files(self) -> Sequence[DataFile]:
+    def files(self) -> Sequence[LoadFile]:
         """The load's open files, one per file of the model, in order."""
         return self._files
 
-    def keep_file(self, file: DataFile) -> None:
+    @property
+    def local_files(self) -> Sequence[DataFile]:
+        """The local ones of ``files``: for what only a local file has (mappings, its
+        disk, ``O_DIRECT``); all of them, or none in a load of a URL."""
+        return [f for f in self._files if isinstance(f, DataFile)]
+
+    def keep_file(self, file: LoadFile) -> None:
         """Own ``file``, just opened (the next file of the model)."""
         self._files.append(file)
 

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 from typing import Final
@@ -45,6 +46,7 @@ __all__ = [
     "parse_header",
     "parse_model",
     "read_header",
+    "read_header_from",
     "split_paths",
 ]
 
@@ -621,35 +623,39 @@ async def parse_file(
 
 
 def read_header(path: str, files: OpenFiles) -> ParsedFile:
-    """Blocking: open ``path`` through ``files`` and parse its header, reading more
-    (``GROWTH_FACTOR`` times as much each time) until the parser has what it needs."""
+    """Blocking: open ``path`` through ``files`` and parse its header (``read_header_from``)."""
     fd = files.open(path)
     try:
-        file_size = os.lseek(fd, 0, os.SEEK_END)
-        parser = _HeaderParser(path, file_size)
-        data = b""
-        target = min(file_size, FIRST_READ_BYTES)
-        while True:
-            # Through the descriptor, never the name: it is the file the opener allowed.
-            while len(data) < target:
-                raise_if_stopped()  # a header of GiBs is read in bounded calls
-                part = _pread_upto(fd, len(data), min(target - len(data), _READ_CALL_BYTES))
-                if not part:
-                    break
-                data += part
-            if len(data) < target:
-                raise LoadError(
-                    path, len(data), f"short read: the file shrank below {target} bytes"
-                )
-            try:
-                return parser.parse(data)
-            except NeedMoreBytes as more:
-                # Grow geometrically (x4: a 10 MiB vocabulary costs three reads and
-                # three resumed walks), never past the end of the file (the parser
-                # checked ``more.end`` against it).
-                target = min(file_size, max(more.end, GROWTH_FACTOR * len(data)))
+        # Through the descriptor, never the name: it is the file the opener allowed.
+        size = os.lseek(fd, 0, os.SEEK_END)
+        return read_header_from(path, size, lambda at, n: _pread_upto(fd, at, n))
     except OSError as exc:
         raise from_os_error(exc, path, None, "cannot read the file") from exc
+
+
+def read_header_from(path: str, file_size: int, read: Callable[[int, int], bytes]) -> ParsedFile:
+    """Blocking: parse the header of ``path`` (``file_size`` bytes) from ``read(offset,
+    n)`` (up to ``n`` bytes, fewer only at the end), reading more (``GROWTH_FACTOR``
+    times as much each time) until the parser has what it needs."""
+    parser = _HeaderParser(path, file_size)
+    data = b""
+    target = min(file_size, FIRST_READ_BYTES)
+    while True:
+        while len(data) < target:
+            raise_if_stopped()  # a header of GiBs is read in bounded calls
+            part = read(len(data), min(target - len(data), _READ_CALL_BYTES))
+            if not part:
+                break
+            data += part
+        if len(data) < target:
+            raise LoadError(path, len(data), f"short read: the file shrank below {target} bytes")
+        try:
+            return parser.parse(data)
+        except NeedMoreBytes as more:
+            # Grow geometrically (x4: a 10 MiB vocabulary costs three reads and three
+            # resumed walks), never past the end of the file (the parser checked
+            # ``more.end`` against it).
+            target = min(file_size, max(more.end, GROWTH_FACTOR * len(data)))
 
 
 def _pread_upto(fd: int, offset: int, nbytes: int) -> bytes:

@@ -4,6 +4,7 @@ process's pool with the load's end and are lent again to the next one."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -289,6 +290,36 @@ async def test_what_a_call_soon_callback_raises_fails_its_call() -> None:
             await threads.run_sync(work, threads)
         # The lane goes on: the next call is not marked.
         assert await threads.run_sync(lambda: "next") == "next"
+
+
+class _Interrupt(BaseException):
+    """Stands for a KeyboardInterrupt raised on the loop's thread: the loop logs it and
+    goes on, where a real one would end the loop."""
+
+
+@pytest.mark.asyncio
+async def test_what_an_interruption_leaves_on_the_loop_still_runs() -> None:
+    """An interruption while the loop runs what the threads asked for (Ctrl-C on the
+    loop's thread) does not lose the rest: what was queued behind it (a call's
+    completion, say) still runs."""
+    loop = asyncio.get_running_loop()
+    seen: list[object] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(context.get("exception")))
+    after = anyio.Event()
+
+    def interrupt() -> None:
+        raise _Interrupt
+
+    try:
+        async with LoadThreads(1) as threads:
+            # Both queued before the loop runs either: it runs them in one wake-up.
+            threads._on_loop(interrupt)
+            threads._on_loop(after.set)
+            with anyio.fail_after(5):
+                await after.wait()
+    finally:
+        loop.set_exception_handler(None)
+    assert [type(e) for e in seen] == [_Interrupt]
 
 
 @pytest.mark.asyncio

@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.headers": 4,
     "aiogguf.engine": 4,
     "aiogguf.load_resources": 4,
+    "aiogguf.remote": 4,
     "aiogguf.api": 5,
     "aiogguf.dry_run": 5,
     "aiogguf.compat": 6,

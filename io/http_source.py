@@ -1,0 +1,455 @@
+"""A model file read over HTTP(S) by byte ranges: the remote ``ByteSource``.
+
+``HttpSource`` reads with the standard library's ``http.client``: blocking calls on the
+load's reader threads, one keep-alive connection per thread, each ranged body read by
+``HTTPResponse.readinto`` straight into the caller's memory (no copy in between).
+
+- **One version.** The first request learns the size and the ETag; every later request
+  carries ``If-Match`` with it, so a file replaced during the load fails the load
+  (``LoadError`` "changed during the load") instead of mixing two versions. Without a
+  strong ETag, each response's ``Content-Range`` total must still equal the size.
+- **Faults.** A reset, a timeout, a short body or a 5xx is retried with backoff, from the
+  byte where the range stopped, ``retries`` times in a row at most; then the load fails
+  naming the URL (credentials and query left out) and the offset.
+- **Redirects** are followed (``MAX_REDIRECTS``); the ``Authorization`` header goes only
+  to the host it was given for.
+- **Stopping.** Sockets wait ``POLL_S`` at a time and call ``raise_if_stopped`` between
+  waits and between pieces of a body, so a cancelled load ends its reads within about a
+  second even when a server stalls; ``stall_s`` without a byte is a timeout.
+- **Hostile servers.** Status line and headers are bounded by ``http.client`` (lines of
+  64 KiB, 100 headers); ``Content-Range`` and ``Content-Length`` must match the range
+  asked for exactly.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import http.client
+import random
+import re
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from aiogguf.errors import LoadError
+from aiogguf.io.workers import raise_if_stopped
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["HttpSource", "RemoteOptions", "is_url", "redact_url"]
+
+# A socket waits this long at a time: between waits a stopped load is noticed.
+POLL_S = 0.25
+# The most bytes one readinto asks for: a stop is noticed between pieces.
+PIECE_BYTES = 4 << 20
+MAX_REDIRECTS = 5
+_CONTENT_RANGE = re.compile(r"bytes (\d{1,20})-(\d{1,20})/(\d{1,20})")
+_STRONG_ETAG = re.compile(r'"[\x21\x23-\x7e\x80-\xff]{0,256}"')
+# Faults worth another try: the link or the server, not the request.
+_RETRIABLE = (OSError, http.client.HTTPException)
+
+
+def is_url(path: object) -> bool:
+    """True for an ``http://`` or ``https://`` address (any case)."""
+    return isinstance(path, str) and path[:8].lower().startswith(("http://", "https://"))
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user, password, query or fragment: fit for messages and logs
+    (a signed URL's query is a credential)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteOptions:
+    """How a remote file is read: ``retries`` in a row per range, the first after
+    ``backoff_s`` (doubling, jittered), ``stall_s`` without a byte (or to connect) is a
+    timeout, ``headers`` go with every request (``Authorization`` only to the first
+    host)."""
+
+    retries: int = 4
+    backoff_s: float = 0.25
+    stall_s: float = 30.0
+    headers: Mapping[str, str] | None = None
+
+
+class _Changed(Exception):
+    """The file is not the version the load began with."""
+
+
+class _Fault(Exception):
+    """A response that another try may fix (a 5xx, a short body)."""
+
+
+def _polled_recv(recv: object, stall_s: float, *args: object) -> int:
+    waited = 0.0
+    while True:
+        try:
+            return recv(*args)  # type: ignore[operator,no-any-return]
+        except TimeoutError:
+            waited += POLL_S
+            if waited >= stall_s:
+                raise
+            raise_if_stopped()
+
+
+class _PollingSocket(socket.socket):
+    """A socket whose reads wait ``POLL_S`` at a time, checking for a stop between."""
+
+    stall_s = 30.0
+
+    def recv_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> int:
+        return _polled_recv(super().recv_into, self.stall_s, buffer, nbytes, flags)
+
+
+class _PollingSSLSocket(ssl.SSLSocket):
+    stall_s = 30.0
+
+    def recv_into(self, buffer: Buffer, nbytes: int | None = None, flags: int = 0) -> int:
+        return _polled_recv(super().recv_into, self.stall_s, buffer, nbytes, flags)
+
+
+def _connect(host: str, port: int, stall_s: float, tls: ssl.SSLContext | None) -> socket.socket:
+    raw = socket.create_connection((host, port), timeout=min(stall_s, 10.0))
+    sock = _PollingSocket(fileno=raw.detach())
+    sock.stall_s = stall_s
+    sock.settimeout(POLL_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is None:
+        return sock
+    try:
+        wrapped = tls.wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+    assert isinstance(wrapped, _PollingSSLSocket)
+    wrapped.stall_s = stall_s
+    return wrapped
+
+
+class _Connection(http.client.HTTPConnection):
+    """One keep-alive connection to one host, over a polling socket."""
+
+    def __init__(
+        self, scheme: str, host: str, port: int, stall_s: float, tls: ssl.SSLContext
+    ) -> None:
+        super().__init__(host, port, timeout=POLL_S)
+        self.key = (scheme, host, port)
+        self._stall_s = stall_s
+        self._tls = tls if scheme == "https" else None
+
+    def connect(self) -> None:
+        self.sock = _connect(self.host, self.port, self._stall_s, self._tls)
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    scheme: str
+    host: str
+    port: int
+    target: str  # path and query, as sent
+    url: str
+
+    @classmethod
+    def parse(cls, url: str, shown: str) -> _Target:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port
+        except ValueError as exc:
+            raise LoadError(shown, None, f"not a usable URL: {exc}") from None
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https") or not parts.hostname:
+            raise LoadError(shown, None, "not a usable URL: expected http:// or https://HOST/…")
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if any(c in target for c in "\r\n\0 "):
+            raise LoadError(shown, None, "not a usable URL: control characters in the path")
+        default = 443 if scheme == "https" else 80
+        return cls(scheme, parts.hostname, port or default, target, url)
+
+    @property
+    def origin(self) -> tuple[str, str, int]:
+        return (self.scheme, self.host, self.port)
+
+
+class HttpSource:
+    """A remote file, read by ranges from any number of threads at once (one connection
+    each). Opening it makes the first request (blocking): ``size_bytes`` and the ETag."""
+
+    direct_ok = False
+    direct_refusal: str | None = None
+
+    def __init__(self, url: str, options: RemoteOptions | None = None) -> None:
+        self.options = options if options is not None else RemoteOptions()
+        self.path = redact_url(url)
+        self._first = _Target.parse(url, self.path)
+        self._where = self._first  # where the last redirect led
+        self._tls = ssl.create_default_context()
+        self._tls.sslsocket_class = _PollingSSLSocket
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._connections: set[_Connection] = set()
+        self._closed = False
+        self.etag: str | None = None
+        self.size_bytes = -1
+        try:
+            self._learn()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def host(self) -> str:
+        """The host the URL names (before any redirect)."""
+        return self._first.host
+
+    def __repr__(self) -> str:
+        return f"<HttpSource {self.path!r} size={self.size_bytes} etag={self.etag!r}>"
+
+    # -- the ByteSource protocol ---------------------------------------------------
+
+    def read_into(self, dest: Buffer, offset: int) -> None:
+        """Fill all of ``dest`` with the bytes at ``offset`` (blocking); raises
+        ``LoadError`` naming the URL and the offset where it failed."""
+        view = builtins.memoryview(dest).cast("B")
+        if view.readonly:
+            raise ValueError("destination buffer is read-only")
+        if not view:
+            return
+        end = offset + len(view)
+        if offset < 0 or end > self.size_bytes:
+            raise LoadError(
+                self.path, offset, f"range up to byte {end} is past the end ({self.size_bytes})"
+            )
+        self._with_retries(offset, lambda done: self._fetch(view, offset, done))
+
+    def read_upto(self, offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` at ``offset``: fewer only at the end (the header parse)."""
+        buf = bytearray(max(0, min(nbytes, self.size_bytes - offset)))
+        if buf:
+            self.read_into(buf, offset)
+        return bytes(buf)
+
+    def check_unchanged(self) -> None:
+        """Nothing to ask: every range already carried ``If-Match``."""
+
+    def close(self) -> None:
+        """Close every connection (a read in flight fails soon after); idempotent."""
+        with self._lock:
+            self._closed = True
+            connections, self._connections = list(self._connections), set()
+        for conn in connections:
+            _shut(conn)
+
+    # -- requests ------------------------------------------------------------------
+
+    def _learn(self) -> None:
+        probe = builtins.memoryview(bytearray(1))
+        self._with_retries(0, lambda done: self._fetch(probe, 0, done))
+
+    def _with_retries(self, offset: int, attempt: Callable[[int], None]) -> None:
+        """Run ``attempt(done)`` until it returns, resuming from where it stopped."""
+        done = 0
+        tries = 0
+        while True:
+            raise_if_stopped()
+            try:
+                attempt(done)
+                return
+            except _Progress as progress:
+                if progress.done > done:
+                    tries = 0  # bytes arrived: the budget of tries is per stall
+                done = progress.done
+                fault = progress.cause
+            if tries >= self.options.retries:
+                raise LoadError(
+                    self.path,
+                    offset + done,
+                    f"read failed after {tries + 1} tries: {fault}",
+                ) from fault
+            tries += 1
+            delay = self.options.backoff_s * 2 ** (tries - 1)
+            deadline = time.monotonic() + delay * (0.5 + random.random() / 2)
+            while (left := deadline - time.monotonic()) > 0:
+                raise_if_stopped()
+                time.sleep(min(left, POLL_S))
+
+    def _fetch(self, view: builtins.memoryview, offset: int, done: int) -> None:
+        """One try: the range ``[offset + done, offset + len(view))`` into ``view[done:]``
+        (the probe asks for byte 0 into a one-byte view). Raises ``_Progress`` with how
+        far it got on a fault worth another try, ``LoadError`` otherwise."""
+        start, end = offset + done, offset + max(len(view), 1)
+        try:
+            conn, response = self._request(start, end)
+        except (*_RETRIABLE, _Fault) as exc:
+            raise _Progress(done, exc) from exc
+        try:
+            self._check_response(response, start, end)
+            while done < len(view):
+                raise_if_stopped()
+                piece = view[done : min(len(view), done + PIECE_BYTES)]
+                got = response.readinto(piece)
+                if not got:
+                    raise _Fault(f"the body ended early, at byte {offset + done}")
+                done += got
+            if response.read(1):
+                raise _Fault("the body is longer than asked for")
+        except _Changed as exc:
+            self._drop(conn, response)
+            raise LoadError(self.path, start, f"the file changed during the load: {exc}") from None
+        except (*_RETRIABLE, _Fault) as exc:
+            self._drop(conn, response)
+            raise _Progress(done, exc) from exc
+        except BaseException:
+            self._drop(conn, response)  # stopped mid-body: the connection is mid-response
+            raise
+        if response.will_close:
+            self._drop(conn, response)
+
+    def _request(self, start: int, end: int) -> tuple[_Connection, http.client.HTTPResponse]:
+        where = self._where
+        for _ in range(MAX_REDIRECTS + 1):
+            headers = {
+                "Range": f"bytes={start}-{end - 1}",
+                "Accept-Encoding": "identity",
+                "User-Agent": "aiogguf",
+            }
+            if self.etag is not None:
+                headers["If-Match"] = self.etag
+            for name, value in (self.options.headers or {}).items():
+                if name.lower() != "authorization" or where.origin == self._first.origin:
+                    headers[name] = value
+            conn, response = self._send(where, headers)
+            if response.status not in (301, 302, 303, 307, 308):
+                self._where = where
+                return conn, response
+            location = response.getheader("Location", "")
+            if not _discard(response) or response.will_close:
+                self._drop(conn, response)
+            where = _Target.parse(urllib.parse.urljoin(where.url, location), self.path)
+        raise LoadError(self.path, start, f"more than {MAX_REDIRECTS} redirects")
+
+    def _send(
+        self, where: _Target, headers: dict[str, str]
+    ) -> tuple[_Connection, http.client.HTTPResponse]:
+        conn = self._connection(where)
+        reused = conn.sock is not None
+        try:
+            return conn, _exchange(conn, where.target, headers)
+        except _STALE:
+            self._drop(conn)
+            if not reused:
+                raise
+        except BaseException:
+            self._drop(conn)
+            raise
+        # The server had closed the idle keep-alive connection: a fresh one, at once.
+        conn = self._connection(where)
+        try:
+            return conn, _exchange(conn, where.target, headers)
+        except BaseException:
+            self._drop(conn)
+            raise
+
+    def _check_response(self, response: http.client.HTTPResponse, start: int, end: int) -> None:
+        status = response.status
+        if status == 412:
+            raise _Changed(f"the server no longer has version {self.etag}")
+        if status >= 500 or status == 429:
+            raise _Fault(f"the server answered {status} {response.reason}")
+        if status != 206:
+            raise LoadError(
+                self.path,
+                start,
+                f"expected a partial response (206), got {status} {response.reason}",
+            )
+        match = _CONTENT_RANGE.fullmatch(response.getheader("Content-Range", "").strip())
+        if match is None:
+            raise LoadError(self.path, start, "the response has no usable Content-Range")
+        first, last, total = (int(g) for g in match.groups())
+        if self.size_bytes < 0:
+            self.size_bytes, end = total, min(end, total)
+            etag = response.getheader("ETag", "").strip()
+            self.etag = etag if _STRONG_ETAG.fullmatch(etag) else None
+        elif total != self.size_bytes:
+            raise _Changed(f"it was {self.size_bytes} bytes, now {total}")
+        elif self.etag is not None and response.getheader("ETag", self.etag).strip() != self.etag:
+            raise _Changed(f"its ETag was {self.etag}, now another")
+        if (first, last + 1) != (start, min(end, total)):
+            raise LoadError(
+                self.path, start, f"asked for bytes {start}-{end - 1}, got {first}-{last}"
+            )
+        length = response.getheader("Content-Length")
+        if length is not None and length.strip() != str(last + 1 - first):
+            raise LoadError(self.path, start, "Content-Length does not match Content-Range")
+
+    def _connection(self, where: _Target) -> _Connection:
+        conn: _Connection | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.key == where.origin:
+            return conn
+        if conn is not None:
+            self._drop(conn)
+        fresh = _Connection(where.scheme, where.host, where.port, self.options.stall_s, self._tls)
+        with self._lock:
+            if self._closed:
+                raise LoadError(self.path, None, "the source is closed")
+            self._connections.add(fresh)
+        self._local.conn = fresh
+        return fresh
+
+    def _drop(self, conn: _Connection, response: http.client.HTTPResponse | None = None) -> None:
+        """Close ``conn`` (and ``response``, whose reader holds its socket open)."""
+        if response is not None:
+            response.close()
+        with self._lock:
+            self._connections.discard(conn)
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+        _shut(conn)
+
+
+class _Progress(Exception):
+    """A try that stopped at ``done`` bytes, for ``cause``."""
+
+    def __init__(self, done: int, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.done = done
+        self.cause = cause
+
+
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
+
+def _exchange(conn: _Connection, target: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+    """Send one GET and read its status line and headers; the connection is dropped by
+    the caller on failure."""
+    conn.request("GET", target, headers=headers)
+    return conn.getresponse()
+
+
+def _discard(response: http.client.HTTPResponse) -> bool:
+    """Read a redirect's body if it is small; whether the connection can be used again."""
+    try:
+        response.read(64 << 10)
+    except _RETRIABLE:
+        return False
+    return response.isclosed()
+
+
+def _shut(conn: _Connection) -> None:
+    sock = conn.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    conn.close()

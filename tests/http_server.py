@@ -1,0 +1,150 @@
+"""A real HTTP server on loopback for remote-source tests: aiohttp's ``FileResponse``
+(Range, ETag, If-Match) on a thread of its own, with faults the tests switch on.
+
+Faults apply to ranged requests of more than one byte (not to the first, which learns
+the size), each ``*_left`` counting down per request it spoils:
+
+- ``status_left``: answer ``status`` (503) instead;
+- ``reset_left``: send half the body, then reset the connection;
+- ``stall_left``: send half the body, then nothing for ``stall_s``;
+- ``short``: every body is cut short (Content-Length promised, none of it sent);
+- ``replace_after``: after that many ranged requests the file is rewritten (new ETag);
+- ``redirect_to``: every request is redirected there (``Location`` + path);
+- ``after``: the first that many ranged requests (the header's) are spared.
+
+``headers`` keeps each request's headers, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+
+@dataclass
+class Faults:
+    status_left: int = 0
+    status: int = 503
+    reset_left: int = 0
+    stall_left: int = 0
+    stall_s: float = 30.0
+    short: bool = False
+    replace_after: int | None = None
+    redirect_to: str | None = None
+    after: int = 0
+    headers: list[dict[str, str]] = field(default_factory=list)
+    ranged: int = 0
+
+
+class FileServer:
+    """Serves the files of ``root`` at ``http://HOST:PORT/NAME``; ``url(name)``."""
+
+    def __init__(self, root: Path, host: str = "127.0.0.1") -> None:
+        self.root = root
+        self.host = host
+        self.faults = Faults()
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def url(self, name: str) -> str:
+        return f"http://{self.host}:{self.port}/{name}"
+
+    def start(self) -> FileServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/{name}", self._handle)
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        f = self.faults
+        f.headers.append(dict(request.headers))
+        if f.redirect_to is not None:
+            raise web.HTTPFound(f.redirect_to + request.path)
+        path = self.root / request.match_info["name"]
+        rng = request.http_range
+        ranged = rng.start is not None and rng.stop is not None and rng.stop - rng.start > 1
+        if ranged:
+            f.ranged += 1
+            if f.replace_after is not None and f.ranged > f.replace_after:
+                f.replace_after = None
+                _rewrite(path)
+            if f.ranged <= f.after:
+                return web.FileResponse(path)
+            if f.status_left:
+                f.status_left -= 1
+                return web.Response(status=f.status)
+            if f.reset_left or f.stall_left or f.short:
+                return await self._spoiled(request, path, rng.start, rng.stop)
+        return web.FileResponse(path)
+
+    async def _spoiled(
+        self, request: web.Request, path: Path, start: int, stop: int
+    ) -> web.StreamResponse:
+        f = self.faults
+        size, data = _slice(path, start, stop)
+        stop = start + len(data)
+        response = web.StreamResponse(status=206)
+        response.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        response.content_length = len(data)
+        await response.prepare(request)
+        if not f.short:
+            await response.write(data[: len(data) // 2])
+        transport = request.transport
+        assert transport is not None
+        if f.reset_left:
+            f.reset_left -= 1
+            transport.abort()
+        elif f.stall_left:
+            f.stall_left -= 1
+            await asyncio.sleep(f.stall_s)
+        else:
+            transport.close()
+        return response
+
+
+def _slice(path: Path, start: int, stop: int) -> tuple[int, bytes]:
+    """The file's size and its bytes ``[start, stop)`` (small test files: read whole)."""
+    data = path.read_bytes()
+    return len(data), data[start:stop]
+
+
+def _rewrite(path: Path) -> None:
+    """Another version of the file: the same bytes, a new modification time (a new
+    ETag, as a file replaced by a new upload of the same size has)."""
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+@contextmanager
+def file_server(root: Path, host: str = "127.0.0.1") -> Iterator[FileServer]:
+    server = FileServer(root, host).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,301 @@
+"""Loading from a URL, against a real HTTP server on loopback (aiohttp's file responses:
+Range, ETag, If-Match), with faults injected by the server (``http_server.Faults``).
+
+The oracle is a load of the same file from disk (mode ``none``), itself checked against
+gguf-py elsewhere: every tensor's bytes must be equal.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+import anyio
+import pytest
+from http_server import FileServer, file_server
+from server_helpers import post, running
+
+import aiogguf
+from aiogguf.errors import LoadError, PathNotAllowedError
+from aiogguf.io.http_source import HttpSource, RemoteOptions, is_url, redact_url
+from aiogguf.model import Model
+from aiogguf.server import create_app
+from aiogguf.testing.synth import write_synthetic_model
+
+pytestmark = pytest.mark.timeout(60)
+
+# Small jobs: a model of a few MiB then makes many ranged requests, so faults land
+# mid-load.
+SMALL = {"chunk_size": "256KiB", "remote_readers": 4}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileServer]:
+    root = tmp_path_factory.mktemp("served")
+    write_synthetic_model(root / "m.gguf", size_bytes="4MiB", seed=11, n_layer=4)
+    with file_server(root) as server:
+        yield server
+
+
+@pytest.fixture
+def server(served: FileServer) -> FileServer:
+    served.faults.__init__()  # type: ignore[misc]
+    return served
+
+
+def _load(url: str, **overrides: object) -> None:
+    with aiogguf.load_sync(url, **overrides):
+        pass
+
+
+def _same_bytes(model: Model, path: Path) -> None:
+    with aiogguf.load_sync(path, mode="none") as local:
+        names = [t.name for t in local.plan.tensors]
+        assert names == [t.name for t in model.plan.tensors]
+        for name in names:
+            assert bytes(model.raw(name)) == bytes(local.raw(name)), name
+
+
+def test_urls_are_told_apart_and_shown_without_credentials() -> None:
+    assert is_url("https://h/m.gguf")
+    assert is_url("HTTP://h/m.gguf")
+    assert not is_url("m.gguf")
+    assert not is_url("/x/https://h")
+    assert not is_url("hf://o/r/f")
+    shown = redact_url("https://user:secret@Host.example:8443/a/m.gguf?X-Amz-Signature=s#f")
+    assert shown == "https://host.example:8443/a/m.gguf"
+
+
+def test_host_load_from_a_url_has_the_file_bytes(server: FileServer) -> None:
+    with aiogguf.load_sync(server.url("m.gguf"), **SMALL) as model:
+        assert model.plan.mode == "none"  # auto, for a URL
+        assert model.report.files[0].reads > 4
+        _same_bytes(model, server.root / "m.gguf")
+    etags = {h.get("If-Match") for h in server.faults.headers[1:]}
+    assert len(etags) == 1
+    assert None not in etags
+
+
+def test_simulated_gpu_load_from_a_url_has_the_file_bytes(server: FileServer) -> None:
+    url = server.url("m.gguf")
+    with aiogguf.load_sync(url, sim_gpus=["24GiB"], n_gpu_layers=-1, **SMALL) as model:
+        assert {t.device for t in model.plan.tensors if t.nbytes} == {"g0"}
+        _same_bytes(model, server.root / "m.gguf")
+
+
+@pytest.mark.parametrize("mode", ["mmap", "mlock", "direct"])
+def test_modes_that_need_a_local_file_are_refused(server: FileServer, mode: str) -> None:
+    with pytest.raises(LoadError, match=f"mode '{mode}' needs a local file"):
+        _load(server.url("m.gguf"), mode=mode)
+    assert not server.faults.headers  # refused before any request
+
+
+def test_a_rooted_opener_refuses_urls(server: FileServer, tmp_path: Path) -> None:
+    with aiogguf.RootedOpener([tmp_path]) as opener, pytest.raises(PathNotAllowedError):
+        _load(server.url("m.gguf"), opener=opener)
+    assert not server.faults.headers
+
+
+def test_a_reset_mid_body_resumes_from_the_byte_it_stopped_at(server: FileServer) -> None:
+    server.faults.reset_left = 3
+    with aiogguf.load_sync(server.url("m.gguf"), **SMALL) as model:
+        _same_bytes(model, server.root / "m.gguf")
+    assert server.faults.reset_left == 0
+    # The resumed requests start half way into a job (the server sent half the body).
+    starts = [int(h["Range"][6:].split("-")[0]) for h in server.faults.headers if "Range" in h]
+    assert any(s % (256 << 10) for s in starts if s)
+
+
+def test_a_stall_beyond_the_timeout_is_retried(server: FileServer) -> None:
+    server.faults.stall_left, server.faults.stall_s = 1, 20.0
+    began = time.monotonic()
+    with aiogguf.load_sync(server.url("m.gguf"), remote_timeout=0.5, **SMALL) as model:
+        _same_bytes(model, server.root / "m.gguf")
+    assert server.faults.stall_left == 0
+    assert time.monotonic() - began < 10
+
+
+def test_503_then_success(server: FileServer) -> None:
+    server.faults.status_left = 2
+    with aiogguf.load_sync(server.url("m.gguf"), **SMALL) as model:
+        _same_bytes(model, server.root / "m.gguf")
+    assert server.faults.status_left == 0
+
+
+def test_a_server_that_keeps_failing_fails_the_load_naming_url_and_offset(
+    server: FileServer,
+) -> None:
+    server.faults.status_left, server.faults.after = 10**6, 1  # the header arrives
+    url = server.url("m.gguf").replace("http://", "http://user:secret@") + "?token=hush"
+    with pytest.raises(LoadError) as caught:
+        _load(url, remote_retries=2, **SMALL)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"{server.url('m.gguf')}: at offset ")
+    assert "after 3 tries" in message
+    assert "503" in message
+    assert "secret" not in message
+    assert "hush" not in message
+    assert caught.value.offset is not None
+    assert caught.value.offset > 0
+
+
+def test_a_file_replaced_during_the_load_fails_it(server: FileServer) -> None:
+    server.faults.replace_after = 3
+    with pytest.raises(LoadError, match="changed during the load") as caught:
+        _load(server.url("m.gguf"), **SMALL)
+    assert caught.value.offset is not None
+
+
+def test_a_short_body_is_detected(server: FileServer) -> None:
+    server.faults.short, server.faults.after = True, 1
+    with pytest.raises(LoadError, match="after 2 tries") as caught:
+        _load(server.url("m.gguf"), remote_retries=1, **SMALL)
+    assert caught.value.offset is not None
+    assert caught.value.offset > 0
+
+
+def test_a_redirect_to_another_host_gets_no_authorization(served: FileServer) -> None:
+    served.faults.__init__()  # type: ignore[misc]
+    try:
+        other = FileServer(served.root, host="127.0.0.2").start()
+    except OSError as exc:  # pragma: no cover - a loopback without 127.0.0.2
+        pytest.skip(f"no second loopback address: {exc}")
+    try:
+        other.faults.redirect_to = None
+        served.faults.redirect_to = f"http://127.0.0.2:{other.port}"
+        options = RemoteOptions(headers={"Authorization": "Bearer hush", "X-Trace": "t"})
+        source = HttpSource(served.url("m.gguf"), options)
+        try:
+            data = bytearray(100_000)
+            source.read_into(data, 12_345)
+        finally:
+            source.close()
+        assert bytes(data) == (served.root / "m.gguf").read_bytes()[12_345:112_345]
+        assert served.faults.headers[0]["Authorization"] == "Bearer hush"
+        assert other.faults.headers
+        for seen in other.faults.headers:
+            assert "Authorization" not in seen
+            assert seen["X-Trace"] == "t"
+    finally:
+        other.stop()
+
+
+def _client_sockets(port: int) -> int:
+    """This process's open TCP sockets connected to ``port`` (client ends)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[2].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            count += 1
+    return count
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_load_closes_every_connection_promptly(server: FileServer) -> None:
+    server.faults.stall_left, server.faults.stall_s = 10**6, 30.0
+    before = _client_sockets(server.port)
+    began = time.monotonic()
+    with anyio.move_on_after(1.0) as scope:
+        async with aiogguf.load(server.url("m.gguf"), **SMALL):
+            pytest.fail("the load cannot finish: every body stalls")
+    assert scope.cancelled_caught
+    assert time.monotonic() - began < 3.5  # stopped within about a second
+    assert server.faults.headers  # it was reading
+    assert _client_sockets(server.port) == before == 0
+
+
+@pytest.mark.asyncio
+async def test_a_server_never_reads_a_url(server: FileServer) -> None:
+    """No server-side request forgery: even a server that may read any path loads no
+    URL (remote sources need their own flags, not built yet)."""
+    async with running(create_app(allow_any_path=True)) as base, aiohttp.ClientSession() as http:
+        status, body = await post(http, base, server.url("m.gguf"))
+        assert status == 400, body  # the name is no file it can open
+        assert "No such file" in body["error"]
+    assert not server.faults.headers
+
+
+@contextmanager
+def _canned(answers: list[bytes]) -> Iterator[str]:
+    """A raw server on loopback that answers its requests, one connection each, with
+    ``answers`` in turn (whatever was asked); yields its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def serve() -> None:
+        for answer in answers:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/m.gguf"
+    finally:
+        listener.close()
+        thread.join(10)
+
+
+def _partial(content_range: str, body: bytes, extra: str = "") -> bytes:
+    head = (
+        f"HTTP/1.1 206 Partial Content\r\nContent-Range: {content_range}\r\n"
+        f'Content-Length: {len(body)}\r\nETag: "v1"\r\nConnection: close\r\n{extra}\r\n'
+    )
+    return head.encode() + body
+
+
+@pytest.mark.parametrize(
+    ("second", "problem"),
+    [
+        (_partial("bytes 0-9/1000", b"x" * 10), "asked for bytes 100-109, got 0-9"),
+        (_partial("bytes 100-109/99999999999", b"x" * 10), "changed during the load"),
+        (_partial("bytes 100-109/1000", b"x" * 10, 'ETag: "v2"\r\n'), "changed during"),
+        (_partial("bytes x-y/z", b"x" * 10), "no usable Content-Range"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n" + b"x" * 10, "expected a partial"),
+        (_partial("bytes 100-109/1000", b"x" * 10, "X: " + "a" * 70000 + "\r\n"), "tries"),
+    ],
+)
+def test_hostile_answers_are_load_errors(second: bytes, problem: str) -> None:
+    first = _partial("bytes 0-0/1000", b"G")
+    with _canned([first, second]) as url:
+        source = HttpSource(url, RemoteOptions(retries=0))
+        try:
+            assert (source.size_bytes, source.etag) == (1000, '"v1"')
+            with pytest.raises(LoadError, match=problem) as caught:
+                source.read_into(bytearray(10), 100)
+            assert caught.value.offset == 100
+        finally:
+            source.close()
+
+
+def test_a_range_past_the_end_is_refused_before_any_request() -> None:
+    with _canned([_partial("bytes 0-0/1000", b"G")]) as url:
+        source = HttpSource(url)
+        try:
+            source.read_into(bytearray(0), 1000)  # nothing to read: no request
+            with pytest.raises(LoadError, match="past the end"):
+                source.read_into(bytearray(10), 995)
+        finally:
+            source.close()
