@@ -38,6 +38,7 @@ __all__ = [
     "Manifest",
     "TensorHash",
     "block_digest",
+    "block_hasher",
     "block_span",
     "compute_set_id",
     "header_digest",
@@ -131,6 +132,12 @@ def block_digest(data: Buffer, block: int) -> bytes:
     """The digest of block number ``block``: xxh3_128 seeded with the block's index, so
     that the same bytes elsewhere do not match."""
     return xxhash.xxh3_128_digest(data, seed=block)
+
+
+def block_hasher(block: int) -> xxhash.xxh3_128:
+    """``block_digest`` of block ``block`` fed in parts: ``update`` each, then
+    ``digest``."""
+    return xxhash.xxh3_128(seed=block)
 
 
 def tensor_digest(data: Buffer) -> bytes:
