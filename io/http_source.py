@@ -190,9 +190,9 @@ class HttpSource:
     direct_ok = False
     direct_refusal: str | None = None
 
-    def __init__(self, url: str, options: RemoteOptions | None = None) -> None:
+    def __init__(self, url: str, options: RemoteOptions | None = None, *, name: str = "") -> None:
         self.options = options if options is not None else RemoteOptions()
-        self.path = redact_url(url)
+        self.path = name or redact_url(url)  # ``name``: what messages call it instead
         self._first = _Target.parse(url, self.path)
         self._where = self._first  # where the last redirect led
         self._tls = ssl.create_default_context()

@@ -101,7 +101,7 @@ from aiogguf.jobs import (
 from aiogguf.load_resources import LoadResources
 from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
-from aiogguf.remote import is_url, open_remote, read_remote_model, remote_config, remote_disks
+from aiogguf.remote import is_remote, open_remote, read_remote_model, remote_config, remote_disks
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import Allocation, allocate_host_images
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
@@ -745,7 +745,7 @@ async def run_load(
         reserve_threads(load_thread_count(config, uploads=False))
         # Each file is opened once, by the parse stage (``resources.opened``); the engine
         # reads through the same descriptors (its DataFiles hold duplicates).
-        remote = is_url(os.fspath(path))
+        remote = is_remote(os.fspath(path))
         if remote:
             config = remote_config(os.fspath(path), config, opener)
         resources = await stack.enter_async_context(LoadResources(opener))

@@ -1,5 +1,6 @@
-"""Loading from a URL (``http://``, ``https://``): everything a remote file does
-differently from a local one, in one place, for the engine.
+"""Loading from a URL (``http://``, ``https://``) or the hub (``hf://``, resolved by
+``aiogguf.hub`` to a URL): everything a remote file does differently from a local one,
+in one place, for the engine.
 
 A remote file is one ``HttpSource`` (``aiogguf.io.http_source``), opened once by the
 load's front and kept by its ``LoadResources`` like a ``DataFile``: the header is parsed
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 from aiogguf.config import Config
 from aiogguf.errors import LoadError, PathNotAllowedError, SplitError
+from aiogguf.hub import is_hub_name, resolve_hub_file
 from aiogguf.io.http_source import HttpSource, RemoteOptions, is_url, redact_url
 from aiogguf.io.opener import AnyPathOpener, FileOpener
 from aiogguf.records import ParsedFile, WeightIndex
@@ -23,7 +25,12 @@ from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import is_split, read_header_from
 from aiogguf.stages.read import Disks
 
-__all__ = ["is_url", "open_remote", "read_remote_model", "remote_config", "remote_disks"]
+__all__ = ["is_remote", "open_remote", "read_remote_model", "remote_config", "remote_disks"]
+
+
+def is_remote(path: str) -> bool:
+    """True for a name the load reads remotely: ``http(s)://`` or ``hf://``."""
+    return is_url(path) or is_hub_name(path)
 
 
 def remote_config(url: str, config: Config, opener: FileOpener | None) -> Config:
@@ -43,10 +50,22 @@ def remote_config(url: str, config: Config, opener: FileOpener | None) -> Config
 
 
 def open_remote(url: str, config: Config) -> HttpSource:
-    """Blocking: ``url`` opened (its first request: size and ETag)."""
+    """Blocking: ``url`` opened (its first request: size and ETag); an ``hf://`` name
+    is resolved first, and its file must have the size the hub gave."""
     pipeline = config.pipeline
     options = RemoteOptions(retries=pipeline.remote_retries, stall_s=pipeline.remote_timeout)
-    return HttpSource(url, options)
+    if not is_hub_name(url):
+        return HttpSource(url, options)
+    found = resolve_hub_file(url)
+    headers = {"Authorization": f"Bearer {found.token}"} if found.token else None
+    options = RemoteOptions(options.retries, options.backoff_s, options.stall_s, headers)
+    source = HttpSource(found.url, options, name=found.name)
+    if found.size is not None and source.size_bytes != found.size:
+        source.close()
+        raise LoadError(
+            found.name, None, f"the hub says {found.size} bytes, its file has {source.size_bytes}"
+        )
+    return source
 
 
 def read_remote_model(source: HttpSource) -> tuple[ParsedFile, WeightIndex]:

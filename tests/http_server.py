@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from aiohttp import web
 
@@ -58,7 +59,13 @@ class FileServer:
     def url(self, name: str) -> str:
         return f"http://{self.host}:{self.port}/{name}"
 
-    def start(self) -> FileServer:
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> Self:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self
@@ -72,7 +79,7 @@ class FileServer:
 
     async def _start(self) -> None:
         app = web.Application()
-        app.router.add_get("/{name}", self._handle)
+        self._routes(app)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
@@ -80,6 +87,9 @@ class FileServer:
         server = site._server
         assert server is not None
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def _routes(self, app: web.Application) -> None:
+        app.router.add_get("/{name}", self._handle)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         f = self.faults
@@ -126,6 +136,50 @@ class FileServer:
         else:
             transport.close()
         return response
+
+
+# The one commit the stand-in hub knows, besides the branch "main" that points to it.
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class HubServer(FileServer):
+    """A stand-in for the hub's resolve endpoint, ``/OWNER/REPO/resolve/REV/FILE``
+    (HEAD and GET), for the files of ``cdn`` (``files``: ``"OWNER/REPO/FILE"`` → name
+    there): it answers as the hub does for a file kept in large-file storage, a redirect
+    to the CDN carrying the commit, the linked ETag and the size. Knows the revisions
+    ``main`` and ``COMMIT``."""
+
+    def __init__(self, cdn: FileServer, files: dict[str, str]) -> None:
+        super().__init__(cdn.root)
+        self.cdn = cdn
+        self.files = files
+
+    def _routes(self, app: web.Application) -> None:
+        app.router.add_route("*", "/{owner}/{repo}/resolve/{rev}/{file:.+}", self._resolve)
+
+    async def _resolve(self, request: web.Request) -> web.StreamResponse:
+        self.faults.headers.append({"path": request.path, **request.headers})
+        m = request.match_info
+        if m["rev"] not in ("main", COMMIT):
+            return web.Response(
+                status=404,
+                headers={"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"},
+            )
+        name = self.files.get(f"{m['owner']}/{m['repo']}/{m['file']}")
+        if name is None:
+            return web.Response(
+                status=404,
+                headers={"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found"},
+            )
+        size, _ = _slice(self.cdn.root / name, 0, 0)
+        headers = {
+            "X-Repo-Commit": COMMIT,
+            "X-Linked-Etag": '"5ha256"',
+            "X-Linked-Size": str(size),
+            "ETag": '"pointer"',
+            "Location": self.cdn.url(name),
+        }
+        return web.Response(status=302, headers=headers)
 
 
 def _slice(path: Path, start: int, stop: int) -> tuple[int, bytes]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import anyio
 import pytest
-from http_server import FileServer, file_server
+from http_server import COMMIT, FileServer, HubServer, file_server
 from server_helpers import post, running
 
 import aiogguf
@@ -299,3 +300,61 @@ def test_a_range_past_the_end_is_refused_before_any_request() -> None:
                 source.read_into(bytearray(10), 995)
         finally:
             source.close()
+
+
+# --- hf:// names, through a stand-in for the hub's resolve endpoint --------------------
+
+
+@pytest.fixture
+def hub(server: FileServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServer]:
+    pytest.importorskip("huggingface_hub")
+    with HubServer(server, {"own/repo/m.gguf": "m.gguf"}) as stand_in:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{stand_in.port}")
+        monkeypatch.setenv("HF_TOKEN", "hf_secret")
+        yield stand_in
+
+
+@pytest.mark.parametrize("revision", ["", "@main", f"@{COMMIT}"])
+def test_hf_name_loads_the_file_at_its_commit(
+    hub: HubServer, server: FileServer, revision: str
+) -> None:
+    with aiogguf.load_sync(f"hf://own/repo/m.gguf{revision}", **SMALL) as model:
+        _same_bytes(model, server.root / "m.gguf")
+    head, *gets = hub.faults.headers
+    assert head["path"] == f"/own/repo/resolve/{revision[1:] or 'main'}/m.gguf"
+    # The data is read at the commit the revision pointed to, with the token; the CDN
+    # never sees the token.
+    assert gets
+    for seen in [head, *gets]:
+        assert seen["Authorization"] == "Bearer hf_secret"
+    assert {g["path"] for g in gets} == {f"/own/repo/resolve/{COMMIT}/m.gguf"}
+    assert server.faults.headers
+    assert all("Authorization" not in seen for seen in server.faults.headers)
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("hf://own/repo/m.gguf@v9", "the hub cannot resolve it"),
+        ("hf://own/repo/other.gguf", "the hub cannot resolve it"),
+        ("hf://own/repo", "expected hf://OWNER/REPO/FILE.gguf"),
+        ("hf://own/repo/../m.gguf", "expected hf://OWNER/REPO/FILE.gguf"),
+    ],
+)
+def test_hf_names_the_hub_does_not_know_fail_in_one_line(
+    hub: HubServer, name: str, problem: str
+) -> None:
+    with pytest.raises(LoadError, match=problem) as caught:
+        _load(name)
+    assert str(caught.value).startswith(f"{name}: ")
+    assert "\n" not in str(caught.value)
+    assert "hf_secret" not in str(caught.value)
+
+
+def test_hf_without_the_hub_library_says_which_extra(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails
+    with pytest.raises(LoadError, match=r"pip install 'aiogguf\[remote\]'"):
+        _load("hf://own/repo/m.gguf")
+    assert not hub.faults.headers
