@@ -428,6 +428,7 @@ def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
         ],
         uploads=uploads,
         validated=validation.checked,
+        blocks_hashed=load.reading.integrity.hashed if load.reading.integrity else 0,
         warnings=load.warnings,
     )
 

@@ -298,6 +298,11 @@ class IntegritySink:
     # --- the verdict -------------------------------------------------------------------
 
     @property
+    def hashed(self) -> int:
+        """Blocks hashed so far."""
+        return sum(done.count(1) for done in self._done)
+
+    @property
     def mismatches(self) -> list[Mismatch]:
         with self._lock:
             return list(self._found)

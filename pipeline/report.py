@@ -122,6 +122,7 @@ class LoadReport:
     validated: int  # tensors checked
     warnings: tuple[str, ...] = field(default=())
     uploads: tuple[UploadReport, ...] = field(default=())  # one per device uploaded to
+    blocks_hashed: int = 0  # blocks checked against a hash manifest (load.manifest)
 
     @property
     def gbps(self) -> float:
@@ -205,6 +206,7 @@ def build_report(
     uploads: Sequence[UploadCounts] = (),
     validated: int = 0,
     warnings: Sequence[str] = (),
+    blocks_hashed: int = 0,
 ) -> LoadReport:
     """The report of a finished load.
 
@@ -217,6 +219,7 @@ def build_report(
     ``uploads``: one entry per device uploaded to.
     ``validated``: tensors checked.
     ``warnings``: what the load warned about.
+    ``blocks_hashed``: blocks checked against a hash manifest.
     """
     loaded = [t for t in plan.tensors if not t.lazy]
     return LoadReport(
@@ -243,6 +246,7 @@ def build_report(
             for file_path, stats, direct, disk in files
         ),
         validated=validated,
+        blocks_hashed=blocks_hashed,
         warnings=tuple(warnings),
         uploads=tuple(
             UploadReport(

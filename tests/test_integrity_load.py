@@ -94,9 +94,12 @@ def block_of(manifest: Manifest, at: int, file_index: int = 0) -> tuple[int, int
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_clean_model_loads_in_every_mode(model: Path, mode: str) -> None:
+def test_a_clean_model_loads_in_every_mode(
+    model: Path, clean_manifest: Manifest, mode: str
+) -> None:
     loaded = load(model, mode)
     assert loaded.failures == ()
+    assert loaded.report.blocks_hashed == len(clean_manifest.files[0].blocks)
     assert load(model, mode, check_tensors=False).failures == ()
 
 
@@ -335,11 +338,19 @@ def test_every_block_is_checked(
 
 
 def test_the_commands_name_the_bad_tensor(model: Path) -> None:
+    command = [sys.executable, "-m", "aiogguf"]
+    run = subprocess.run(
+        [*command, "load", str(model), "--manifest", "-ngl", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert "24 blocks match the manifest" in run.stdout
     index = inspect_sync(model)
     name = quantized(index)
     at = index[name].offset + 11
     damage(model, at, bytes([model.read_bytes()[at] ^ 0x40]))
-    command = [sys.executable, "-m", "aiogguf"]
     for argv in (["load", str(model), "--manifest"], ["load", str(model), "--no-check"]):
         run = subprocess.run([*command, *argv], capture_output=True, text=True, check=False)
         if argv[-1] == "--manifest":
