@@ -457,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--load-nice",
         type=int,
         default=None,
-        help="the load threads' nice value (default: the library's, LOAD_NICE)",
+        help="nice levels the load threads run below the process (default: LOAD_NICE)",
     )
     args = parser.parse_args(argv)
     if args.child:

@@ -71,10 +71,14 @@ IDLE_NAME = "idle aiogguf thread"
 
 
 def at_load_priority() -> None:
-    """Lower the calling thread's CPU priority to ``LOAD_NICE`` (a hint only: containers
-    may forbid it)."""
+    """Lower the calling thread's CPU priority by ``LOAD_NICE`` from what it inherited
+    (a process already run under ``nice`` keeps the difference; 19 at most), a hint
+    only: containers may forbid it."""
+    me = threading.get_native_id()
     with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
+        os.setpriority(
+            os.PRIO_PROCESS, me, min(os.getpriority(os.PRIO_PROCESS, me) + LOAD_NICE, 19)
+        )
 
 
 class Stopped(Exception):

@@ -613,8 +613,12 @@ class _Front:
             ),
             slot_bytes=pipeline.staging_bytes() if len(hosted) < len(layouts) else None,
             aligned=plan.mode == "direct",
-            # With a manifest, a hash block lies inside one job but at a range's edges.
-            blocks=block_grid(checker) if checker is not None else None,
+            # With a manifest, a hash block lies inside one job but at a range's edges
+            # (not for swapped O_DIRECT reads: the reads of two jobs overlap, and one
+            # would write file bytes over those the other has swapped).
+            blocks=block_grid(checker)
+            if checker is not None and not (swapped and plan.mode == "direct")
+            else None,
             alignment=alignment,
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
@@ -666,7 +670,7 @@ class _Front:
         integrity = None
         if layout.checker is not None:
             integrity = IntegritySink(
-                layout.checker, files, resources.images, layouts, layout.slots
+                layout.checker, files, resources.images, layouts, layout.slots, swapped=swapped
             )
             if not swapped:  # else the sink sees swapped bytes: it reads the file instead
                 pieces = integrity if pieces is None else both(pieces, integrity)

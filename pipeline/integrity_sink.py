@@ -10,17 +10,17 @@ Where each block of a file's data section is hashed:
 - bytes read into host memory (``none``, ``direct``) or into a device's staging slot:
   by the thread that read them, right after its read, from where they landed (the
   sink is the reader's ``PieceSink``); a piece overlaps the one before it, so each
-  block of a job lies wholly inside one piece, and the jobs are cut at block
-  boundaries (``block_grid``), so a block crosses two jobs only at the edge of a
-  coalesced range (or, for ``O_DIRECT``, where a cut was aligned down);
+  block of a job lies wholly inside one piece, and the jobs' useful bytes are cut at
+  block boundaries (``block_grid``), so a block crosses two jobs only at the edge of a
+  coalesced range;
 - mapped images (``mmap``, ``mlock``) and bytes swapped after their read: by the reader
   thread after the job, through ``pread`` into a scratch buffer of its own
   (``check_from_file``), never through the mapping: a file cut short during the load
   would kill the process at the first page past its end;
 - the blocks no landed piece held whole (the edges): once the reads are done
   (``finish``), from the file, with the parts that landed in host memory copied over
-  from there. Parts of an edge block that went to a device are checked as the file
-  holds them.
+  from there (unless they were byte-swapped). Parts of an edge block that went to a
+  device are checked as the file holds them.
 
 Blocks that hold no byte the load reads (lazy tensors) are not checked. A block is
 hashed once (a bitmap per file, shared by the threads). ``error`` settles the bad
@@ -156,8 +156,12 @@ class IntegritySink:
         images: Sequence[Image | None],
         layouts: Sequence[BufferLayout],
         slots: dict[str, TensorSlot],
+        *,
+        swapped: bool = False,
     ) -> None:
         self.checker = checker
+        # Swapped bytes land converted: every block is then hashed from the file.
+        self._swapped = swapped
         self._files = files
         self._images = images
         self._slots = slots
@@ -276,7 +280,7 @@ class IntegritySink:
         parts = [
             (max(r_lo, lo), min(r_hi, hi), image, at + max(r_lo, lo) - r_lo)
             for r_lo, r_hi, buffer, at in self._loaded[file_index]
-            if r_lo < hi and r_hi > lo
+            if r_lo < hi and r_hi > lo and not self._swapped
             if isinstance(image := self._images[buffer], HostImage)
         ]
         if len(parts) == 1 and parts[0][:2] == (lo, hi):
@@ -300,8 +304,8 @@ class IntegritySink:
 
     def tensor_bytes(self, name: str) -> memoryview:
         """Blocking: tensor ``name``'s landed bytes (a device tensor's copied back; a
-        mapped or unloaded one's read from its file)."""
-        slot = self._slots.get(name)
+        mapped, swapped or unloaded one's read from its file)."""
+        slot = None if self._swapped else self._slots.get(name)
         image = self._images[slot.buffer_index] if slot is not None else None
         if slot is not None and isinstance(image, HostImage):
             return image.tensor_bytes(slot)

@@ -277,44 +277,51 @@ def read_jobs(
 
     ``aligned`` reads cover the widened slot (O_DIRECT needs aligned offsets and
     lengths); unaligned reads cover exactly the range's bytes. ``blocks`` (per file:
-    where its data section starts, and a block size): a read that does not reach its
-    range's end ends at a block boundary (aligned down to ``alignment`` when
-    ``aligned``), where one fits, so that a hash block lies inside one read.
+    where its data section starts, and a block size): a job that does not reach its
+    range's end ends its useful bytes at a block boundary, where one fits, so that a
+    hash block lies inside one job's useful bytes; an aligned read then reaches to the
+    ``alignment`` unit around the boundary, which the next job's read starts at too
+    (the two write the same file bytes there; each counts its own side).
     """
     seq = 0
     for layout, rs in ordered:
         r = rs.range
         start, end = (rs.file_start, rs.file_end) if aligned else (r.start, r.end)
-        offset = start
-        while offset < end:
+        grid = blocks[r.file_index] if blocks is not None else None
+        useful, offset = r.start, start
+        while useful < r.end:
             raise_if_stopped()  # once per job (a model of hundreds of GiB has 10^4)
-            n = min(chunk_bytes, end - offset)
-            if blocks is not None and offset + n < end:
-                n = _to_block(offset, n, blocks[r.file_index], alignment if aligned else 1)
+            cut = min(offset + chunk_bytes, end)
+            if grid is not None and cut < end:
+                cut = _to_block(useful, cut, grid, alignment if aligned else 1)
+            stop = min(align_up(cut, alignment), end) if aligned else cut
             yield ReadJob(
                 seq=seq,
                 buffer_index=layout.index,
                 file_index=r.file_index,
                 file_offset=offset,
-                nbytes=n,
+                nbytes=stop - offset,
                 buffer_offset=rs.buffer_offset_of(offset),
-                useful_start=max(offset, r.start),
-                useful_end=min(offset + n, r.end),
+                useful_start=useful,
+                useful_end=min(cut, r.end),
                 lazy=layout.plan.lazy,
             )
             seq += 1
-            offset += n
+            useful = cut
+            offset = align_down(cut, alignment) if aligned else cut
 
 
-def _to_block(offset: int, n: int, grid: tuple[int, int], alignment: int) -> int:
-    """``n`` cut so that ``offset + n`` falls on a block boundary of ``grid`` (aligned
-    down), unless no boundary fits."""
+def _to_block(useful: int, cut: int, grid: tuple[int, int], alignment: int) -> int:
+    """``cut`` moved down to the last block boundary of ``grid`` after ``useful``
+    whose read, rounded up to ``alignment``, still ends by ``cut``; unchanged when
+    none does."""
     data_start, block_bytes = grid
-    end = offset + n
-    if end <= data_start:
-        return n
-    cut = align_down(end - (end - data_start) % block_bytes, alignment)
-    return cut - offset if cut > offset else n
+    if cut <= data_start:
+        return cut
+    boundary = cut - (cut - data_start) % block_bytes
+    while boundary > useful and align_up(boundary, alignment) > cut:
+        boundary -= block_bytes
+    return boundary if boundary > useful else cut
 
 
 # Jobs smaller than this are not worth a reader of their own.

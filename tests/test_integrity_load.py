@@ -17,7 +17,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from helpers_gguf import write_gguf
 
 # The model, its manifest and the split sets of the block checker's own tests.
 from test_integrity import BLOCK, MiB, clean, clean_manifest, quantized, split_sets
@@ -46,6 +48,7 @@ MODES: dict[str, dict[str, Any]] = {
     "mmap": {"mode": "mmap", "n_gpu_layers": 0},
     "mlock": {"mode": "mlock", "n_gpu_layers": 0},
     "gpu": {"mode": "none", "sim_gpus": ["24GiB"], "n_gpu_layers": -1},
+    "gpu_direct": {"mode": "direct", "sim_gpus": ["24GiB"], "n_gpu_layers": -1},
 }
 
 
@@ -242,28 +245,36 @@ def test_keep_invalid_returns_the_model_with_every_bad_tensor(model: Path) -> No
 
 @pytest.mark.parametrize("aligned", [False, True])
 def test_jobs_are_cut_at_block_boundaries(clean: Path, aligned: bool) -> None:
-    """Every job but a range's last ends at a block boundary (aligned down for
-    O_DIRECT), so that a block lies inside one job but at a range's edges."""
+    """Every job's useful bytes but a range's last end at a block boundary, so that a
+    block lies inside one job but at a range's edges; an aligned job's read reaches
+    the alignment unit around it, and stays within the job size."""
     index = inspect_sync(clean)
     plan = plan_sync(clean, n_gpu_layers=0)
     layouts = layout_buffers(plan, 4096)
     start = index.files[0].data_offset
-    grid = [(start, BLOCK)]
+    chunk = 3 * BLOCK + 8192
     jobs, _ = split_jobs(
         index,
         layouts,
-        3 * BLOCK + 5000,
-        host_bytes=3 * BLOCK + 5000 if not aligned else 3 * BLOCK + 4096,
+        chunk,
+        host_bytes=chunk,
         slot_bytes=None,
         aligned=aligned,
-        blocks=grid,
+        blocks=[(start, BLOCK)],
         alignment=4096,
     )
-    ends = [j.file_offset + j.nbytes for j in jobs[0][:-1]]
-    assert ends
-    for end in ends:
-        before = (end - start) % BLOCK  # bytes past the last boundary
-        assert before == 0 or (aligned and BLOCK - before < 4096), (end, before)
+    assert len(jobs[0]) > 2
+    for job, after in zip(jobs[0], jobs[0][1:], strict=False):
+        assert (job.useful_end - start) % BLOCK == 0
+        assert after.useful_start == job.useful_end  # each byte counted once
+        assert job.nbytes <= chunk
+        if aligned:
+            assert job.file_offset % 4096 == 0
+            assert job.nbytes % 4096 == 0 or job is jobs[0][-1]
+            assert job.file_offset <= job.useful_start
+            assert job.useful_end <= job.file_offset + job.nbytes
+    last = jobs[0][-1]
+    assert last.useful_end == max(t.end for t in index.tensors)
 
 
 def test_pieces_overlap_so_each_block_of_a_job_lies_in_one(clean: Path) -> None:
@@ -281,8 +292,8 @@ def test_pieces_overlap_so_each_block_of_a_job_lies_in_one(clean: Path) -> None:
 def test_blocks_are_hashed_as_they_land(
     model: Path, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Only the blocks at a range's edges (and, for O_DIRECT, where a cut was aligned
-    down) are left for the end of the load: the rest were hashed as they landed."""
+    """Only the blocks at a range's edges are left for the end of the load: the rest
+    were hashed as they landed."""
     left: list[int] = []
     finish = IntegritySink.finish
 
@@ -295,7 +306,7 @@ def test_blocks_are_hashed_as_they_land(
     plan = plan_sync(model, **MODES[mode])
     ranges = sum(len(b.ranges) for b in plan.buffers if not b.lazy)
     blocks = len(hash_model_sync(model, block_bytes=BLOCK).files[0].blocks)
-    edges_at_most = 2 * ranges + (blocks // 4 + 1 if mode == "direct" else 0)
+    edges_at_most = 2 * ranges
     assert len(left) == 1
     assert left[0] <= edges_at_most, (left, ranges, blocks)
 
@@ -361,3 +372,21 @@ def test_the_manifest_is_opened_through_the_loads_opener(
             aiogguf.load_sync(model, opener=opener, manifest=outside, n_gpu_layers=0),
         ):
             pass
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_big_endian_model_is_checked_as_its_file_holds_it(disk_dir: Path, mode: str) -> None:
+    """Its bytes are swapped as they land: the blocks are hashed from the file."""
+    rng = np.random.default_rng(5)
+    kv = {"general.architecture": "llama", "llama.block_count": np.uint32(1)}
+    tensors = [
+        (f"blk.0.{name}.weight", rng.standard_normal((128, 256), dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "ffn_up")
+    ]
+    path = write_gguf(disk_dir / "be.gguf", kv, tensors, endian="big")
+    Path(sidecar(path)).write_text(manifest_json(hash_model_sync(path, block_bytes=64 << 10)))
+    assert load(path, mode, chunk_size="192KiB", staging_buffer_size="128KiB").failures == ()
+    entry = inspect_sync(path)["blk.0.attn_k.weight"]
+    damage(path, entry.offset + 1000, bytes([path.read_bytes()[entry.offset + 1000] ^ 4]))
+    error = failed(path, mode, chunk_size="192KiB", staging_buffer_size="128KiB")
+    assert [f.name for f in error.failures] == [entry.name]

@@ -191,13 +191,20 @@ def test_the_files_of_a_disk_share_its_readers(
     read = Reader.read
     check_unchanged = DataFile.check_unchanged
 
+    overlapped = threading.Event()  # two reads were running at once
+
     def counted(self: Reader, job: Any) -> None:
         with lock:
             running[job.file_index] = running.get(job.file_index, 0) + 1
             peak[job.file_index] = max(peak.get(job.file_index, 0), running[job.file_index])
             total[0] += 1
             total[1] = max(total)
-        time.sleep(0.002)  # long enough for the other threads to be reading too
+            if total[0] >= 2:
+                overlapped.set()
+        # Until two reads have met, each waits for another (a loaded machine may run
+        # one thread's reads back to back); a third reader, if any, would show then too.
+        overlapped.wait(timeout=1.0)
+        time.sleep(0.002)
         try:
             read(self, job)
         finally:
