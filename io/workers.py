@@ -38,6 +38,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -49,6 +50,7 @@ import anyio.lowlevel
 __all__ = [
     "IDLE_NAME",
     "IDLE_S",
+    "LAZY_S",
     "LOAD_NICE",
     "Call",
     "LoadThreads",
@@ -65,6 +67,10 @@ T = TypeVar("T")
 LOAD_NICE = 5
 # A pooled thread with nothing to do for this long ends.
 IDLE_S = 60.0
+# How long a progress report (``call_soon(..., lazy=True)``) may wait for the loop's next
+# wake-up before it asks for one itself: at most 50 wake-ups a second for reports, where
+# a load on a fast machine lands a job every millisecond or so.
+LAZY_S = 0.02
 # What a pooled thread is called while no load holds it (not "aiogguf-…": a thread
 # named so is doing a load's work).
 IDLE_NAME = "idle aiogguf thread"
@@ -354,6 +360,7 @@ class LoadThreads:
         # then wait for that thread to get the GIL back.
         self._for_loop: collections.deque[Callable[[], object]] = collections.deque()
         self._woken = threading.Lock()
+        self._last_wake = 0.0  # when the last wake-up was asked for (``time.monotonic``)
 
     @property
     def count(self) -> int:
@@ -423,15 +430,21 @@ class LoadThreads:
         for _ in range(ends):
             self._queue.put(None)
 
-    def _on_loop(self, fn: Callable[[], object]) -> None:
+    def _on_loop(self, fn: Callable[[], object], *, lazy: bool = False) -> None:
         """Have the loop's thread run ``fn`` soon, after what was asked before it.
 
         At most one wake-up of the loop is pending at a time: what the threads ask for
         while it is on its way runs in the same loop iteration. A wake-up costs the loop
         an iteration, with the GIL, and each of the loop's takes of the GIL can wait a
-        switch interval behind a busy thread; per job, that was a cost per byte."""
+        switch interval behind a busy thread; per job, that was a cost per byte. So a
+        ``lazy`` ``fn`` (a progress report) asks for no wake-up within ``LAZY_S`` of the
+        last one: it runs with the next, at the latest with its call's end, which always
+        wakes the loop."""
         self._for_loop.append(fn)  # atomic, as is every deque append and pop
+        if lazy and time.monotonic() - self._last_wake < LAZY_S:
+            return
         if self._woken.acquire(blocking=False):
+            self._last_wake = time.monotonic()
             token = self._token
             assert token is not None
             _run_sync_soon(token, self._run_for_loop, ())
@@ -443,6 +456,7 @@ class LoadThreads:
         between. What raises is raised once the rest has run (the loop logs it)."""
         self._woken.release()
         first: BaseException | None = None
+        ran = False
         try:
             for _ in range(len(self._for_loop)):
                 fn = self._for_loop.popleft()  # only this thread takes from it
@@ -450,11 +464,12 @@ class LoadThreads:
                     fn()
                 except Exception as exc:
                     first = first or exc
+            ran = True
         finally:
             # A KeyboardInterrupt raised in the middle (a signal lands on the loop's
             # thread) leaves the rest, calls' completions among them: they run on a
             # wake-up of their own, or whoever awaits them would wait for ever.
-            if self._for_loop and self._woken.acquire(blocking=False):
+            if not ran and self._for_loop and self._woken.acquire(blocking=False):
                 token = self._token
                 assert token is not None
                 _run_sync_soon(token, self._run_for_loop, ())
@@ -515,10 +530,12 @@ class LoadThreads:
             raise call.error
         return call.value  # type: ignore[return-value]
 
-    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
+    def call_soon(self, fn: Callable[..., object], *args: Any, lazy: bool = False) -> None:
         """From one of the threads, within a call: run ``fn(*args)`` on the loop's thread
         soon, without waiting for it (progress reports). What ``fn`` raises, which the
-        loop would only log, is raised by the ``run_sync`` of that call instead."""
+        loop would only log, is raised by the ``run_sync`` of that call instead.
+        ``lazy``: it may wait for the loop's next wake-up, up to the call's end
+        (``_on_loop``)."""
         call: Call[Any] | None = getattr(_running, "call", None)
 
         def on_loop() -> None:
@@ -530,7 +547,7 @@ class LoadThreads:
                 if call.error is None:
                     call.error = exc
 
-        self._on_loop(on_loop)
+        self._on_loop(on_loop, lazy=lazy)
 
 
 # The call each pooled thread is running, if any.

@@ -101,7 +101,7 @@ from aiogguf.jobs import (
 from aiogguf.load_resources import LoadResources
 from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
-from aiogguf.remote import is_remote, open_remote, read_remote_model, remote_config, remote_disks
+from aiogguf.remote import is_remote, read_remote_model, remote_config, remote_disks
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import Allocation, allocate_host_images
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
@@ -523,10 +523,8 @@ class _Front:
         indexed, the layout, the read side); for a split set only the first file's
         header, and nothing is opened."""
         whole: tuple[ParsedFile, WeightIndex | None]
-        if self.remote:
-            source = open_remote(path, self.config)
-            self.resources.keep_file(source)
-            whole = read_remote_model(source)
+        if self.remote:  # every split too: each opened and parsed on this thread
+            whole = read_remote_model(path, self.config, self.resources.keep_file)
         else:
             whole = read_whole_model(path, self.resources.opened)
         first, index = whole

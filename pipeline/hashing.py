@@ -119,7 +119,7 @@ async def _hash_files(
             progress(done, total)
 
     def report(n: int) -> None:
-        threads.call_soon(on_loop, n)
+        threads.call_soon(on_loop, n, lazy=True)
 
     results: list[FileResult] = []
     for path, layout in zip(paths, layouts, strict=True):

@@ -474,7 +474,7 @@ class HostReads:
             while (job := feed.get()) is not None:
                 start = clock()
                 reader.read(job)
-                self._threads.call_soon(self._on_landed, job, start, clock())
+                self._threads.call_soon(self._on_landed, job, start, clock(), lazy=True)
         finally:
             last = feed.leave()
         if last and verify is not None and not feed.stopped:

@@ -428,7 +428,7 @@ class Uploader:
                     lanes[dest.device] = lane
                 lane.stage(job, dest, fill)
                 if landed is not None:
-                    self._threads.call_soon(landed, job)
+                    self._threads.call_soon(landed, job, lazy=True)
         except BaseException:
             stop.set()  # the other threads stop taking jobs: the load has failed
             raise

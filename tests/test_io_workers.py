@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+import aiogguf.io.workers
 from aiogguf.io import workers as workers_module
 from aiogguf.io.workers import IDLE_NAME, LOAD_NICE, LoadThreads, idle_threads
 from aiogguf.testing.synth import write_synthetic_model
@@ -290,6 +291,31 @@ async def test_what_a_call_soon_callback_raises_fails_its_call() -> None:
             await threads.run_sync(work, threads)
         # The lane goes on: the next call is not marked.
         assert await threads.run_sync(lambda: "next") == "next"
+
+
+@pytest.mark.asyncio
+async def test_a_lazy_report_waits_for_a_wake_up_and_runs_by_the_calls_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lazy ``call_soon`` (a progress report) asks for no wake-up of the loop soon
+    after the last one: it waits for the next, which the call's end always brings, so it
+    has run when ``run_sync`` returns."""
+    monkeypatch.setattr(aiogguf.io.workers, "LAZY_S", 60.0)
+    first_ran = threading.Event()
+    lazy_ran = threading.Event()
+
+    def work(threads: LoadThreads) -> bool:
+        threads.call_soon(first_ran.set)  # wakes the loop
+        assert first_ran.wait(timeout=10)
+        threads.call_soon(lazy_ran.set, lazy=True)
+        # The loop is idle and nothing woke it: the report waits.
+        return lazy_ran.wait(timeout=0.2)
+
+    async with LoadThreads(1) as threads:
+        with anyio.fail_after(10):
+            ran_before_the_end = await threads.run_sync(work, threads)
+        assert not ran_before_the_end
+        assert lazy_ran.is_set()
 
 
 class _Interrupt(BaseException):

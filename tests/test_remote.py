@@ -23,7 +23,7 @@ from http_server import COMMIT, FileServer, HubServer, file_server
 from server_helpers import post, running
 
 import aiogguf
-from aiogguf.errors import LoadError, PathNotAllowedError
+from aiogguf.errors import LoadError, PathNotAllowedError, SplitError
 from aiogguf.io.http_source import HttpSource, RemoteOptions, is_url, redact_url
 from aiogguf.model import Model
 from aiogguf.server import create_app
@@ -358,3 +358,38 @@ def test_hf_without_the_hub_library_says_which_extra(
     with pytest.raises(LoadError, match=r"pip install 'aiogguf\[remote\]'"):
         _load("hf://own/repo/m.gguf")
     assert not hub.faults.headers
+
+
+# --- split sets, named by their first split -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def split_root(served: FileServer) -> Path:
+    write_synthetic_model(served.root / "s.gguf", size_bytes="3MiB", seed=5, split_count=3)
+    return served.root
+
+
+def test_a_split_set_loads_from_the_url_of_its_first_split(
+    server: FileServer, split_root: Path
+) -> None:
+    first = "s-00001-of-00003.gguf"
+    with aiogguf.load_sync(server.url(first), **SMALL) as model:
+        assert len(model.report.files) == 3
+        _same_bytes(model, split_root / first)
+    with pytest.raises(SplitError, match="this is split 2 of 3"):
+        _load(server.url("s-00002-of-00003.gguf"))
+
+
+def test_a_split_set_by_hf_name_reads_every_split_at_one_commit(
+    hub: HubServer, server: FileServer, split_root: Path
+) -> None:
+    names = [f"s-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    hub.files.update({f"own/repo/{n}": n for n in names})
+    with aiogguf.load_sync(f"hf://own/repo/{names[0]}@main", **SMALL) as model:
+        _same_bytes(model, split_root / names[0])
+    heads = [h["path"] for h in hub.faults.headers if "Range" not in h]
+    assert heads == [
+        f"/own/repo/resolve/main/{names[0]}",
+        f"/own/repo/resolve/{COMMIT}/{names[1]}",
+        f"/own/repo/resolve/{COMMIT}/{names[2]}",
+    ]
