@@ -13,6 +13,12 @@ load's reader threads, one keep-alive connection per thread, each ranged body re
   naming the URL (credentials and query left out) and the offset.
 - **Redirects** are followed (``MAX_REDIRECTS``); the ``Authorization`` header goes only
   to the host it was given for.
+- **Round trips.** The first request asks for the file's first ``HEAD_BYTES``, which the
+  header parse then reads without another request; the TLS context (the trusted
+  certificates, read from disk) is made once per process.
+- **Trust.** ``https`` trusts the system's certificate authorities, or those named by
+  OpenSSL's ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``; an untrusted certificate fails the load
+  at once (no retries), saying so.
 - **Stopping.** Sockets wait ``POLL_S`` at a time and call ``raise_if_stopped`` between
   waits and between pieces of a body, so a cancelled load ends its reads within about a
   second even when a server stalls; ``stall_s`` without a byte is a timeout.
@@ -26,6 +32,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import http.client
+import os
 import random
 import re
 import socket
@@ -50,6 +57,10 @@ POLL_S = 0.25
 # The most bytes one readinto asks for: a stop is noticed between pieces.
 PIECE_BYTES = 4 << 20
 MAX_REDIRECTS = 5
+# The first request's bytes: a header of a model with a large vocabulary fits (the
+# parse's growing reads are then answered from them), and a body this small costs
+# little more than the round trip any first request costs.
+HEAD_BYTES = 1 << 20
 _CONTENT_RANGE = re.compile(r"bytes (\d{1,20})-(\d{1,20})/(\d{1,20})")
 _STRONG_ETAG = re.compile(r'"[\x21\x23-\x7e\x80-\xff]{0,256}"')
 # Faults worth another try: the link or the server, not the request.
@@ -121,6 +132,24 @@ class _PollingSSLSocket(ssl.SSLSocket):
         return _polled_recv(super().recv_into, self.stall_s, buffer, nbytes, flags)
 
 
+_TLS_LOCK = threading.Lock()
+_TLS: dict[tuple[str | None, str | None], ssl.SSLContext] = {}
+
+
+def _tls_context() -> ssl.SSLContext:
+    """The context of ``https`` connections: the system's trusted certificates, or those
+    that ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name. One per process and per value of
+    those two: reading the certificates costs more than a round trip, per source."""
+    key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    with _TLS_LOCK:
+        context = _TLS.get(key)
+        if context is None:
+            context = ssl.create_default_context()
+            context.sslsocket_class = _PollingSSLSocket
+            _TLS[key] = context
+    return context
+
+
 def _connect(host: str, port: int, stall_s: float, tls: ssl.SSLContext | None) -> socket.socket:
     raw = socket.create_connection((host, port), timeout=min(stall_s, 10.0))
     sock = _PollingSocket(fileno=raw.detach())
@@ -142,16 +171,14 @@ def _connect(host: str, port: int, stall_s: float, tls: ssl.SSLContext | None) -
 class _Connection(http.client.HTTPConnection):
     """One keep-alive connection to one host, over a polling socket."""
 
-    def __init__(
-        self, scheme: str, host: str, port: int, stall_s: float, tls: ssl.SSLContext
-    ) -> None:
+    def __init__(self, scheme: str, host: str, port: int, stall_s: float) -> None:
         super().__init__(host, port, timeout=POLL_S)
         self.key = (scheme, host, port)
         self._stall_s = stall_s
-        self._tls = tls if scheme == "https" else None
 
     def connect(self) -> None:
-        self.sock = _connect(self.host, self.port, self._stall_s, self._tls)
+        tls = _tls_context() if self.key[0] == "https" else None
+        self.sock = _connect(self.host, self.port, self._stall_s, tls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,8 +222,7 @@ class HttpSource:
         self.path = name or redact_url(url)  # ``name``: what messages call it instead
         self._first = _Target.parse(url, self.path)
         self._where = self._first  # where the last redirect led
-        self._tls = ssl.create_default_context()
-        self._tls.sslsocket_class = _PollingSSLSocket
+        self._head = b""  # the file's first bytes, from the first request
         self._local = threading.local()
         self._lock = threading.Lock()
         self._connections: set[_Connection] = set()
@@ -235,10 +261,13 @@ class HttpSource:
         self._with_retries(offset, lambda done: self._fetch(view, offset, done))
 
     def read_upto(self, offset: int, nbytes: int) -> bytes:
-        """Up to ``nbytes`` at ``offset``: fewer only at the end (the header parse)."""
+        """Up to ``nbytes`` at ``offset``: fewer only at the end (the header parse); what
+        the first request brought is not asked for again."""
         buf = bytearray(max(0, min(nbytes, self.size_bytes - offset)))
-        if buf:
-            self.read_into(buf, offset)
+        known = self._head[offset : offset + len(buf)] if offset >= 0 else b""
+        buf[: len(known)] = known
+        if len(known) < len(buf):
+            self.read_into(builtins.memoryview(buf)[len(known) :], offset + len(known))
         return bytes(buf)
 
     def check_unchanged(self) -> None:
@@ -255,8 +284,11 @@ class HttpSource:
     # -- requests ------------------------------------------------------------------
 
     def _learn(self) -> None:
-        probe = builtins.memoryview(bytearray(1))
-        self._with_retries(0, lambda done: self._fetch(probe, 0, done))
+        """The first request: the size, the ETag and the first ``HEAD_BYTES`` (fewer for
+        a smaller file)."""
+        head = builtins.memoryview(bytearray(HEAD_BYTES))
+        self._with_retries(0, lambda done: self._fetch(head, 0, done))
+        self._head = bytes(head[: min(HEAD_BYTES, self.size_bytes)])
 
     def _with_retries(self, offset: int, attempt: Callable[[int], None]) -> None:
         """Run ``attempt(done)`` until it returns, resuming from where it stopped."""
@@ -287,15 +319,19 @@ class HttpSource:
 
     def _fetch(self, view: builtins.memoryview, offset: int, done: int) -> None:
         """One try: the range ``[offset + done, offset + len(view))`` into ``view[done:]``
-        (the probe asks for byte 0 into a one-byte view). Raises ``_Progress`` with how
-        far it got on a fault worth another try, ``LoadError`` otherwise."""
-        start, end = offset + done, offset + max(len(view), 1)
+        (the first request's view may reach past a small file's end: it is cut to the
+        size learnt). Raises ``_Progress`` with how far it got on a fault worth another
+        try, ``LoadError`` otherwise."""
+        start, end = offset + done, offset + len(view)
         try:
             conn, response = self._request(start, end)
+        except ssl.SSLCertVerificationError as exc:
+            raise LoadError(self.path, start, _untrusted(exc)) from None
         except (*_RETRIABLE, _Fault) as exc:
             raise _Progress(done, exc) from exc
         try:
             self._check_response(response, start, end)
+            view = view[: max(done, min(len(view), self.size_bytes - offset))]
             while done < len(view):
                 raise_if_stopped()
                 piece = view[done : min(len(view), done + PIECE_BYTES)]
@@ -400,7 +436,7 @@ class HttpSource:
             return conn
         if conn is not None:
             self._drop(conn)
-        fresh = _Connection(where.scheme, where.host, where.port, self.options.stall_s, self._tls)
+        fresh = _Connection(where.scheme, where.host, where.port, self.options.stall_s)
         with self._lock:
             if self._closed:
                 raise LoadError(self.path, None, "the source is closed")
@@ -436,6 +472,13 @@ def _exchange(conn: _Connection, target: str, headers: dict[str, str]) -> http.c
     the caller on failure."""
     conn.request("GET", target, headers=headers)
     return conn.getresponse()
+
+
+def _untrusted(exc: ssl.SSLCertVerificationError) -> str:
+    return (
+        f"the server's certificate is not trusted ({exc.verify_message}); "
+        "SSL_CERT_FILE can name a file of certificate authorities to trust"
+    )
 
 
 def _discard(response: http.client.HTTPResponse) -> bool:
