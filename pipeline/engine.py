@@ -101,7 +101,7 @@ from aiogguf.jobs import (
 from aiogguf.load_resources import LoadResources
 from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
-from aiogguf.remote import is_remote, read_remote_model, remote_config, remote_disks
+from aiogguf.remote import RemoteName, finish_remote, is_remote, remote_disks, route_remote
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import Allocation, allocate_host_images
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
@@ -314,6 +314,8 @@ class _Load:
         # are checked here.
         if staged := [files[i] for i in layout.staged_files]:
             await resources.thread.run_sync(_check_unchanged, staged)
+        if not resources.local_files:  # a hub file's digest, then its cache entry
+            await resources.thread.run_sync(finish_remote, files)
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
                 self._warn(f"{f.path}: {f.direct_refusal}; the rest was read with mode 'none'")
@@ -512,7 +514,7 @@ class _Front:
     devices: Sequence[Device] | None
     clock: Callable[[], float]
     hub: ProgressHub
-    remote: bool  # a URL: its one file is an ``HttpSource`` (``aiogguf.remote``)
+    remote: RemoteName | None  # a URL: its files are ``HttpSource``s (``aiogguf.remote``)
 
     def parse_and_plan(
         self, path: str
@@ -524,7 +526,7 @@ class _Front:
         header, and nothing is opened."""
         whole: tuple[ParsedFile, WeightIndex | None]
         if self.remote:  # every split too: each opened and parsed on this thread
-            whole = read_remote_model(path, self.config, self.resources.keep_file)
+            whole = self.remote.read_model(path, self.config, self.resources.keep_file)
         else:
             whole = read_whole_model(path, self.resources.opened)
         first, index = whole
@@ -555,6 +557,8 @@ class _Front:
         if (manifest := find_manifest(config.load.manifest, index.files[0].path)) is not None:
             checker = open_manifest(manifest, index, resources.files, resources.opened)
         layout = self._lay_out(index, found, plan, self.clock(), checker)
+        if self.remote:  # what no read lands, a hub file's digest fetches
+            self.remote.expect_reads(resources.files, [*layout.jobs, layout.device_jobs])
         raise_if_stopped()  # a cancelled load starts no read
         return layout, self._start_reads(index, layout)
 
@@ -744,11 +748,12 @@ async def run_load(
         reserve_threads(load_thread_count(config, uploads=False))
         # Each file is opened once, by the parse stage (``resources.opened``); the engine
         # reads through the same descriptors (its DataFiles hold duplicates).
-        remote = is_remote(os.fspath(path))
-        if remote:
-            config = remote_config(os.fspath(path), config, opener)
         resources = await stack.enter_async_context(LoadResources(opener))
         threads = resources.thread
+        remote = None
+        if is_remote(os.fspath(path)):  # an hf:// file the hub's cache has is a local file
+            route = await threads.run_sync(route_remote, os.fspath(path), config, opener)
+            path, config, remote = route.path, route.config, route.remote
         front = _Front(resources, config, devices, hub.elapsed, hub, remote)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
