@@ -42,6 +42,8 @@ LAYERS: dict[str, int] = {
     "aiogguf.stages": 3,
     "aiogguf.headers": 4,
     "aiogguf.engine": 4,
+    "aiogguf.front": 4,
+    "aiogguf.progress": 2,
     "aiogguf.load_resources": 4,
     "aiogguf.remote": 4,
     "aiogguf.hub": 1,
