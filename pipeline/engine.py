@@ -32,6 +32,10 @@ for the check threads): what bounds memory is the buffers the plan allocates, th
 staging slots (a transfer thread waits for a free one) and the whole-tensor checks in
 flight (``submit`` waits for a free one).
 
+The tensors that are ready (landed, copied to their device, checked) go by name to
+the load's ``aiogguf.ready.ReadyTensors``, from the same callbacks on the loop's thread:
+that is what ``handle.tensors_as_ready()`` hands on while the load goes on.
+
 The engine only wires. Each stage's own work lives in its module: descriptors, disk
 limits, byte order and locks in ``read``; images and mapping advice in ``allocate``;
 both ways of checking a tensor behind ``validate.Validation`` (the rules in
@@ -52,8 +56,9 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, contextmanager
+from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -63,15 +68,16 @@ from aiogguf.errors import GGUFError, LoadError, LoadWarning, from_os_error
 from aiogguf.events import ProgressHub, Stage
 from aiogguf.front import Front, Layout, ReadSide
 from aiogguf.headers import open_index
-from aiogguf.images import DeviceImage
+from aiogguf.images import DeviceImage, Image
 from aiogguf.integrity_sink import verdict
 from aiogguf.io.devices.base import Device, DeviceBuffer
 from aiogguf.io.opener import FileOpener
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import reserve_threads
-from aiogguf.jobs import ReadJob, SlotFill, StageTimes
+from aiogguf.jobs import ReadJob, SlotFill, StageTimes, TensorSlot
 from aiogguf.load_resources import LoadResources
-from aiogguf.model import Model
+from aiogguf.model import Model, tensor_array
+from aiogguf.ready import ReadyTensors
 from aiogguf.records import WeightIndex
 from aiogguf.remote import is_remote, remote_config
 from aiogguf.report import LoadReport, build_report
@@ -130,6 +136,7 @@ class _Load:
         hub: ProgressHub,
         *,
         metadata_stages: Sequence[tuple[str, StageTimes]] = (),
+        ready: ReadyTensors | None = None,
     ) -> None:
         self.index = index
         self.layout = layout
@@ -147,6 +154,7 @@ class _Load:
         )
         self.warnings: list[str] = list(layout.plan.warnings)
         self.stages: list[tuple[str, StageTimes]] = list(metadata_stages)
+        self.ready = ready
 
     # --- the whole load ---------------------------------------------------------------
 
@@ -167,6 +175,10 @@ class _Load:
             uploader = await resources.open_uploader(
                 devices, self.config, threads=layout.disks.busiest
             )
+        if self.ready is not None:
+            # With a manifest, a tensor's last blocks may be hashed only at the end.
+            arrays = _arrays(self.index, layout.slots, resources.images)
+            self.ready.open(arrays, self.index.__getitem__, hold=reading.integrity is not None)
         # A stage that fails cancels the others; the caller sees its error, unwrapped.
         with one_error():
             async with validation:
@@ -198,7 +210,14 @@ class _Load:
         progress.emit(Stage.DONE)
         report = _report(self, uploads)
         images = resources.take_images()  # the model owns them now
-        return Model(self.index, plan, images, layout.slots, report, failures=failures)
+        model = Model(self.index, plan, images, layout.slots, report, failures=failures)
+        if self.ready is not None:
+            self.ready.finish(
+                model.tensors.__getitem__,
+                failed={f.name for f in failures},
+                last=[t.name for t in plan.tensors if t.lazy],
+            )
+        return model
 
     async def _stream(self, uploader: Uploader | None) -> None:
         """The streaming half: the host reads (started already), device buffers,
@@ -233,8 +252,9 @@ class _Load:
         jobs: Sequence[ReadJob],
         ready: MemoryObjectSendStream[list[str]],
     ) -> None:
-        """Every device job through the upload stage's transfer threads; then the device
-        tensors are ready (every copy has completed when ``transfer`` returns)."""
+        """Every device job through the upload stage's transfer threads; each device
+        tensor goes to the checks once the copies that hold it have completed (all have
+        when ``transfer`` returns)."""
         reader, progress = self.reading.reader, self.reading.progress
         async with ready:
             targets: list[tuple[ReadJob, DeviceBuffer]] = []
@@ -248,6 +268,9 @@ class _Load:
                 reader.count(job, now, now)
                 progress.landed(job)
 
+            def copied(jobs: Sequence[ReadJob]) -> None:
+                progress.device_copied(jobs, ready)  # before ``transfer`` returns
+
             # Device jobs are read (and checked) before they land: the read stage starts
             # now, before the validate stage's first check.
             began = self.hub.elapsed()
@@ -255,9 +278,7 @@ class _Load:
                 reader.started(file_index, began)
             # The reader fills each slot, handing its pieces to the piece sink as they land.
             fill: SlotFill = reader.fill_slot
-            await uploader.transfer(targets, fill, landed=landed)
-            if progress.device_landed:
-                await ready.send(list(progress.device_landed))
+            await uploader.transfer(targets, fill, landed=landed, copied=copied)
 
     # --- completion and validation ----------------------------------------------------
 
@@ -322,6 +343,21 @@ async def _batches(stream: MemoryObjectReceiveStream[list[str]]) -> AsyncIterato
         yield batch
 
 
+def _arrays(
+    index: WeightIndex, slots: Mapping[str, TensorSlot], images: Sequence[Image | None]
+) -> Callable[[str], Any]:
+    """A loading tensor's array by name, over its image (which exists once its bytes
+    have landed)."""
+
+    def array(name: str) -> Any:
+        slot = slots[name]
+        image = images[slot.buffer_index]
+        assert image is not None, f"{name} is ready before its buffer exists"
+        return tensor_array(image, slot, index[name])
+
+    return array
+
+
 def _check_unchanged(files: Sequence[ByteSource]) -> None:
     """Blocking: raise ``LoadError`` for the first file that changed during the load."""
     for f in files:
@@ -352,6 +388,7 @@ async def run_load(
     *,
     devices: Sequence[Device] | None = None,
     opener: FileOpener | None = None,
+    ready: ReadyTensors | None = None,
 ) -> Model:
     """Parse, index, plan and load ``path``. What the load holds is one
     ``LoadResources`` on ``stack``, which the caller closes (told why, on failure); the
@@ -374,7 +411,8 @@ async def run_load(
             config = remote_config(os.fspath(path), config, opener)
         resources = await stack.enter_async_context(LoadResources(opener))
         threads = resources.thread
-        front = Front(resources, config, devices, hub.elapsed, hub, remote)
+        passed = ready.add if ready is not None else None
+        front = Front(resources, config, devices, hub.elapsed, hub, remote, passed)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
             index, t1, layout, reading = whole
@@ -395,6 +433,7 @@ async def run_load(
                 ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),
                 ("plan", StageTimes(t1, t2, t2 - t1, len(plan.tensors), 0)),
             ],
+            ready=ready,
         )
         hub.emit(
             Stage.PLAN,

@@ -25,6 +25,7 @@ from aiogguf.io.files import DataFile
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.jobs import (
     BufferLayout,
+    Passed,
     PieceSink,
     ReadJob,
     StageTimes,
@@ -97,6 +98,7 @@ class Front:
     clock: Callable[[], float]
     hub: ProgressHub
     remote: bool  # a URL: its one file is an ``HttpSource`` (``aiogguf.remote``)
+    passed: Passed | None = None  # told each batch of tensors ready to hand on
 
     def parse_and_plan(
         self, path: str
@@ -249,6 +251,7 @@ class Front:
             workers=workers,
             threads=check_threads,
             clock=clock,
+            passed=self.passed,
         )
         # Landed pieces go to the piece checks, when some tensor is checked by pieces.
         pieces: PieceSink | None = validation.check_piece if validation.by_pieces else None
@@ -276,8 +279,9 @@ class Front:
             plan,
             layouts,
             layout.spans,
-            jobs=sum(len(file_jobs) for file_jobs in jobs),
+            jobs=sum(len(file_jobs) for file_jobs in jobs) + len(layout.device_jobs),
             checked=check,
+            passed=self.passed,
         )
         resources.hold_reads(reads, progress.close)
         # The files the transfer threads read from too are checked by the engine.

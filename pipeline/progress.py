@@ -15,7 +15,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.events import ProgressHub, Stage
-from aiogguf.jobs import BufferLayout, ReadJob, TensorSpans
+from aiogguf.jobs import BufferLayout, Passed, ReadJob, TensorSpans
 from aiogguf.records import Plan
 
 __all__ = ["LoadProgress", "Names"]
@@ -30,10 +30,10 @@ class LoadProgress:
     puts the names of the tensors whose bytes have all landed on ``ready`` for the checks
     (on the loop's thread only; made before the reads start, silent until ``go_live``).
 
-    Tensor names travel in lists, one per landed host job and one for the device tensors
-    (a send per tensor would be a loop iteration per tensor), with room for all
-    (``jobs``, plus the device tensors' list): host jobs put theirs from a loop callback
-    (``host_landed``), which cannot wait."""
+    Tensor names travel in lists, one per landed host job and at most one per device job
+    whose copy has completed (a send per tensor would be a loop iteration per tensor),
+    with room for all (``jobs``: host and device jobs): both come from loop callbacks
+    (``host_landed``, ``device_copied``), which cannot wait."""
 
     def __init__(
         self,
@@ -44,11 +44,13 @@ class LoadProgress:
         *,
         jobs: int,
         checked: bool,
+        passed: Passed | None = None,
     ) -> None:
         self._hub = hub
         self._layouts = layouts
         self._spans = spans
         self._checked = checked
+        self._passed = passed  # told the host tensors that need no check, as they land
         self._live = False
         ready: Names = anyio.create_memory_object_stream(jobs + 1)
         self.ready_send, self.ready_receive = ready
@@ -57,13 +59,13 @@ class LoadProgress:
         self.tensors_total = len(loaded)
         self.bytes_done = 0
         self.tensors_done = 0
-        # Bytes of each tensor still to land.
+        # Bytes of each tensor still to land; of each device tensor, still to be copied.
         self._remaining = spans.sizes()
-        self.device_landed: list[str] = []  # device tensors whose bytes all landed
+        self._uncopied = spans.sizes()
 
     def landed(self, job: ReadJob) -> list[str]:
-        """Count a landed job; the host tensors it completed. Device tensors it completed
-        are kept in ``device_landed``: they are ready once their copies have completed."""
+        """Count a landed job; the host tensors it completed. A device tensor is ready
+        once its copies have completed (``device_copied``)."""
         self.bytes_done += job.useful_end - job.useful_start
         on_device = not self._layouts[job.buffer_index].plan.host
         done: list[str] = []
@@ -71,10 +73,28 @@ class LoadProgress:
             job.buffer_index, job.file_index, job.useful_start, job.useful_end
         ):
             self._remaining[name] -= hi - lo
-            if not self._remaining[name]:
-                (self.device_landed if on_device else done).append(name)
+            if not self._remaining[name] and not on_device:
+                done.append(name)
         self.emit(Stage.READ)
         return done
+
+    def device_copied(
+        self, jobs: Sequence[ReadJob], ready: MemoryObjectSendStream[list[str]]
+    ) -> None:
+        """Where the transfers hand the device jobs whose copies have completed (on the
+        loop's thread): the tensors they completed go on ``ready``, to the checks."""
+        done: list[str] = []
+        for job in jobs:
+            for lo, hi, name in self._spans.overlapping(
+                job.buffer_index, job.file_index, job.useful_start, job.useful_end
+            ):
+                self._uncopied[name] -= hi - lo
+                if not self._uncopied[name]:
+                    done.append(name)
+        if done:
+            # Broken only once the load is failing anyway.
+            with contextlib.suppress(anyio.BrokenResourceError):
+                ready.send_nowait(done)
 
     def host_landed(self, job: ReadJob) -> None:
         """Where the host reads hand each landed job (on the loop's thread)."""
@@ -83,6 +103,8 @@ class LoadProgress:
             return
         if not self._checked:
             self.tensors_checked(len(names))
+            if self._passed is not None:
+                self._passed(names)
             return
         # Broken only once the load is failing anyway.
         with contextlib.suppress(anyio.BrokenResourceError):

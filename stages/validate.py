@@ -27,7 +27,15 @@ from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.ggml_types import GGMLType
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import LoadThreads, raise_if_stopped
-from aiogguf.jobs import BufferLayout, ReadJob, StageMeter, StageTimes, TensorSlot, TensorSpans
+from aiogguf.jobs import (
+    BufferLayout,
+    Passed,
+    ReadJob,
+    StageMeter,
+    StageTimes,
+    TensorSlot,
+    TensorSpans,
+)
 from aiogguf.records import WeightIndex
 
 __all__ = ["FileBytes", "Validation", "ValidationCollector"]
@@ -115,6 +123,7 @@ class ValidationCollector:
         call_bytes: int = CALL_BYTES,
         threads: LoadThreads,
         meter: StageMeter | None = None,
+        passed: Passed | None = None,
     ) -> None:
         """Set up a collector; checks start once its ``async with`` block is entered.
 
@@ -126,6 +135,7 @@ class ValidationCollector:
         ``threads``: the load's entered check threads (``workers`` only sets the
             default of ``max_in_flight``).
         ``meter``: also counts each worker-thread call there (the load's validate stage).
+        ``passed``: told each tensor whose check has passed, as it does (loop's thread).
 
         Raises ``ValueError`` if ``workers`` or ``max_in_flight`` is below 1.
         """
@@ -139,6 +149,7 @@ class ValidationCollector:
         self._xp = xp
         self._call_bytes = call_bytes
         self._meter = meter
+        self._passed = passed
         self._task_group: TaskGroup | None = None
         self._state = _CollectorState.NEW
         self._submitted = 0
@@ -214,6 +225,8 @@ class ValidationCollector:
                 failure = checker.finish()
             if failure is not None:
                 self._results[seq] = failure
+            elif self._passed is not None:
+                self._passed((name,))
         finally:
             self._slots.release()
 
@@ -279,6 +292,7 @@ class Validation:
         workers: int,
         threads: LoadThreads,
         clock: Callable[[], float],
+        passed: Passed | None = None,
     ) -> None:
         """Plan the checks of one load.
 
@@ -291,6 +305,8 @@ class Validation:
         ``workers``: checks of whole tensors in flight at once, times two.
         ``threads``: the load's check threads.
         ``clock``: seconds since the load began.
+        ``passed``: told the tensors given to ``tensors_ready`` once their checks have
+            passed (a tensor that fails is never told).
         """
         self.enabled = enabled
         self._index = index
@@ -299,7 +315,10 @@ class Validation:
         self._images = images
         self._files = files
         self._meter = StageMeter(clock)
-        self._collector = ValidationCollector(workers, threads=threads, meter=self._meter)
+        self._passed = passed
+        self._collector = ValidationCollector(
+            workers, threads=threads, meter=self._meter, passed=passed
+        )
         self._threads = threads
         host_read = mode in ("none", "direct")
         self._pieces = {
@@ -367,7 +386,12 @@ class Validation:
             # two jobs are left.
             failures = await self._threads.run_sync(self._finish_all, finishing)
             self._piece_failures.extend(failures)
+            if self._passed is not None:
+                bad = {f.name for f in failures}
+                self._passed([c.name for c in finishing if c.name not in bad])
         if not self.enabled:
+            if self._passed is not None:
+                self._passed(names)
             return
         for name in names:
             if name in self._pieces:

@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.engine": 4,
     "aiogguf.front": 4,
     "aiogguf.progress": 2,
+    "aiogguf.ready": 2,
     "aiogguf.load_resources": 4,
     "aiogguf.remote": 4,
     "aiogguf.hub": 1,
