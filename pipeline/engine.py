@@ -652,6 +652,8 @@ class _Front:
         # With checks off nothing runs on check threads: the readers' stand in.
         check = config.load.check_tensors
         check_threads = resources.lend(workers, "aiogguf-check") if check else threads
+        # A manifest's hashing reads a mapped image's file anyway: its checks share the reads.
+        mapped_pieces = layout.checker is not None and plan.mode in ("mmap", "mlock")
         validation = Validation(
             index,
             layouts,
@@ -662,6 +664,7 @@ class _Front:
             mode=plan.mode,
             enabled=check,
             swapped=swapped,
+            mapped_pieces=mapped_pieces,
             workers=workers,
             threads=check_threads,
             clock=clock,
@@ -671,7 +674,13 @@ class _Front:
         integrity = None
         if layout.checker is not None:
             integrity = IntegritySink(
-                layout.checker, files, resources.images, layouts, layout.slots, swapped=swapped
+                layout.checker,
+                files,
+                resources.images,
+                layouts,
+                layout.slots,
+                swapped=swapped,
+                feed=pieces if mapped_pieces and not swapped else None,
             )
             if not swapped:  # else the sink sees swapped bytes: it reads the file instead
                 pieces = integrity if pieces is None else both(pieces, integrity)

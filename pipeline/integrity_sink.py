@@ -16,7 +16,9 @@ Where each block of a file's data section is hashed:
 - mapped images (``mmap``, ``mlock``) and bytes swapped after their read: by the reader
   thread after the job, through ``pread`` into a scratch buffer of its own
   (``check_from_file``), never through the mapping: a file cut short during the load
-  would kill the process at the first page past its end;
+  would kill the process at the first page past its end. The tensor checks of a mapped
+  image take their pieces from the same reads (``feed``), so that the file is read
+  once, not twice;
 - the blocks no landed piece held whole (the edges): once the reads are done
   (``finish``), from the file, with the parts that landed in host memory copied over
   from there (unless they were byte-swapped). Parts of an edge block that went to a
@@ -158,8 +160,13 @@ class IntegritySink:
         slots: dict[str, TensorSlot],
         *,
         swapped: bool = False,
+        feed: PieceSink | None = None,
     ) -> None:
+        """``feed`` (a ``PieceSink``, the tensor checks) also gets each piece that
+        ``check_from_file`` reads: the checks of mapped tensors then need no reads of
+        their own."""
         self.checker = checker
+        self._feed = feed
         # Swapped bytes land converted: every block is then hashed from the file.
         self._swapped = swapped
         self._files = files
@@ -245,6 +252,8 @@ class IntegritySink:
                 part = chunk[: min(FILE_CHUNK_BYTES, hi - at)]
                 self._files[i].read_into(part, at)
                 state.update(part)
+                if self._feed is not None:
+                    self._feed(job, at, part)
             if state.digest() != want[k]:
                 # Read whole, to name the tensors in it (a failing load only).
                 view = self._scratch_view()[: hi - lo]

@@ -401,3 +401,49 @@ def test_a_big_endian_model_is_checked_as_its_file_holds_it(disk_dir: Path, mode
     damage(path, entry.offset + 1000, bytes([path.read_bytes()[entry.offset + 1000] ^ 4]))
     error = failed(path, mode, chunk_size="192KiB", staging_buffer_size="128KiB")
     assert [f.name for f in error.failures] == [entry.name]
+
+
+def _float_tensors(path: Path) -> list[Any]:
+    return [t for t in inspect_sync(path).tensors if t.type.name in ("F32", "F16")]
+
+
+@pytest.mark.parametrize("mode", ["mmap", "mlock"])
+def test_a_mapped_load_reads_its_file_once_for_the_manifest_and_the_checks(
+    model: Path, clean_manifest: Manifest, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checks of mapped tensors take their bytes from the manifest's reads of the
+    file: the data section is read about once, not once per consumer."""
+    from aiogguf.io.files import DataFile
+
+    read = [0]
+    read_into = DataFile.read_into
+
+    def counted(self: DataFile, dest: Any, offset: int) -> None:
+        read[0] += len(memoryview(dest).cast("B"))
+        read_into(self, dest, offset)
+
+    monkeypatch.setattr(DataFile, "read_into", counted)
+    load(model, mode)
+    f = clean_manifest.files[0]
+    data = f.data_end - f.header_bytes
+    # The headers (fingerprint) and the straddling units of the edges are read twice.
+    assert data <= read[0] < data + 4 * BLOCK, (read[0], data)
+
+
+@pytest.mark.parametrize("mode", ["mmap", "mlock"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_mapped_load_with_a_manifest_still_names_every_bad_value(
+    model: Path, mode: str, where: str
+) -> None:
+    """A NaN the manifest agrees with (it was there when the manifest was made) is found
+    by the checks, whether its unit came from the manifest's reads or was read back at the
+    end (the edges of a range)."""
+    floats = _float_tensors(model)
+    t = {"first": floats[0], "middle": floats[len(floats) // 2], "last": floats[-1]}[where]
+    nan = np.array([np.nan], dtype=np.float32 if t.type.name == "F32" else np.float16)
+    damage(model, t.offset + (t.nbytes // 2 // nan.itemsize) * nan.itemsize, nan.tobytes())
+    Path(sidecar(model)).write_text(manifest_json(hash_model_sync(model, block_bytes=BLOCK)))
+    with pytest.raises(TensorValidationError) as info:
+        load(model, mode)
+    assert not isinstance(info.value, IntegrityError)
+    assert [f.name for f in info.value.failures] == [t.name]
