@@ -76,7 +76,9 @@ from aiogguf.integrity_sink import (
     block_grid,
     both,
     find_manifest,
+    load_sink,
     open_manifest,
+    shares_mapped_reads,
     verdict,
 )
 from aiogguf.io.byteswap import needs_swap
@@ -98,6 +100,7 @@ from aiogguf.jobs import (
     split_jobs,
     tensor_slots,
 )
+from aiogguf.llama_check import LlamaCheck, LlamaSink
 from aiogguf.load_resources import LoadResources
 from aiogguf.model import Model
 from aiogguf.records import ParsedFile, Plan, WeightIndex
@@ -429,6 +432,7 @@ def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
         uploads=uploads,
         validated=validation.checked,
         blocks_hashed=load.reading.integrity.hashed if load.reading.integrity else 0,
+        tensors_hashed=load.reading.integrity.tensors_hashed if load.reading.integrity else 0,
         warnings=load.warnings,
     )
 
@@ -482,7 +486,7 @@ class _Layout:
     jobs: list[list[ReadJob]]  # host jobs, per file
     device_jobs: list[ReadJob]
     staged_files: tuple[int, ...]
-    checker: IntegrityChecker | None  # the manifest's, when one is checked
+    checker: IntegrityChecker | LlamaCheck | None  # the manifest's, when one is checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -495,7 +499,7 @@ class _ReadSide:
     reader: Reader
     reads: HostReads
     progress: _Progress
-    integrity: IntegritySink | None
+    integrity: IntegritySink | LlamaSink | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,7 +568,7 @@ class _Front:
         devices: tuple[Device, ...],
         plan: Plan,
         planned: float,
-        checker: IntegrityChecker | None,
+        checker: IntegrityChecker | LlamaCheck | None,
     ) -> _Layout:
         """Blocking: the buffers of ``plan`` laid out, its host images allocated, each
         file's disk found (a ``stat``) and the read jobs cut: work that grows with the
@@ -617,9 +621,7 @@ class _Front:
             # With a manifest, a hash block lies inside one job but at a range's edges
             # (not for swapped O_DIRECT reads: the reads of two jobs overlap, and one
             # would write file bytes over those the other has swapped).
-            blocks=block_grid(checker)
-            if checker is not None and not (swapped and plan.mode == "direct")
-            else None,
+            blocks=block_grid(checker) if not (swapped and plan.mode == "direct") else None,
             alignment=alignment,
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
@@ -653,7 +655,7 @@ class _Front:
         check = config.load.check_tensors
         check_threads = resources.lend(workers, "aiogguf-check") if check else threads
         # A manifest's hashing reads a mapped image's file anyway: its checks share the reads.
-        mapped_pieces = layout.checker is not None and plan.mode in ("mmap", "mlock")
+        mapped_pieces = shares_mapped_reads(layout.checker, plan.mode)
         validation = Validation(
             index,
             layouts,
@@ -673,8 +675,9 @@ class _Front:
         pieces: PieceSink | None = validation.check_piece if validation.by_pieces else None
         integrity = None
         if layout.checker is not None:
-            integrity = IntegritySink(
+            integrity = load_sink(
                 layout.checker,
+                index,
                 files,
                 resources.images,
                 layouts,
@@ -682,7 +685,8 @@ class _Front:
                 swapped=swapped,
                 feed=pieces if mapped_pieces and not swapped else None,
             )
-            if not swapped:  # else the sink sees swapped bytes: it reads the file instead
+            # Swapped bytes are not the file's: the sink reads the file instead.
+            if not swapped and integrity.takes_pieces:
                 pieces = integrity if pieces is None else both(pieces, integrity)
         reader = Reader(
             files,

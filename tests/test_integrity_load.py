@@ -29,7 +29,6 @@ from aiogguf.dry_run import inspect_sync, plan_sync
 from aiogguf.errors import (
     IntegrityError,
     LoadWarning,
-    ManifestError,
     ManifestMismatchError,
     TensorValidationError,
 )
@@ -226,12 +225,44 @@ def test_auto_without_a_sidecar_checks_nothing(model: Path, clean_manifest: Mani
         load(model, "none")  # an explicit path that is not there
 
 
-def test_a_llama_manifest_is_refused_in_one_line(model: Path) -> None:
+def _llama_sidecar(path: Path, algorithms: tuple[str, ...]) -> None:
+    from aiogguf.hashing import hash_model_llama_sync
+    from aiogguf.llama_hash import format_llama
+
+    text = format_llama(hash_model_llama_sync(path, algorithms=algorithms))
+    Path(sidecar(path)).write_text(text)
+
+
+def test_a_llama_manifest_of_another_model_is_refused_in_one_line(model: Path) -> None:
     Path(sidecar(model)).write_text("xxh64     0123456789abcdef  m.gguf:token_embd.weight\n")
-    with pytest.raises(ManifestError) as info:
+    with pytest.raises(ManifestMismatchError) as info:
         load(model, "none")
     assert "\n" not in str(info.value)
-    assert "aiogguf verify" in str(info.value)
+    assert "not a manifest of this model" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("algorithms", [("xxh64",), ("sha256", "sha1")])
+def test_a_llama_manifest_is_checked_during_the_load(
+    model: Path, mode: str, algorithms: tuple[str, ...]
+) -> None:
+    """A ``llama-gguf-hash`` manifest (gguf-py's script writes sha1/sha256; llama.cpp's
+    tool xxh64 by default): a clean model loads; one bit flipped in two tensors names
+    both, by the line of the manifest that differs."""
+    _llama_sidecar(model, algorithms)
+    load(model, mode)
+    index = inspect_sync(model)
+    bad = [quantized(index), index.tensors[-1].name]
+    for name in bad:
+        t = index[name]
+        damage(
+            model,
+            t.offset + t.nbytes // 2,
+            bytes([model.read_bytes()[t.offset + t.nbytes // 2] ^ 4]),
+        )
+    error = failed(model, mode)
+    assert sorted(f.name for f in error.failures) == sorted(bad)
+    assert all("differs from line" in f.problem for f in error.failures)
 
 
 def test_keep_invalid_returns_the_model_with_every_bad_tensor(model: Path) -> None:
