@@ -320,6 +320,7 @@ def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
         uploads=uploads,
         validated=validation.checked,
         blocks_hashed=load.reading.integrity.hashed if load.reading.integrity else 0,
+        tensors_hashed=load.reading.integrity.tensors_hashed if load.reading.integrity else 0,
         warnings=load.warnings,
     )
 

@@ -18,7 +18,15 @@ from aiogguf.devices import enumerate_devices
 from aiogguf.events import ProgressHub
 from aiogguf.headers import read_whole_model
 from aiogguf.integrity import IntegrityChecker
-from aiogguf.integrity_sink import IntegritySink, block_grid, both, find_manifest, open_manifest
+from aiogguf.integrity_sink import (
+    IntegritySink,
+    block_grid,
+    both,
+    find_manifest,
+    load_sink,
+    open_manifest,
+    shares_mapped_reads,
+)
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.base import Device
 from aiogguf.io.files import DataFile
@@ -36,6 +44,7 @@ from aiogguf.jobs import (
     split_jobs,
     tensor_slots,
 )
+from aiogguf.llama_check import LlamaCheck, LlamaSink
 from aiogguf.load_resources import LoadResources
 from aiogguf.progress import LoadProgress
 from aiogguf.records import ParsedFile, Plan, WeightIndex
@@ -67,7 +76,7 @@ class Layout:
     jobs: list[list[ReadJob]]  # host jobs, per file
     device_jobs: list[ReadJob]
     staged_files: tuple[int, ...]
-    checker: IntegrityChecker | None  # the manifest's, when one is checked
+    checker: IntegrityChecker | LlamaCheck | None  # the manifest's, when one is checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +89,7 @@ class ReadSide:
     reader: Reader
     reads: HostReads
     progress: LoadProgress
-    integrity: IntegritySink | None
+    integrity: IntegritySink | LlamaSink | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +159,7 @@ class Front:
         devices: tuple[Device, ...],
         plan: Plan,
         planned: float,
-        checker: IntegrityChecker | None,
+        checker: IntegrityChecker | LlamaCheck | None,
     ) -> Layout:
         """Blocking: the buffers of ``plan`` laid out, its host images allocated, each
         file's disk found (a ``stat``) and the read jobs cut: work that grows with the
@@ -203,9 +212,7 @@ class Front:
             # With a manifest, a hash block lies inside one job but at a range's edges
             # (not for swapped O_DIRECT reads: the reads of two jobs overlap, and one
             # would write file bytes over those the other has swapped).
-            blocks=block_grid(checker)
-            if checker is not None and not (swapped and plan.mode == "direct")
-            else None,
+            blocks=block_grid(checker) if not (swapped and plan.mode == "direct") else None,
             alignment=alignment,
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
@@ -238,6 +245,8 @@ class Front:
         # With checks off nothing runs on check threads: the readers' stand in.
         check = config.load.check_tensors
         check_threads = resources.lend(workers, "aiogguf-check") if check else threads
+        # A manifest's hashing reads a mapped image's file anyway: its checks share the reads.
+        mapped_pieces = shares_mapped_reads(layout.checker, plan.mode)
         validation = Validation(
             index,
             layouts,
@@ -248,6 +257,7 @@ class Front:
             mode=plan.mode,
             enabled=check,
             swapped=swapped,
+            mapped_pieces=mapped_pieces,
             workers=workers,
             threads=check_threads,
             clock=clock,
@@ -257,10 +267,18 @@ class Front:
         pieces: PieceSink | None = validation.check_piece if validation.by_pieces else None
         integrity = None
         if layout.checker is not None:
-            integrity = IntegritySink(
-                layout.checker, files, resources.images, layouts, layout.slots, swapped=swapped
+            integrity = load_sink(
+                layout.checker,
+                index,
+                files,
+                resources.images,
+                layouts,
+                layout.slots,
+                swapped=swapped,
+                feed=pieces if mapped_pieces and not swapped else None,
             )
-            if not swapped:  # else the sink sees swapped bytes: it reads the file instead
+            # Swapped bytes are not the file's: the sink reads the file instead.
+            if not swapped and integrity.takes_pieces:
                 pieces = integrity if pieces is None else both(pieces, integrity)
         reader = Reader(
             files,

@@ -253,6 +253,19 @@ def _update_on_its_device(checker: TensorChecker, chunk: Bytes) -> None:
 # The one door the engine uses.
 
 
+def _file_fetch(file: ByteSource, offset: int) -> Callable[[int, int], Bytes]:
+    """A ``PieceCheck.finish_from`` fetch of a tensor's bytes from ``offset`` of
+    ``file``. The fetch raises ``LoadError`` if the file ends early."""
+
+    def fetch(lo: int, hi: int) -> Bytes:
+        raise_if_stopped()
+        data = numpy.empty(hi - lo, dtype=numpy.uint8)
+        file.read_into(data.data, offset + lo)
+        return data
+
+    return fetch
+
+
 def _tensor_data(slot: TensorSlot, image: Image | None) -> tuple[Bytes, ModuleType]:
     """A landed tensor's bytes where they live, and their array module."""
     if isinstance(image, DeviceImage):
@@ -270,7 +283,9 @@ class Validation:
     ``check_piece``, and ``tensors_ready`` then checks the few units that straddled two
     jobs. Every other tensor (mapped, or with bytes swapped after the read) is checked
     whole by ``tensors_ready``, on the check threads, while the load goes on; a mapped
-    one through reads of its file (``FileBytes`` says why). ``failures`` lists every bad
+    one through reads of its file (``FileBytes`` says why), unless a manifest's hashing
+    reads that file anyway (``mapped_pieces``): then it hands its reads to
+    ``check_piece``. ``failures`` lists every bad
     tensor in index order; ``times`` is the stage's work, both ways together.
 
     Usage: ``async with Validation(...) as v:`` around the tasks that call it; leaving
@@ -289,6 +304,7 @@ class Validation:
         mode: str,
         enabled: bool,
         swapped: bool,
+        mapped_pieces: bool = False,
         workers: int,
         threads: LoadThreads,
         clock: Callable[[], float],
@@ -302,6 +318,9 @@ class Validation:
         ``mode``: the resolved load mode.
         ``enabled``: ``load.check_tensors``; when False nothing is checked.
         ``swapped``: whether bytes are swapped after the read (no piece checks then).
+        ``mapped_pieces``: mapped tensors are checked piece by piece too: something
+            that reads their file anyway (the manifest's hashing) calls ``check_piece``
+            with what it read, and the units it did not cover are read back at the end.
         ``workers``: checks of whole tensors in flight at once, times two.
         ``threads``: the load's check threads.
         ``clock``: seconds since the load began.
@@ -320,7 +339,7 @@ class Validation:
             workers, threads=threads, meter=self._meter, passed=passed
         )
         self._threads = threads
-        host_read = mode in ("none", "direct")
+        host_read = mode in ("none", "direct") or mapped_pieces
         self._pieces = {
             name: PieceCheck(name, index[name].type, index[name].nbytes, offset=index[name].offset)
             for layout in layouts
@@ -425,6 +444,10 @@ class Validation:
                     )
 
                 return check.finish_from(fetch)
+            if isinstance(image, MappedImage):
+                # Through reads of the file, never the mapping (``FileBytes`` says why).
+                entry = self._index[check.name]
+                return check.finish_from(_file_fetch(self._files[entry.file_index], entry.offset))
             data, _ = _tensor_data(slot, image)
             return check.finish(data)
 

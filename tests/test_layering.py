@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.llama_hash": 1,
     "aiogguf.integrity": 1,
     "aiogguf.integrity_sink": 1,
+    "aiogguf.llama_check": 1,
     "aiogguf.hash_stream": 1,
     "aiogguf.model": 2,
     "aiogguf.torch_tensors": 2,
