@@ -13,6 +13,9 @@ load's reader threads, one keep-alive connection per thread, each ranged body re
   naming the URL (credentials and query left out) and the offset.
 - **Redirects** are followed (``MAX_REDIRECTS``); the ``Authorization`` header goes only
   to the host it was given for.
+- **Addresses.** With an ``address_policy`` (a server's: ``aiogguf.io.remote_policy``),
+  each host is resolved once per connection and only an address the policy accepts is
+  connected to, by its number: what was checked is what is reached, after redirects too.
 - **Stopping.** Sockets wait ``POLL_S`` at a time and call ``raise_if_stopped`` between
   waits and between pieces of a body, so a cancelled load ends its reads within about a
   second even when a server stalls; ``stall_s`` without a byte is a timeout.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import http.client
+import ipaddress
 import random
 import re
 import socket
@@ -37,13 +41,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from aiogguf.errors import LoadError
+from aiogguf.errors import LoadError, PathNotAllowedError
 from aiogguf.io.workers import raise_if_stopped
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["HttpSource", "RemoteOptions", "is_url", "redact_url"]
+    from aiogguf.io.remote_policy import IPAddress
+
+# Why an address may not be connected to (None: it may): see ``RemoteOptions``.
+AddressPolicy = Callable[[str, "IPAddress"], str | None]
+__all__ = ["AddressPolicy", "HttpSource", "RemoteOptions", "is_url", "redact_url"]
 
 # A socket waits this long at a time: between waits a stopped load is noticed.
 POLL_S = 0.25
@@ -77,12 +85,20 @@ class RemoteOptions:
     """How a remote file is read: ``retries`` in a row per range, the first after
     ``backoff_s`` (doubling, jittered), ``stall_s`` without a byte (or to connect) is a
     timeout, ``headers`` go with every request (``Authorization`` only to the first
-    host)."""
+    host). ``request_bytes``: the most one ranged request asks for (a longer read is
+    several, one after the other). ``address_policy(host, address)``: why an address
+    the host resolved to may not be connected to, or None; None: any address."""
 
     retries: int = 4
     backoff_s: float = 0.25
     stall_s: float = 30.0
     headers: Mapping[str, str] | None = None
+    request_bytes: int = 16 << 20
+    address_policy: AddressPolicy | None = None
+
+
+class AddressRefused(Exception):
+    """The policy refused every address of a host: not a fault another try fixes."""
 
 
 class _Changed(Exception):
@@ -121,8 +137,35 @@ class _PollingSSLSocket(ssl.SSLSocket):
         return _polled_recv(super().recv_into, self.stall_s, buffer, nbytes, flags)
 
 
-def _connect(host: str, port: int, stall_s: float, tls: ssl.SSLContext | None) -> socket.socket:
-    raw = socket.create_connection((host, port), timeout=min(stall_s, 10.0))
+def _allowed_addresses(host: str, port: int, policy: AddressPolicy) -> list[tuple[str, int]]:
+    """The addresses of ``host`` that ``policy`` accepts, resolved once; raises
+    ``AddressRefused`` when it accepts none."""
+    found: list[tuple[str, int]] = []
+    refusal = f"{host} resolves to no address"
+    for _, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        address = ipaddress.ip_address(sockaddr[0])
+        reason = policy(host, address)
+        if reason is None:
+            found.append((str(sockaddr[0]), port))
+        else:
+            refusal = reason
+    if not found:
+        raise AddressRefused(refusal)
+    return found
+
+
+def _connect(
+    host: str,
+    port: int,
+    stall_s: float,
+    tls: ssl.SSLContext | None,
+    policy: AddressPolicy | None = None,
+) -> socket.socket:
+    timeout = min(stall_s, 10.0)
+    if policy is None:
+        raw = socket.create_connection((host, port), timeout=timeout)
+    else:
+        raw = _first_connection(_allowed_addresses(host, port, policy), timeout)
     sock = _PollingSocket(fileno=raw.detach())
     sock.stall_s = stall_s
     sock.settimeout(POLL_S)
@@ -139,19 +182,38 @@ def _connect(host: str, port: int, stall_s: float, tls: ssl.SSLContext | None) -
     return wrapped
 
 
+def _first_connection(addresses: list[tuple[str, int]], timeout: float) -> socket.socket:
+    """A connection to the first of ``addresses`` (numbers: nothing is resolved again)
+    that answers."""
+    error: OSError | None = None
+    for address in addresses:
+        try:
+            return socket.create_connection(address, timeout=timeout)
+        except OSError as exc:
+            error = exc
+    assert error is not None
+    raise error
+
+
 class _Connection(http.client.HTTPConnection):
     """One keep-alive connection to one host, over a polling socket."""
 
     def __init__(
-        self, scheme: str, host: str, port: int, stall_s: float, tls: ssl.SSLContext
+        self,
+        scheme: str,
+        host: str,
+        port: int,
+        options: RemoteOptions,
+        tls: ssl.SSLContext,
     ) -> None:
         super().__init__(host, port, timeout=POLL_S)
         self.key = (scheme, host, port)
-        self._stall_s = stall_s
+        self._stall_s = options.stall_s
+        self._policy = options.address_policy
         self._tls = tls if scheme == "https" else None
 
     def connect(self) -> None:
-        self.sock = _connect(self.host, self.port, self._stall_s, self._tls)
+        self.sock = _connect(self.host, self.port, self._stall_s, self._tls, self._policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +294,12 @@ class HttpSource:
             raise LoadError(
                 self.path, offset, f"range up to byte {end} is past the end ({self.size_bytes})"
             )
+        step = max(self.options.request_bytes, 1)
+        for start in range(0, len(view), step):
+            self._read_range(view[start : start + step], offset + start)
+
+    def _read_range(self, view: builtins.memoryview, offset: int) -> None:
+        """One ranged request's worth, retried from where it stops."""
         self._with_retries(offset, lambda done: self._fetch(view, offset, done))
 
     def read_upto(self, offset: int, nbytes: int) -> bytes:
@@ -294,6 +362,8 @@ class HttpSource:
             conn, response = self._request(start, end)
         except (*_RETRIABLE, _Fault) as exc:
             raise _Progress(done, exc) from exc
+        except AddressRefused as exc:
+            raise PathNotAllowedError(self.path, f"not connected: {exc}") from None
         try:
             self._check_response(response, start, end)
             while done < len(view):
@@ -400,7 +470,7 @@ class HttpSource:
             return conn
         if conn is not None:
             self._drop(conn)
-        fresh = _Connection(where.scheme, where.host, where.port, self.options.stall_s, self._tls)
+        fresh = _Connection(where.scheme, where.host, where.port, self.options, self._tls)
         with self._lock:
             if self._closed:
                 raise LoadError(self.path, None, "the source is closed")

@@ -513,6 +513,7 @@ class _Front:
     clock: Callable[[], float]
     hub: ProgressHub
     remote: bool  # a URL: its one file is an ``HttpSource`` (``aiogguf.remote``)
+    opener: FileOpener | None = None  # opens a URL too when it is a ``RemoteOpener``
 
     def parse_and_plan(
         self, path: str
@@ -524,7 +525,7 @@ class _Front:
         header, and nothing is opened."""
         whole: tuple[ParsedFile, WeightIndex | None]
         if self.remote:  # every split too: each opened and parsed on this thread
-            whole = read_remote_model(path, self.config, self.resources.keep_file)
+            whole = read_remote_model(path, self.config, self.resources.keep_file, self.opener)
         else:
             whole = read_whole_model(path, self.resources.opened)
         first, index = whole
@@ -749,7 +750,7 @@ async def run_load(
             config = remote_config(os.fspath(path), config, opener)
         resources = await stack.enter_async_context(LoadResources(opener))
         threads = resources.thread
-        front = _Front(resources, config, devices, hub.elapsed, hub, remote)
+        front = _Front(resources, config, devices, hub.elapsed, hub, remote, opener)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
             index, t1, layout, reading = whole

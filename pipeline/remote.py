@@ -8,18 +8,30 @@ from its ranged reads, which grow until the header is complete, and the read and
 validate stages read it as any ``ByteSource``. What a local file has and a URL has not
 is skipped here: there is nothing to map and no ``O_DIRECT`` (mode ``auto`` is ``none``,
 ``mmap``/``mlock``/``direct`` are refused), no disk to find (the reader count is
-``remote_readers``), no ``fadvise``. A split set is named by its first split, as
+``remote_in_flight``), no ``fadvise``. A split set is named by its first split, as
 locally; the others are opened and parsed one after the other.
+
+A load that may read any path opens URLs itself (``open_remote``); one whose opener is a
+``RemoteOpener`` (a server's, ``aiogguf.server_remote``) opens them through it, which
+applies the server's rules and hands over what it opened to admit the request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 from aiogguf.config import Config
 from aiogguf.errors import LoadError, PathNotAllowedError, SplitError
 from aiogguf.hub import is_hub_name, parse_hub_name, resolve_hub_file
-from aiogguf.io.http_source import HttpSource, RemoteOptions, is_url, redact_url
+from aiogguf.io.http_source import (
+    AddressPolicy,
+    HttpSource,
+    RemoteOptions,
+    is_url,
+    redact_url,
+)
 from aiogguf.io.opener import AnyPathOpener, FileOpener
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.records import ParsedFile, WeightIndex
@@ -27,7 +39,28 @@ from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import SPLIT_MAX_COUNT, is_split, read_header_from, split_paths
 from aiogguf.stages.read import Disks
 
-__all__ = ["is_remote", "open_remote", "read_remote_model", "remote_config", "remote_disks"]
+__all__ = [
+    "RemoteOpener",
+    "is_remote",
+    "open_remote",
+    "read_remote_model",
+    "remote_config",
+    "remote_disks",
+    "split_names",
+]
+
+
+@runtime_checkable
+class RemoteOpener(Protocol):
+    """An opener that also opens remote files, under its own rules."""
+
+    def open(self, path: str) -> int:
+        """As ``FileOpener.open``."""
+        ...
+
+    def open_remote(self, name: str, config: Config) -> tuple[HttpSource, str]:
+        """As ``open_remote``; raises ``PathNotAllowedError`` for a name it refuses."""
+        ...
 
 
 def is_remote(path: str) -> bool:
@@ -38,8 +71,9 @@ def is_remote(path: str) -> bool:
 def remote_config(url: str, config: Config, opener: FileOpener | None) -> Config:
     """``config`` for a load of ``url``: mode ``auto`` becomes ``none``; a mode that
     needs a local file raises ``LoadError``. Only a load that may read any path may read
-    a URL: an ``opener`` held to roots (a server's) raises ``PathNotAllowedError``."""
-    if opener is not None and not isinstance(opener, AnyPathOpener):
+    a URL, or one whose opener is a ``RemoteOpener``: an ``opener`` held to roots raises
+    ``PathNotAllowedError``."""
+    if opener is not None and not isinstance(opener, (AnyPathOpener, RemoteOpener)):
         raise PathNotAllowedError(redact_url(url))
     mode = str(config.load.mode)
     if mode == "auto":
@@ -51,17 +85,25 @@ def remote_config(url: str, config: Config, opener: FileOpener | None) -> Config
     return config
 
 
-def open_remote(url: str, config: Config) -> tuple[HttpSource, str]:
+def open_remote(
+    url: str, config: Config, policy: AddressPolicy | None = None
+) -> tuple[HttpSource, str]:
     """Blocking: ``url`` opened (its first request: size and ETag), and the name that
     opens the same version (for an ``hf://`` name: pinned to the commit the hub resolved
-    it to; the file must have the size the hub gave)."""
+    it to; the file must have the size the hub gave). ``policy``: the addresses it may
+    connect to (``RemoteOptions.address_policy``)."""
     pipeline = config.pipeline
-    options = RemoteOptions(retries=pipeline.remote_retries, stall_s=pipeline.remote_timeout)
+    options = RemoteOptions(
+        retries=pipeline.remote_retries,
+        stall_s=pipeline.remote_timeout,
+        request_bytes=pipeline.remote_request_size,
+        address_policy=policy,
+    )
     if not is_hub_name(url):
         return HttpSource(url, options), url
     found = resolve_hub_file(url)
-    headers = {"Authorization": f"Bearer {found.token}"} if found.token else None
-    options = RemoteOptions(options.retries, options.backoff_s, options.stall_s, headers)
+    if found.token:
+        options = replace(options, headers={"Authorization": f"Bearer {found.token}"})
     source = HttpSource(found.url, options, name=found.name)
     if found.size is not None and source.size_bytes != found.size:
         source.close()
@@ -72,21 +114,26 @@ def open_remote(url: str, config: Config) -> tuple[HttpSource, str]:
 
 
 def read_remote_model(
-    path: str, config: Config, keep: Callable[[HttpSource], None]
+    path: str,
+    config: Config,
+    keep: Callable[[HttpSource], None],
+    opener: FileOpener | None = None,
 ) -> tuple[ParsedFile, WeightIndex]:
     """Blocking: open ``path`` and, for a split set named by its first split, every
     other split (one after the other, each handed to ``keep`` as it opens); parse each
-    header from growing ranged reads, and index the model.
+    header from growing ranged reads, and index the model. Each file is opened by
+    ``opener`` when it is a ``RemoteOpener``, else by ``open_remote``.
 
     Raises ``SplitError``: ``path`` is a later split, or its set's names cannot be made
     (a URL with a query); what ``open_remote``, the parse and ``build_index`` raise."""
-    source, pinned = open_remote(path, config)
+    open_one = opener.open_remote if isinstance(opener, RemoteOpener) else open_remote
+    source, pinned = open_one(path, config)
     keep(source)
     parsed = [read_header_from(source.path, source.size_bytes, source.read_upto)]
     if is_split(parsed[0]):
         for name in _other_splits(parsed[0], pinned):
             raise_if_stopped()
-            other, _ = open_remote(name, config)
+            other, _ = open_one(name, config)
             keep(other)
             parsed.append(read_header_from(other.path, other.size_bytes, other.read_upto))
     return parsed[0], build_index(tuple(parsed))
@@ -100,22 +147,29 @@ def _other_splits(first: ParsedFile, pinned: str) -> list[str]:
     if split_no != 0:
         which = "has no split.no" if split_no is None else f"is split {split_no + 1} of {count}"
         raise SplitError(first.path, f"a split set is loaded from its first split; this {which}")
+    return split_names(pinned, count, first.path)
+
+
+def split_names(pinned: str, count: int, shown: str) -> list[str]:
+    """The names of the ``count - 1`` splits after the one opened as ``pinned`` (a URL,
+    or an ``hf://`` name at a commit), in order; ``SplitError`` naming ``shown`` when
+    they cannot be made."""
     if is_hub_name(pinned):
         hub = parse_hub_name(pinned)
         at = f"@{hub.revision}" if hub.revision else ""
         names = split_paths(hub.filename, 0, count)
         return [f"hf://{hub.repo_id}/{name}{at}" for name in names[1:]]
     if "?" in pinned or "#" in pinned:
-        raise SplitError(first.path, "a split set by URL needs names without a query")
+        raise SplitError(shown, "a split set by URL needs names without a query")
     try:
         return split_paths(pinned, 0, count)[1:]
     except SplitError as exc:  # said of the name without its credentials
-        raise SplitError(first.path, exc.problem) from None
+        raise SplitError(shown, exc.problem) from None
 
 
 def remote_disks(files: Sequence[object], config: Config) -> Disks:
-    """The reader limit of remote files: ``remote_readers`` per host."""
+    """The reader limit of remote files: ``remote_in_flight`` per host."""
     return Disks(
         tuple(f"remote {f.host}" if isinstance(f, HttpSource) else "?" for f in files),
-        tuple(config.pipeline.remote_readers for _ in files),
+        tuple(config.pipeline.remote_in_flight for _ in files),
     )
