@@ -336,6 +336,45 @@ async def test_hf_names_need_allow_remote_hf_and_an_allowed_endpoint(
         assert "the hub cannot resolve it" in body["error"]
 
 
+@pytest.mark.anyio
+async def test_a_split_set_is_counted_whole_and_opened_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every split's size counts before the load; the load reads the sources opened for
+    the count (the hub resolves each split once), at the first split's commit."""
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    root = tmp_path / "split"
+    root.mkdir()
+    write_synthetic_model(root / "s.gguf", size_bytes="2MiB", seed=5, split_count=3)
+    names = [f"s-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    total = sum((root / n).stat().st_size for n in names)
+    with DirServer(root) as cdn, HubServer(cdn, {f"own/repo/{n}": n for n in names}) as split_hub:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{split_hub.port}")
+        access = RemoteAccess.from_settings(allow_remote=["hf"], networks=[LOOPBACK])
+        name = f"hf://own/repo/{names[0]}@main"
+        tight = create_app(policy=ServerPolicy(remote=access, max_loaded_bytes=total - 1))
+        async with running(tight) as base, aiohttp.ClientSession() as http:
+            status, body = await post(http, base, name)
+            assert status == 507, body
+            assert f"{total} bytes would take" in body["error"]
+        split_hub.faults.headers.clear()
+        roomy = create_app(policy=ServerPolicy(remote=access, max_loaded_bytes=total))
+        async with running(roomy) as base, aiohttp.ClientSession() as http:
+            status, body = await post(http, base, name)
+            assert status == 201, body
+            state = await settled(http, base, body["id"])
+            assert state["state"] == "ready", state
+        resolved = [h["path"] for h in split_hub.faults.headers if "Range" not in h]
+        assert resolved == [
+            f"/own/repo/resolve/main/{names[0]}",
+            f"/own/repo/resolve/{COMMIT}/{names[1]}",
+            f"/own/repo/resolve/{COMMIT}/{names[2]}",
+        ]
+        probes = [h for h in cdn.faults.headers if h.get("Range") == "bytes=0-0"]
+        assert len(probes) == 2 * 3  # one per split, per server: none by the load itself
+
+
 def test_http_source_connects_only_where_the_policy_allows(origin: DirServer) -> None:
     """The library's own check: what was resolved and checked is what is connected to."""
     url = origin.url("m.gguf")
