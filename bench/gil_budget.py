@@ -80,7 +80,7 @@ CASES: dict[str, dict[str, Any]] = {
 }
 # Counted samples of the load's one-off front (parse, index, plan, layout, the checks'
 # set-up): a cost per load, not per byte, shown apart.
-FRONT = "_Front.parse_and_plan"
+FRONT = "Front.parse_and_plan"
 TOP = 8
 TIMEOUT_S = 900.0
 

@@ -68,6 +68,7 @@ from aiogguf.io.opener import FileOpener as FileOpener
 from aiogguf.io.opener import RootedOpener as RootedOpener
 from aiogguf.manifest import Manifest as Manifest
 from aiogguf.model import Model as Model
+from aiogguf.ready import TensorStream as TensorStream
 from aiogguf.records import Plan as Plan
 from aiogguf.records import TensorClass as TensorClass
 from aiogguf.records import TensorEntry as TensorEntry
@@ -108,6 +109,7 @@ __all__ = [
     "TensorEntry",
     "TensorFailure",
     "TensorPlacement",
+    "TensorStream",
     "TensorValidationError",
     "UploadReport",
     "VerifyReport",

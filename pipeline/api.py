@@ -27,6 +27,7 @@ from aiogguf.checks import PieceCheck
 from aiogguf.config import Config, load_config
 from aiogguf.devices import enumerate_devices
 from aiogguf.engine import load_thread_count, one_error, run_load
+from aiogguf.errors import LoadError
 from aiogguf.events import Progress, ProgressCallback, ProgressHub, Stage
 from aiogguf.io.buffers import memory_held_by_views
 from aiogguf.io.devices.base import Device, UploadTarget
@@ -35,6 +36,7 @@ from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.io.opener import FileOpener
 from aiogguf.io.workers import LoadThreads
 from aiogguf.model import Model
+from aiogguf.ready import ReadyTensors, TensorStream
 from aiogguf.rehearsal import NAME as REHEARSAL_NAME
 from aiogguf.rehearsal import RehearsalFile
 
@@ -58,6 +60,7 @@ class LoadHandle:
 
     Progress: pass ``progress=callback``, or iterate ``handle.events()`` in another task
     while the ``async with`` runs.
+    Tensors as they are ready: ``handle.tensors_as_ready()``.
     """
 
     def __init__(
@@ -74,14 +77,50 @@ class LoadHandle:
         self.hub: ProgressHub = ProgressHub(progress)
         self._devices = devices
         self.model: Model | None = None
+        self._ready = ReadyTensors()
+        self._started = False
 
     def events(self) -> AsyncIterator[Progress]:
         """This load's progress events; the iteration ends after the final one."""
         return self.hub.events()
 
+    def tensors_as_ready(self) -> TensorStream:
+        """``(name, array)`` for each tensor once it has landed and passed its checks,
+        while the load goes on, in the order they become ready (not the index's):
+        ``async with handle.tensors_as_ready() as tensors: async for name, array in
+        tensors: ...`` runs the load while the block consumes; leaving the block ends it
+        (a load still running is cancelled, the model closed). ``tensors.torch()``
+        gives ``torch.Tensor``s instead. Each tensor comes once; a bad one never, and the
+        iteration then raises the load's error (``TensorValidationError`` naming every
+        bad tensor). Arrays are views of the model's buffers, as ``Model.tensors`` gives
+        them. Iterated without ``async with``, it reads a load another task runs (``async
+        with handle as model``), as ``events()`` does. docs/python.md has the details."""
+        return TensorStream(self._ready, self._claim, self._enter, self._leave)
+
+    def _claim(self) -> None:
+        if self._started:
+            raise RuntimeError("a LoadHandle loads once: call aiogguf.load(...) again")
+        self._started = True
+
+    async def _leave(self) -> None:
+        await self.__aexit__(None, None, None)
+
     async def __aenter__(self) -> Model:
-        with one_error():
-            return await self._load()
+        self._claim()
+        return await self._enter()
+
+    async def _enter(self) -> Model:
+        try:
+            with one_error():
+                return await self._load()
+        except BaseException as exc:
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                # Not the cancellation itself: an iteration in another task is not
+                # cancelled, its load is.
+                self._ready.fail(LoadError(self.path, None, "the load was cancelled"))
+            else:
+                self._ready.fail(exc)
+            raise
 
     def __await__(self) -> NoReturn:
         # ``await aiogguf.load(...)`` would otherwise be Python's bare "object LoadHandle
@@ -102,6 +141,7 @@ class LoadHandle:
                 stack,
                 devices=self._devices,
                 opener=self._opener,
+                ready=self._ready,
             )
         except BaseException as exc:
             # Release what the load holds even while being cancelled; the stack is told
@@ -159,6 +199,9 @@ def load(
     ``MODEL.gguf.manifest.json`` beside the model, if any) checks every byte against a
     hash manifest as it lands: ``ManifestMismatchError`` for one of another model,
     ``IntegrityError`` (a ``TensorValidationError``) naming every tensor that differs.
+    ``path`` may be a URL or ``hf://OWNER/REPO/FILE.gguf[@REVISION]``: the latter is
+    checked against the hub's sha256 (``IntegrityError``) and read from, or written to,
+    the hub's cache unless ``cache=False`` (docs/remote.md).
     """
     return LoadHandle(path, load_config(config, **overrides), progress, devices, opener)
 

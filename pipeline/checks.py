@@ -756,9 +756,9 @@ class PieceCheck:
         return self.finish_from(lambda lo, hi: data[lo:hi])
 
     def finish_from(self, fetch: Callable[[int, int], Bytes]) -> TensorFailure | None:
-        """``finish`` for a tensor that is not in host memory (a device buffer):
-        ``fetch(lo, hi)`` returns its bytes ``[lo, hi)`` as a 1-D uint8 host array, and
-        is asked only for the few units no piece covered."""
+        """``finish`` for a tensor not in host memory (on a device, or a mapped file's):
+        ``fetch(lo, hi)`` returns its bytes ``[lo, hi)`` as a 1-D uint8 host array; asked
+        only for units no piece covered, ``HOST_SLICE_BYTES`` at most (a fetch copies)."""
         with self._lock:
             self._finished = True
             if self._broken:
@@ -767,7 +767,8 @@ class PieceCheck:
             else:
                 gaps = self._covered.claim(0, self._units) if self._scan and self._units else []
         unit = self._scanner.unit_bytes
-        for lo, hi in gaps:
+        step = max(1, HOST_SLICE_BYTES // unit)
+        for lo, hi in ((at, min(at + step, end)) for g, end in gaps for at in range(g, end, step)):
             self._scan_gaps(fetch(lo * unit, hi * unit), lo * unit, [(lo, hi)])
         return self._scanner.failure(self.name, self.nbytes, self._tally)
 

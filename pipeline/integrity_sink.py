@@ -16,7 +16,9 @@ Where each block of a file's data section is hashed:
 - mapped images (``mmap``, ``mlock``) and bytes swapped after their read: by the reader
   thread after the job, through ``pread`` into a scratch buffer of its own
   (``check_from_file``), never through the mapping: a file cut short during the load
-  would kill the process at the first page past its end;
+  would kill the process at the first page past its end. The tensor checks of a mapped
+  image take their pieces from the same reads (``feed``), so that the file is read
+  once, not twice;
 - the blocks no landed piece held whole (the edges): once the reads are done
   (``finish``), from the file, with the parts that landed in host memory copied over
   from there (unless they were byte-swapped). Parts of an edge block that went to a
@@ -37,7 +39,6 @@ from typing import TYPE_CHECKING
 
 from aiogguf.errors import (
     IntegrityError,
-    ManifestError,
     ManifestMismatchError,
     TensorFailure,
     TensorValidationError,
@@ -48,8 +49,8 @@ from aiogguf.io.opener import OpenFiles
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.jobs import BufferLayout, PieceSink, ReadJob, TensorSlot
+from aiogguf.llama_check import LlamaCheck, LlamaSink
 from aiogguf.manifest import (
-    Manifest,
     block_hasher,
     parse_manifest,
     read_manifest_text,
@@ -60,7 +61,16 @@ from aiogguf.records import WeightIndex
 if TYPE_CHECKING:
     from aiogguf.images import Image
 
-__all__ = ["IntegritySink", "block_grid", "both", "find_manifest", "open_manifest", "verdict"]
+__all__ = [
+    "IntegritySink",
+    "block_grid",
+    "both",
+    "find_manifest",
+    "load_sink",
+    "open_manifest",
+    "shares_mapped_reads",
+    "verdict",
+]
 
 AUTO = "auto"
 # A mapped load's blocks are read from the file in chunks this big, each hashed while
@@ -79,28 +89,19 @@ def find_manifest(setting: str | None, model_path: str) -> str | None:
     return sidecar if os.path.isfile(sidecar) else None
 
 
-def _read(path: str, opened: OpenFiles) -> Manifest:
+def open_manifest(
+    path: str, index: WeightIndex, files: Sequence[ByteSource], opened: OpenFiles
+) -> IntegrityChecker | LlamaCheck:
+    """Blocking: the manifest at ``path`` read and matched to the model; for one of
+    aiogguf's own, each file's header checked against its fingerprint. The checker of
+    the load. Raises ``ManifestError`` (not a usable manifest) or
+    ``ManifestMismatchError`` (one of another model, or a damaged header)."""
     # Through the load's opener, as its model files are (a duplicate: the load's file
     # table closes its own).
     text = read_manifest_text(path, fd=os.dup(opened.open(path)))
     if not text.lstrip().startswith("{"):
-        raise ManifestError(
-            path,
-            "",
-            "a llama-gguf-hash manifest is checked by 'aiogguf verify', not during a load "
-            "(it holds no block digests)",
-        )
-    return parse_manifest(text, path)
-
-
-def open_manifest(
-    path: str, index: WeightIndex, files: Sequence[ByteSource], opened: OpenFiles
-) -> IntegrityChecker:
-    """Blocking: the manifest at ``path`` read, matched to the model and each file's
-    header checked against its fingerprint; the checker of the load. Raises
-    ``ManifestError`` (not a usable manifest) or ``ManifestMismatchError`` (one of
-    another model, or a damaged header)."""
-    manifest = _read(path, opened)
+        return LlamaCheck.open(text, path, index)
+    manifest = parse_manifest(text, path)
     match_manifest(manifest, index, path)
     names = [os.path.basename(f.path) for f in index.files]
     checker = IntegrityChecker(manifest, index, file_names=names)
@@ -117,9 +118,11 @@ def open_manifest(
     return checker
 
 
-def block_grid(checker: IntegrityChecker) -> list[tuple[int, int]]:
+def block_grid(checker: IntegrityChecker | LlamaCheck | None) -> list[tuple[int, int]] | None:
     """Per file: where its data section starts, and the block size (``split_jobs``
-    cuts the jobs there)."""
+    cuts the jobs there); None without block digests."""
+    if not isinstance(checker, IntegrityChecker):
+        return None
     manifest = checker.manifest
     return [(f.header_bytes, manifest.block_bytes) for f in manifest.files]
 
@@ -145,9 +148,36 @@ def both(first: PieceSink, second: PieceSink) -> PieceSink:
     return sink
 
 
+def load_sink(
+    checker: IntegrityChecker | LlamaCheck,
+    index: WeightIndex,
+    files: Sequence[ByteSource],
+    images: Sequence[Image | None],
+    layouts: Sequence[BufferLayout],
+    slots: dict[str, TensorSlot],
+    *,
+    swapped: bool,
+    feed: PieceSink | None,
+) -> IntegritySink | LlamaSink:
+    """The load's side of ``checker`` (``feed``: as ``IntegritySink``'s)."""
+    if isinstance(checker, LlamaCheck):
+        return LlamaSink(checker, index, files, images, layouts, slots, swapped=swapped)
+    return IntegritySink(checker, files, images, layouts, slots, swapped=swapped, feed=feed)
+
+
+def shares_mapped_reads(checker: IntegrityChecker | LlamaCheck | None, mode: str) -> bool:
+    """Whether the checks of mapped tensors take their pieces from the manifest's
+    reads of the file (``IntegritySink``'s ``feed``)."""
+    return isinstance(checker, IntegrityChecker) and mode in ("mmap", "mlock")
+
+
 class IntegritySink:
     """One load's blocks checked against its manifest, from any thread (the module's
     docstring says where each block is hashed)."""
+
+    # The engine hands it the landed pieces (``__call__``).
+    takes_pieces = True
+    tensors_hashed = 0  # blocks, not tensors, are its unit (``hashed``)
 
     def __init__(
         self,
@@ -158,8 +188,13 @@ class IntegritySink:
         slots: dict[str, TensorSlot],
         *,
         swapped: bool = False,
+        feed: PieceSink | None = None,
     ) -> None:
+        """``feed`` (a ``PieceSink``, the tensor checks) also gets each piece that
+        ``check_from_file`` reads: the checks of mapped tensors then need no reads of
+        their own."""
         self.checker = checker
+        self._feed = feed
         # Swapped bytes land converted: every block is then hashed from the file.
         self._swapped = swapped
         self._files = files
@@ -245,6 +280,8 @@ class IntegritySink:
                 part = chunk[: min(FILE_CHUNK_BYTES, hi - at)]
                 self._files[i].read_into(part, at)
                 state.update(part)
+                if self._feed is not None:
+                    self._feed(job, at, part)
             if state.digest() != want[k]:
                 # Read whole, to name the tensors in it (a failing load only).
                 view = self._scratch_view()[: hi - lo]

@@ -25,6 +25,7 @@ from aiogguf.records import BufferPlan, FileRange, Plan, WeightIndex
 
 __all__ = [
     "BufferLayout",
+    "Passed",
     "PieceSink",
     "RangeSlot",
     "ReadJob",
@@ -116,6 +117,11 @@ class SlotFill(Protocol):
 
     def __call__(self, job: ReadJob, slot: memoryview, /) -> None:
         """Write ``job``'s ``nbytes`` into ``slot`` (and hand them to the piece sink)."""
+
+
+Passed = Callable[[Sequence[str]], None]
+"""Told, on the loop's thread, the tensors that are ready to hand on: every byte landed
+and every check passed (the engine wires ``aiogguf.ready``'s record here)."""
 
 
 @dataclass(frozen=True, slots=True)

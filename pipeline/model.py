@@ -25,7 +25,7 @@ else:
     # documentation tools) the annotation resolves to Any.
     TorchTensor = Any
 
-__all__ = ["Model", "ModelState"]
+__all__ = ["Model", "ModelState", "array_shape", "tensor_array"]
 
 
 class ModelState(Enum):
@@ -42,6 +42,18 @@ def array_shape(entry: TensorEntry) -> tuple[int, ...]:
         return tuple(reversed(dims))
     outer = tuple(reversed(dims[1:]))
     return (*outer, dims[0] // t.block_elems, t.block_bytes)
+
+
+def tensor_array(image: Image, slot: TensorSlot, entry: TensorEntry) -> Any:
+    """The tensor's array over ``image``, where its bytes lie (no copy): numpy for host
+    memory, the device's array type otherwise, shaped as ``array_shape`` says."""
+    dtype = entry.type.element_dtype or "u1"
+    shape = array_shape(entry)
+    if isinstance(image, DeviceImage):
+        data = image.buffer.array(slot.buffer_offset, slot.nbytes)
+        return data.view(image.buffer.xp.dtype(dtype)).reshape(shape)
+    raw = np.frombuffer(image.tensor_bytes(slot), dtype=np.uint8)
+    return raw.view(np.dtype(dtype)).reshape(shape)
 
 
 class _Tensors(Mapping[str, Any]):
@@ -124,14 +136,7 @@ class Model:
 
     def _array(self, name: str) -> Any:
         image, slot = self._image(name)
-        entry = self.index[name]
-        dtype = entry.type.element_dtype or "u1"
-        shape = array_shape(entry)
-        if isinstance(image, DeviceImage):
-            data = image.buffer.array(slot.buffer_offset, slot.nbytes)
-            return data.view(image.buffer.xp.dtype(dtype)).reshape(shape)
-        raw = np.frombuffer(image.tensor_bytes(slot), dtype=np.uint8)
-        return raw.view(np.dtype(dtype)).reshape(shape)
+        return tensor_array(image, slot, self.index[name])
 
     def torch(self, name: str) -> TorchTensor:
         """The tensor as a ``torch.Tensor`` sharing its memory (no copy), on its device

@@ -11,20 +11,28 @@ is skipped here: there is nothing to map and no ``O_DIRECT`` (mode ``auto`` is `
 ``remote_in_flight``), no ``fadvise``. A split set is named by its first split, as
 locally; the others are opened and parsed one after the other.
 
+An ``hf://`` file is the hub's: ``route_remote`` finds it in the hub's cache (then the
+load reads a local file, in any mode), and otherwise its ``HubSource``
+(``aiogguf.hub_cache``) checks its digest and writes the cache as it streams
+(``expect_reads`` tells it what the reads will land, ``finish_remote`` waits for the
+verdict).
+
 A load that may read any path opens URLs itself (``open_remote``); one whose opener is a
 ``RemoteOpener`` (a server's, ``aiogguf.server_remote``) opens them through it, which
-applies the server's rules and hands over what it opened to admit the request.
+applies the server's rules and hands over what it opened to admit the request (such a
+load reads the hub's cache never: its opener opens no local file).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from aiogguf.config import Config
 from aiogguf.errors import LoadError, PathNotAllowedError, SplitError
-from aiogguf.hub import is_hub_name, parse_hub_name, resolve_hub_file
+from aiogguf.hub import HubFile, is_hub_name, parse_hub_name, resolve_hub_file
+from aiogguf.hub_cache import Digest, HubSource, cache_entry, find_cached
 from aiogguf.io.http_source import (
     AddressPolicy,
     HttpSource,
@@ -34,6 +42,7 @@ from aiogguf.io.http_source import (
 )
 from aiogguf.io.opener import AnyPathOpener, FileOpener
 from aiogguf.io.workers import raise_if_stopped
+from aiogguf.jobs import ReadJob
 from aiogguf.records import ParsedFile, WeightIndex
 from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import SPLIT_MAX_COUNT, is_split, read_header_from, split_paths
@@ -41,11 +50,14 @@ from aiogguf.stages.read import Disks
 
 __all__ = [
     "RemoteOpener",
+    "RemoteRoute",
+    "finish_remote",
     "is_remote",
     "open_remote",
     "read_remote_model",
     "remote_config",
     "remote_disks",
+    "route_remote",
     "split_names",
 ]
 
@@ -85,13 +97,70 @@ def remote_config(url: str, config: Config, opener: FileOpener | None) -> Config
     return config
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteRoute:
+    """Where a remote name is read: ``path`` (a URL or ``hf://`` name, or the hub
+    cache's local file) with ``config``; ``remote`` holds what a remote load needs (the
+    hub's resolution, when it was asked), None for the cached file."""
+
+    path: str
+    config: Config
+    remote: RemoteName | None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteName:
+    """A remote name as resolved so far (``hub``: the first file's, if asked), and the
+    ``RemoteOpener`` that opens its files, if any."""
+
+    hub: HubFile | None
+    opener: RemoteOpener | None = None
+
+    def read_model(
+        self, path: str, config: Config, keep: Callable[[HttpSource], None]
+    ) -> tuple[ParsedFile, WeightIndex]:
+        """``read_remote_model`` with the resolution made so far."""
+        return read_remote_model(path, config, keep, self.hub, self.opener)
+
+    def expect_reads(self, files: Sequence[object], jobs: Sequence[Sequence[ReadJob]]) -> None:
+        """Tell each hub file which of its bytes the load's reads will land (``jobs``:
+        every host and device job): its digest fetches the others itself."""
+        for i, f in enumerate(files):
+            if isinstance(f, HubSource):
+                f.expect(
+                    (job.useful_start, job.useful_end)
+                    for group in jobs
+                    for job in group
+                    if job.file_index == i
+                )
+
+
+def route_remote(path: str, config: Config, opener: FileOpener | None) -> RemoteRoute:
+    """Blocking (an ``hf://`` name asks the hub which commit it names): the cached file
+    when the hub's cache has it (``cache`` on, and a load that may read any path), else
+    ``path`` with ``remote_config``'s config."""
+    found = None
+    if isinstance(opener, RemoteOpener):  # it opened the files already; no local file
+        return RemoteRoute(path, remote_config(path, config, opener), RemoteName(None, opener))
+    if is_hub_name(path) and config.load.cache:
+        remote_config(path, config.with_overrides(mode="none"), opener)  # may it read?
+        local, found = find_cached(path, resolve_hub_file)
+        if local is not None and (opener is None or isinstance(opener, AnyPathOpener)):
+            return RemoteRoute(local, config, None)
+    return RemoteRoute(path, remote_config(path, config, opener), RemoteName(found))
+
+
 def open_remote(
-    url: str, config: Config, policy: AddressPolicy | None = None
+    url: str,
+    config: Config,
+    found: HubFile | None = None,
+    *,
+    policy: AddressPolicy | None = None,
 ) -> tuple[HttpSource, str]:
     """Blocking: ``url`` opened (its first request: size and ETag), and the name that
     opens the same version (for an ``hf://`` name: pinned to the commit the hub resolved
-    it to; the file must have the size the hub gave). ``policy``: the addresses it may
-    connect to (``RemoteOptions.address_policy``)."""
+    it to, or ``found`` when it was; the file must have the size the hub gave).
+    ``policy``: the addresses it may connect to (``RemoteOptions.address_policy``)."""
     pipeline = config.pipeline
     options = RemoteOptions(
         retries=pipeline.remote_retries,
@@ -101,39 +170,50 @@ def open_remote(
     )
     if not is_hub_name(url):
         return HttpSource(url, options), url
-    found = resolve_hub_file(url)
+    found = found or resolve_hub_file(url)
     if found.token:
         options = replace(options, headers={"Authorization": f"Bearer {found.token}"})
+    pinned = f"hf://{found.repo_id}/{found.filename}@{found.commit}"
+    if (digest := Digest.of_etag(found.etag)) is not None:
+        entry = cache_entry(found) if config.load.cache else None
+        hub_source = HubSource(
+            found.url, options, name=found.name, size=found.size, digest=digest, entry=entry
+        )
+        return hub_source, pinned
     source = HttpSource(found.url, options, name=found.name)
     if found.size is not None and source.size_bytes != found.size:
         source.close()
         raise LoadError(
             found.name, None, f"the hub says {found.size} bytes, its file has {source.size_bytes}"
         )
-    return source, f"hf://{found.repo_id}/{found.filename}@{found.commit}"
+    return source, pinned
 
 
 def read_remote_model(
     path: str,
     config: Config,
     keep: Callable[[HttpSource], None],
-    opener: FileOpener | None = None,
+    found: HubFile | None = None,
+    opener: RemoteOpener | None = None,
 ) -> tuple[ParsedFile, WeightIndex]:
-    """Blocking: open ``path`` and, for a split set named by its first split, every
-    other split (one after the other, each handed to ``keep`` as it opens); parse each
-    header from growing ranged reads, and index the model. Each file is opened by
-    ``opener`` when it is a ``RemoteOpener``, else by ``open_remote``.
+    """Blocking: open ``path`` (``found``: its hub resolution, when made) and, for a
+    split set named by its first split, every other split (one after the other, each
+    handed to ``keep`` as it opens); parse each header from growing ranged reads, and
+    index the model. Each file is opened by ``opener`` when given, else by
+    ``open_remote``.
 
     Raises ``SplitError``: ``path`` is a later split, or its set's names cannot be made
     (a URL with a query); what ``open_remote``, the parse and ``build_index`` raise."""
-    open_one = opener.open_remote if isinstance(opener, RemoteOpener) else open_remote
-    source, pinned = open_one(path, config)
+    if opener is not None:
+        source, pinned = opener.open_remote(path, config)
+    else:
+        source, pinned = open_remote(path, config, found)
     keep(source)
     parsed = [read_header_from(source.path, source.size_bytes, source.read_upto)]
     if is_split(parsed[0]):
         for name in _other_splits(parsed[0], pinned):
             raise_if_stopped()
-            other, _ = open_one(name, config)
+            other, _ = (opener.open_remote if opener else open_remote)(name, config)
             keep(other)
             parsed.append(read_header_from(other.path, other.size_bytes, other.read_upto))
     return parsed[0], build_index(tuple(parsed))
@@ -173,3 +253,11 @@ def remote_disks(files: Sequence[object], config: Config) -> Disks:
         tuple(f"remote {f.host}" if isinstance(f, HttpSource) else "?" for f in files),
         tuple(config.pipeline.remote_in_flight for _ in files),
     )
+
+
+def finish_remote(files: Sequence[object]) -> None:
+    """Blocking, once every read has landed: each hub file's digest checked
+    (``IntegrityError``) and its cache entry committed."""
+    for f in files:
+        if isinstance(f, HubSource):
+            f.finish()

@@ -123,6 +123,7 @@ class LoadReport:
     warnings: tuple[str, ...] = field(default=())
     uploads: tuple[UploadReport, ...] = field(default=())  # one per device uploaded to
     blocks_hashed: int = 0  # blocks checked against a hash manifest (load.manifest)
+    tensors_hashed: int = 0  # tensors checked against a llama-gguf-hash manifest
 
     @property
     def gbps(self) -> float:
@@ -207,6 +208,7 @@ def build_report(
     validated: int = 0,
     warnings: Sequence[str] = (),
     blocks_hashed: int = 0,
+    tensors_hashed: int = 0,
 ) -> LoadReport:
     """The report of a finished load.
 
@@ -220,6 +222,7 @@ def build_report(
     ``validated``: tensors checked.
     ``warnings``: what the load warned about.
     ``blocks_hashed``: blocks checked against a hash manifest.
+    ``tensors_hashed``: tensors checked against a ``llama-gguf-hash`` manifest.
     """
     loaded = [t for t in plan.tensors if not t.lazy]
     return LoadReport(
@@ -247,6 +250,7 @@ def build_report(
         ),
         validated=validated,
         blocks_hashed=blocks_hashed,
+        tensors_hashed=tensors_hashed,
         warnings=tuple(warnings),
         uploads=tuple(
             UploadReport(

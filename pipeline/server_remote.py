@@ -14,7 +14,9 @@ make the server reach its own network (server-side request forgery).
 does for local ones: each file's first request learns its size (every split of a set
 named by its first), so the server's byte budget counts what the load will hold before
 a byte of the model is read, and the load then reads those very sources, at the version
-(ETag, commit) that was counted.
+(ETag, commit) that was counted. Such a load neither reads nor writes the hub's cache
+(``aiogguf.hub_cache``): its opener opens no local file, and a client must not fill the
+server's disk.
 """
 
 from __future__ import annotations
@@ -173,7 +175,9 @@ class RemoteFiles:
 
     def __init__(self, access: RemoteAccess, path: str, config: Config, max_shards: int) -> None:
         self._access = access
-        self._config = config
+        # Never the hub's cache: a client must not make the server write files of its
+        # choosing to the server's disk.
+        self._config = config.with_overrides(cache=False)
         self.path = path
         self._lock = threading.Lock()
         self._held: dict[str, _Opened] = {}
@@ -209,7 +213,7 @@ class RemoteFiles:
         policy = self._access.address_policy
         if is_hub_name(name):
             _check_hub_endpoint(policy)
-        source, pinned = open_remote(name, self._config, policy)
+        source, pinned = open_remote(name, self._config, policy=policy)
         return _Opened(source, pinned)
 
     # -- the load's opener ------------------------------------------------------------

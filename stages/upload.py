@@ -14,7 +14,11 @@ loop on its own (design §1.6):
    checks each piece as it lands, on this thread);
 4. queue one async host-to-device copy into the device image at the job's buffer offset
    on the thread's own stream, record the slot's event behind it, and tell the loop,
-   without waiting for it, that the job landed.
+   without waiting for it, that the job landed;
+5. a job's copy is known to have completed when its slot's event is found done (step
+   2, as the slot comes round again) or when the stream is synchronized at the end:
+   the loop is told then (``copied``), with the next report, so that a device tensor
+   can be handed on before the last copy of the load has completed.
 
 Slots come from the device's process-wide ``StagingPool``: pinned once, reused by every
 later load, shared by loads that run side by side. A thread gives its slots back only
@@ -59,10 +63,13 @@ from aiogguf.io.devices.pool import PooledSlot, SlotLease, StagingPool, staging_
 from aiogguf.io.workers import LoadThreads
 from aiogguf.jobs import ReadJob, SlotFill
 
-__all__ = ["DeviceUploadStats", "Landed", "Uploader", "UploaderState"]
+__all__ = ["Copied", "DeviceUploadStats", "Landed", "Uploader", "UploaderState"]
 
 Landed = Callable[[ReadJob], None]
 """Told on the loop's thread that a job's copy was queued."""
+
+Copied = Callable[[Sequence[ReadJob]], None]
+"""Told on the loop's thread that these jobs' copies have completed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +133,10 @@ class _TransferLane:
         self.asynchronous = asynchronous
         self._skip_wait = skip_wait  # test only: see ``Uploader``
         self._next = 0  # the slot to use next
+        # The job whose copy each slot last carried, until it is known to have completed;
+        # then it moves to ``copied`` (which ``Uploader._work`` hands to the loop).
+        self._carried: list[ReadJob | None] = [None] * len(lease.slots)
+        self.copied: list[ReadJob] = []
         self.copies = 0
         self.bytes_copied = 0
         self.slot_waits = 0
@@ -159,22 +170,34 @@ class _TransferLane:
             raise
         return cls(device, pool, stream, lease, asynchronous=asynchronous, skip_wait=skip_wait)
 
-    def _next_slot(self) -> PooledSlot:
+    def _next_slot(self) -> tuple[int, PooledSlot]:
         """The slot for the next job, round robin, once its last copy has completed."""
         slots = self.lease.slots
-        pooled = slots[self._next]
-        self._next = (self._next + 1) % len(slots)
-        if not self.asynchronous or self._skip_wait or pooled.event.query():
-            return pooled
+        at = self._next
+        pooled = slots[at]
+        self._next = (at + 1) % len(slots)
+        if self._skip_wait:
+            return at, pooled  # its last copy may be in flight: told at ``close``
+        if not self.asynchronous or pooled.event.query():
+            self._completed(at)
+            return at, pooled
         self.slot_waits += 1
         start = time.perf_counter()
         pooled.event.synchronize()
         self.wait_s += time.perf_counter() - start
-        return pooled
+        self._completed(at)
+        return at, pooled
+
+    def _completed(self, at: int) -> None:
+        """Slot ``at``'s last copy has completed."""
+        job = self._carried[at]
+        if job is not None:
+            self._carried[at] = None
+            self.copied.append(job)
 
     def stage(self, job: ReadJob, dest: DeviceBuffer, fill: SlotFill) -> None:
         """Wait for a slot, fill it, issue its copy."""
-        pooled = self._next_slot()
+        at, pooled = self._next_slot()
         slot = pooled.slot
         slot.begin_write()
         start = time.perf_counter()
@@ -196,12 +219,14 @@ class _TransferLane:
         if self.asynchronous:
             self.stream.copy_async(dest, job.buffer_offset, slot, job.nbytes)
             pooled.event.record(self.stream)
+            self._carried[at] = job
         else:
             src = slot.view()[: job.nbytes]
             try:
                 self.stream.copy_sync(dest, job.buffer_offset, src)
             finally:
                 src.release()
+            self.copied.append(job)
         self.copies += 1
         self.bytes_copied += job.nbytes
 
@@ -216,6 +241,8 @@ class _TransferLane:
                 done.record(self.stream)
                 self.done = done
             self.stream.synchronize()
+            self.copied.extend(job for job in self._carried if job is not None)
+            self._carried = [None] * len(self._carried)
         except BaseException as exc:
             first = exc
         try:
@@ -338,9 +365,11 @@ class Uploader:
         fill: SlotFill,
         *,
         landed: Landed | None = None,
+        copied: Copied | None = None,
     ) -> None:
         """Fill and copy every ``(job, destination)``, in order of the sequence as far as
-        threads take jobs; returns once every copy has completed.
+        threads take jobs; returns once every copy has completed. ``landed``: told each job
+        once its copy is queued; ``copied``: each job once its copy has completed.
 
         Raises ``ValueError`` for a job larger than ``slot_bytes`` or outside its
         destination, whatever ``fill`` raises, ``LoadError`` when a device
@@ -355,7 +384,7 @@ class Uploader:
             return
         stop = threading.Event()
         failures: list[Exception] = []
-        work = partial(self._work, queue, fill, landed, stop)
+        work = partial(self._work, queue, fill, landed, copied, stop)
 
         async def run_thread() -> None:
             try:
@@ -401,6 +430,7 @@ class Uploader:
         queue: deque[tuple[ReadJob, DeviceBuffer]],
         fill: SlotFill,
         landed: Landed | None,
+        copied: Copied | None,
         stop: threading.Event,
     ) -> None:
         """One transfer thread: jobs from ``queue`` until it is empty or ``stop`` is set."""
@@ -429,11 +459,18 @@ class Uploader:
                 lane.stage(job, dest, fill)
                 if landed is not None:
                     self._threads.call_soon(landed, job, lazy=True)
+                if copied is not None and lane.copied:
+                    done, lane.copied = lane.copied, []
+                    self._threads.call_soon(copied, done, lazy=True)
         except BaseException:
             stop.set()  # the other threads stop taking jobs: the load has failed
             raise
         finally:
             self._close_lanes(lanes.values())
+        if copied is not None:  # the lanes' streams have synchronized
+            done = [job for lane in lanes.values() for job in lane.copied]
+            if done:
+                self._threads.call_soon(copied, done, lazy=True)
 
     def _close_lanes(self, lanes: Iterable[_TransferLane]) -> None:
         """Wait for every copy of the lanes, close their streams, give their slots back,

@@ -27,7 +27,15 @@ from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
 from aiogguf.io.ggml_types import GGMLType
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import LoadThreads, raise_if_stopped
-from aiogguf.jobs import BufferLayout, ReadJob, StageMeter, StageTimes, TensorSlot, TensorSpans
+from aiogguf.jobs import (
+    BufferLayout,
+    Passed,
+    ReadJob,
+    StageMeter,
+    StageTimes,
+    TensorSlot,
+    TensorSpans,
+)
 from aiogguf.records import WeightIndex
 
 __all__ = ["FileBytes", "Validation", "ValidationCollector"]
@@ -115,6 +123,7 @@ class ValidationCollector:
         call_bytes: int = CALL_BYTES,
         threads: LoadThreads,
         meter: StageMeter | None = None,
+        passed: Passed | None = None,
     ) -> None:
         """Set up a collector; checks start once its ``async with`` block is entered.
 
@@ -126,6 +135,7 @@ class ValidationCollector:
         ``threads``: the load's entered check threads (``workers`` only sets the
             default of ``max_in_flight``).
         ``meter``: also counts each worker-thread call there (the load's validate stage).
+        ``passed``: told each tensor whose check has passed, as it does (loop's thread).
 
         Raises ``ValueError`` if ``workers`` or ``max_in_flight`` is below 1.
         """
@@ -139,6 +149,7 @@ class ValidationCollector:
         self._xp = xp
         self._call_bytes = call_bytes
         self._meter = meter
+        self._passed = passed
         self._task_group: TaskGroup | None = None
         self._state = _CollectorState.NEW
         self._submitted = 0
@@ -214,6 +225,8 @@ class ValidationCollector:
                 failure = checker.finish()
             if failure is not None:
                 self._results[seq] = failure
+            elif self._passed is not None:
+                self._passed((name,))
         finally:
             self._slots.release()
 
@@ -240,6 +253,19 @@ def _update_on_its_device(checker: TensorChecker, chunk: Bytes) -> None:
 # The one door the engine uses.
 
 
+def _file_fetch(file: ByteSource, offset: int) -> Callable[[int, int], Bytes]:
+    """A ``PieceCheck.finish_from`` fetch of a tensor's bytes from ``offset`` of
+    ``file``. The fetch raises ``LoadError`` if the file ends early."""
+
+    def fetch(lo: int, hi: int) -> Bytes:
+        raise_if_stopped()
+        data = numpy.empty(hi - lo, dtype=numpy.uint8)
+        file.read_into(data.data, offset + lo)
+        return data
+
+    return fetch
+
+
 def _tensor_data(slot: TensorSlot, image: Image | None) -> tuple[Bytes, ModuleType]:
     """A landed tensor's bytes where they live, and their array module."""
     if isinstance(image, DeviceImage):
@@ -257,7 +283,9 @@ class Validation:
     ``check_piece``, and ``tensors_ready`` then checks the few units that straddled two
     jobs. Every other tensor (mapped, or with bytes swapped after the read) is checked
     whole by ``tensors_ready``, on the check threads, while the load goes on; a mapped
-    one through reads of its file (``FileBytes`` says why). ``failures`` lists every bad
+    one through reads of its file (``FileBytes`` says why), unless a manifest's hashing
+    reads that file anyway (``mapped_pieces``): then it hands its reads to
+    ``check_piece``. ``failures`` lists every bad
     tensor in index order; ``times`` is the stage's work, both ways together.
 
     Usage: ``async with Validation(...) as v:`` around the tasks that call it; leaving
@@ -276,9 +304,11 @@ class Validation:
         mode: str,
         enabled: bool,
         swapped: bool,
+        mapped_pieces: bool = False,
         workers: int,
         threads: LoadThreads,
         clock: Callable[[], float],
+        passed: Passed | None = None,
     ) -> None:
         """Plan the checks of one load.
 
@@ -288,9 +318,14 @@ class Validation:
         ``mode``: the resolved load mode.
         ``enabled``: ``load.check_tensors``; when False nothing is checked.
         ``swapped``: whether bytes are swapped after the read (no piece checks then).
+        ``mapped_pieces``: mapped tensors are checked piece by piece too: something
+            that reads their file anyway (the manifest's hashing) calls ``check_piece``
+            with what it read, and the units it did not cover are read back at the end.
         ``workers``: checks of whole tensors in flight at once, times two.
         ``threads``: the load's check threads.
         ``clock``: seconds since the load began.
+        ``passed``: told the tensors given to ``tensors_ready`` once their checks have
+            passed (a tensor that fails is never told).
         """
         self.enabled = enabled
         self._index = index
@@ -299,9 +334,12 @@ class Validation:
         self._images = images
         self._files = files
         self._meter = StageMeter(clock)
-        self._collector = ValidationCollector(workers, threads=threads, meter=self._meter)
+        self._passed = passed
+        self._collector = ValidationCollector(
+            workers, threads=threads, meter=self._meter, passed=passed
+        )
         self._threads = threads
-        host_read = mode in ("none", "direct")
+        host_read = mode in ("none", "direct") or mapped_pieces
         self._pieces = {
             name: PieceCheck(name, index[name].type, index[name].nbytes, offset=index[name].offset)
             for layout in layouts
@@ -367,7 +405,12 @@ class Validation:
             # two jobs are left.
             failures = await self._threads.run_sync(self._finish_all, finishing)
             self._piece_failures.extend(failures)
+            if self._passed is not None:
+                bad = {f.name for f in failures}
+                self._passed([c.name for c in finishing if c.name not in bad])
         if not self.enabled:
+            if self._passed is not None:
+                self._passed(names)
             return
         for name in names:
             if name in self._pieces:
@@ -401,6 +444,10 @@ class Validation:
                     )
 
                 return check.finish_from(fetch)
+            if isinstance(image, MappedImage):
+                # Through reads of the file, never the mapping (``FileBytes`` says why).
+                entry = self._index[check.name]
+                return check.finish_from(_file_fetch(self._files[entry.file_index], entry.offset))
             data, _ = _tensor_data(slot, image)
             return check.finish(data)
 

@@ -25,7 +25,7 @@ import anyio.to_thread
 import pytest
 
 import aiogguf
-from aiogguf import engine
+from aiogguf import front
 from aiogguf import jobs as job_records
 from aiogguf.io import _libc
 from aiogguf.io.workers import raise_if_stopped
@@ -138,7 +138,7 @@ def _hold(stage: str, hold: Hold, monkeypatch: pytest.MonkeyPatch, files: dict[s
         monkeypatch.setattr(_libc, "madvise", slow_madvise)
         return files["synth"], {"mode": "mmap", "check_tensors": True, **jobs}
     assert stage == "rehearsal"
-    monkeypatch.setattr(engine, "make_plan", hold.until_stopped(engine.make_plan))
+    monkeypatch.setattr(front, "make_plan", hold.until_stopped(front.make_plan))
     return None, {"mode": "none"}
 
 

@@ -59,7 +59,7 @@ RAW = "\n".join(
         f"thread (14): aiogguf-reader-1;{BOOT};_Screen.clear (aiogguf/checks.py:151) 2",
         "thread (10): MainThread;<module> (x.py:1);BaseEventLoop._run_once (base_events.py:1) 3",
         # The load's one-off front: counted, and counted apart too.
-        f"thread (15): aiogguf-load-0;{BOOT};_Front.parse_and_plan (engine.py:505);"
+        f"thread (15): aiogguf-load-0;{BOOT};Front.parse_and_plan (front.py:78);"
         "make_plan (aiogguf/stages/plan.py:380) 4",
         "not a sample line",
     ]

@@ -113,6 +113,17 @@ def test_llama_format_round_trips_through_verify(model: Path, tmp_path: Path) ->
     assert main(["verify", str(model), "--manifest", str(out)]) == 0
 
 
+def test_a_load_checks_a_llama_manifest(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "h.txt"
+    assert main(["hash", str(model), "--format", "llama", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["load", str(model), "--manifest", str(out)]) == 0
+    n = len(hash_model_llama_sync(model, algorithms=("xxh64",))[0].tensors)
+    assert f"{n} tensors match the manifest" in capsys.readouterr().out
+
+
 def test_hash_to_stdout(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["hash", str(model), "--format", "llama", "-o", "-"]) == 0
     captured = capsys.readouterr()

@@ -29,7 +29,6 @@ from aiogguf.dry_run import inspect_sync, plan_sync
 from aiogguf.errors import (
     IntegrityError,
     LoadWarning,
-    ManifestError,
     ManifestMismatchError,
     TensorValidationError,
 )
@@ -226,12 +225,44 @@ def test_auto_without_a_sidecar_checks_nothing(model: Path, clean_manifest: Mani
         load(model, "none")  # an explicit path that is not there
 
 
-def test_a_llama_manifest_is_refused_in_one_line(model: Path) -> None:
+def _llama_sidecar(path: Path, algorithms: tuple[str, ...]) -> None:
+    from aiogguf.hashing import hash_model_llama_sync
+    from aiogguf.llama_hash import format_llama
+
+    text = format_llama(hash_model_llama_sync(path, algorithms=algorithms))
+    Path(sidecar(path)).write_text(text)
+
+
+def test_a_llama_manifest_of_another_model_is_refused_in_one_line(model: Path) -> None:
     Path(sidecar(model)).write_text("xxh64     0123456789abcdef  m.gguf:token_embd.weight\n")
-    with pytest.raises(ManifestError) as info:
+    with pytest.raises(ManifestMismatchError) as info:
         load(model, "none")
     assert "\n" not in str(info.value)
-    assert "aiogguf verify" in str(info.value)
+    assert "not a manifest of this model" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("algorithms", [("xxh64",), ("sha256", "sha1")])
+def test_a_llama_manifest_is_checked_during_the_load(
+    model: Path, mode: str, algorithms: tuple[str, ...]
+) -> None:
+    """A ``llama-gguf-hash`` manifest (gguf-py's script writes sha1/sha256; llama.cpp's
+    tool xxh64 by default): a clean model loads; one bit flipped in two tensors names
+    both, by the line of the manifest that differs."""
+    _llama_sidecar(model, algorithms)
+    load(model, mode)
+    index = inspect_sync(model)
+    bad = [quantized(index), index.tensors[-1].name]
+    for name in bad:
+        t = index[name]
+        damage(
+            model,
+            t.offset + t.nbytes // 2,
+            bytes([model.read_bytes()[t.offset + t.nbytes // 2] ^ 4]),
+        )
+    error = failed(model, mode)
+    assert sorted(f.name for f in error.failures) == sorted(bad)
+    assert all("differs from line" in f.problem for f in error.failures)
 
 
 def test_keep_invalid_returns_the_model_with_every_bad_tensor(model: Path) -> None:
@@ -401,3 +432,49 @@ def test_a_big_endian_model_is_checked_as_its_file_holds_it(disk_dir: Path, mode
     damage(path, entry.offset + 1000, bytes([path.read_bytes()[entry.offset + 1000] ^ 4]))
     error = failed(path, mode, chunk_size="192KiB", staging_buffer_size="128KiB")
     assert [f.name for f in error.failures] == [entry.name]
+
+
+def _float_tensors(path: Path) -> list[Any]:
+    return [t for t in inspect_sync(path).tensors if t.type.name in ("F32", "F16")]
+
+
+@pytest.mark.parametrize("mode", ["mmap", "mlock"])
+def test_a_mapped_load_reads_its_file_once_for_the_manifest_and_the_checks(
+    model: Path, clean_manifest: Manifest, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checks of mapped tensors take their bytes from the manifest's reads of the
+    file: the data section is read about once, not once per consumer."""
+    from aiogguf.io.files import DataFile
+
+    read = [0]
+    read_into = DataFile.read_into
+
+    def counted(self: DataFile, dest: Any, offset: int) -> None:
+        read[0] += len(memoryview(dest).cast("B"))
+        read_into(self, dest, offset)
+
+    monkeypatch.setattr(DataFile, "read_into", counted)
+    load(model, mode)
+    f = clean_manifest.files[0]
+    data = f.data_end - f.header_bytes
+    # The headers (fingerprint) and the straddling units of the edges are read twice.
+    assert data <= read[0] < data + 4 * BLOCK, (read[0], data)
+
+
+@pytest.mark.parametrize("mode", ["mmap", "mlock"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_mapped_load_with_a_manifest_still_names_every_bad_value(
+    model: Path, mode: str, where: str
+) -> None:
+    """A NaN the manifest agrees with (it was there when the manifest was made) is found
+    by the checks, whether its unit came from the manifest's reads or was read back at the
+    end (the edges of a range)."""
+    floats = _float_tensors(model)
+    t = {"first": floats[0], "middle": floats[len(floats) // 2], "last": floats[-1]}[where]
+    nan = np.array([np.nan], dtype=np.float32 if t.type.name == "F32" else np.float16)
+    damage(model, t.offset + (t.nbytes // 2 // nan.itemsize) * nan.itemsize, nan.tobytes())
+    Path(sidecar(model)).write_text(manifest_json(hash_model_sync(model, block_bytes=BLOCK)))
+    with pytest.raises(TensorValidationError) as info:
+        load(model, mode)
+    assert not isinstance(info.value, IntegrityError)
+    assert [f.name for f in info.value.failures] == [t.name]

@@ -132,7 +132,7 @@ def test_the_blocking_front_of_a_load_runs_off_the_loops_thread(
     """Work that grows with the model (parsing, indexing, planning, laying out buffers,
     cutting jobs: 10^4 of them in a model of hundreds of GiB), the ``stat`` of each file
     and the start of the host reads run on the load's thread, never on the loop's."""
-    import aiogguf.engine as engine
+    import aiogguf.front as front
 
     model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="4MiB", seed=6, n_layer=2)
     ran_on: dict[str, set[str]] = {}
@@ -146,13 +146,13 @@ def test_the_blocking_front_of_a_load_runs_off_the_loops_thread(
         "split_jobs",
         "HostReads",
     ):
-        original = getattr(engine, name)
+        original = getattr(front, name)
 
         def recorded(*args: Any, __name: str = name, __fn: Any = original, **kw: Any) -> Any:
             ran_on.setdefault(__name, set()).add(threading.current_thread().name)
             return __fn(*args, **kw)
 
-        monkeypatch.setattr(engine, name, recorded)
+        monkeypatch.setattr(front, name, recorded)
     with aiogguf.load_sync(model.path, mode="none", n_gpu_layers=0) as loaded:
         assert loaded.report.nbytes > 0
     assert len(ran_on) == 8, ran_on

@@ -120,6 +120,8 @@ def render_report(report: LoadReport, console: Console) -> None:
     checked = f", {report.validated} tensors validated" if report.validated else ""
     if report.blocks_hashed:
         checked += f", {report.blocks_hashed} blocks match the manifest"
+    if report.tensors_hashed:
+        checked += f", {report.tensors_hashed} tensors match the manifest"
     console.print(
         f"[bold green]loaded[/] {report.n_tensors} tensors, {format_bytes(report.nbytes)} "
         f"in {report.total_s:.3f} s = [bold]{report.gbps:.2f} GB/s[/] "
