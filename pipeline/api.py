@@ -199,6 +199,9 @@ def load(
     ``MODEL.gguf.manifest.json`` beside the model, if any) checks every byte against a
     hash manifest as it lands: ``ManifestMismatchError`` for one of another model,
     ``IntegrityError`` (a ``TensorValidationError``) naming every tensor that differs.
+    ``path`` may be a URL or ``hf://OWNER/REPO/FILE.gguf[@REVISION]``: the latter is
+    checked against the hub's sha256 (``IntegrityError``) and read from, or written to,
+    the hub's cache unless ``cache=False`` (docs/remote.md).
     """
     return LoadHandle(path, load_config(config, **overrides), progress, devices, opener)
 

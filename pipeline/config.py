@@ -141,6 +141,8 @@ class LoadConfig(_Section):
     # A hash manifest the load's bytes are checked against as they land: a path, or
     # "auto" for MODEL.gguf.manifest.json beside the model when it exists.
     manifest: ManifestSetting = None
+    # hf:// files: read from the hub's cache when there, written to it as they stream.
+    cache: Bool = True
 
 
 class OverrideRule(_Section):

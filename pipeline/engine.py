@@ -79,7 +79,7 @@ from aiogguf.load_resources import LoadResources
 from aiogguf.model import Model, tensor_array
 from aiogguf.ready import ReadyTensors
 from aiogguf.records import WeightIndex
-from aiogguf.remote import is_remote, remote_config
+from aiogguf.remote import finish_remote, is_remote, route_remote
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import Allocation
 from aiogguf.stages.read import HostReads, direct_refusals
@@ -196,6 +196,8 @@ class _Load:
         # are checked here.
         if staged := [files[i] for i in layout.staged_files]:
             await resources.thread.run_sync(_check_unchanged, staged)
+        if not resources.local_files:  # a hub file's digest, then its cache entry
+            await resources.thread.run_sync(finish_remote, files)
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
                 self._warn(f"{f.path}: {f.direct_refusal}; the rest was read with mode 'none'")
@@ -407,11 +409,12 @@ async def run_load(
         reserve_threads(load_thread_count(config, uploads=False))
         # Each file is opened once, by the parse stage (``resources.opened``); the engine
         # reads through the same descriptors (its DataFiles hold duplicates).
-        remote = is_remote(os.fspath(path))
-        if remote:
-            config = remote_config(os.fspath(path), config, opener)
         resources = await stack.enter_async_context(LoadResources(opener))
         threads = resources.thread
+        remote = None
+        if is_remote(os.fspath(path)):  # an hf:// file the hub's cache has is a local file
+            route = await threads.run_sync(route_remote, os.fspath(path), config, opener)
+            path, config, remote = route.path, route.config, route.remote
         passed = ready.add if ready is not None else None
         front = Front(resources, config, devices, hub.elapsed, hub, remote, passed)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))

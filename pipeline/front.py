@@ -48,7 +48,7 @@ from aiogguf.llama_check import LlamaCheck, LlamaSink
 from aiogguf.load_resources import LoadResources
 from aiogguf.progress import LoadProgress
 from aiogguf.records import ParsedFile, Plan, WeightIndex
-from aiogguf.remote import read_remote_model, remote_disks
+from aiogguf.remote import RemoteName, remote_disks
 from aiogguf.stages.allocate import allocate_host_images
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import ByteSwap, Disks, HostReads, Reader, find_disks, open_data_files
@@ -106,7 +106,7 @@ class Front:
     devices: Sequence[Device] | None
     clock: Callable[[], float]
     hub: ProgressHub
-    remote: bool  # a URL: its one file is an ``HttpSource`` (``aiogguf.remote``)
+    remote: RemoteName | None  # a URL: its files are ``HttpSource``s (``aiogguf.remote``)
     passed: Passed | None = None  # told each batch of tensors ready to hand on
 
     def parse_and_plan(
@@ -119,7 +119,7 @@ class Front:
         header, and nothing is opened."""
         whole: tuple[ParsedFile, WeightIndex | None]
         if self.remote:  # every split too: each opened and parsed on this thread
-            whole = read_remote_model(path, self.config, self.resources.keep_file)
+            whole = self.remote.read_model(path, self.config, self.resources.keep_file)
         else:
             whole = read_whole_model(path, self.resources.opened)
         first, index = whole
@@ -150,6 +150,8 @@ class Front:
         if (manifest := find_manifest(config.load.manifest, index.files[0].path)) is not None:
             checker = open_manifest(manifest, index, resources.files, resources.opened)
         layout = self._lay_out(index, found, plan, self.clock(), checker)
+        if self.remote:  # what no read lands, a hub file's digest fetches
+            self.remote.expect_reads(resources.files, [*layout.jobs, layout.device_jobs])
         raise_if_stopped()  # a cancelled load starts no read
         return layout, self._start_reads(index, layout)
 

@@ -37,6 +37,7 @@ class HubFile:
     commit: str = ""
     size: int | None = None
     token: str | None = None
+    etag: str | None = None  # the hub's: a large file's sha256
 
     @property
     def name(self) -> str:
@@ -97,4 +98,5 @@ def resolve_hub_file(path: str) -> HubFile:
         commit=meta.commit_hash,
         size=meta.size,
         token=token or None,
+        etag=meta.etag,
     )

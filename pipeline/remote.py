@@ -10,24 +10,42 @@ is skipped here: there is nothing to map and no ``O_DIRECT`` (mode ``auto`` is `
 ``mmap``/``mlock``/``direct`` are refused), no disk to find (the reader count is
 ``remote_readers``), no ``fadvise``. A split set is named by its first split, as
 locally; the others are opened and parsed one after the other.
+
+An ``hf://`` file is the hub's: ``route_remote`` finds it in the hub's cache (then the
+load reads a local file, in any mode), and otherwise its ``HubSource``
+(``aiogguf.hub_cache``) checks its digest and writes the cache as it streams
+(``expect_reads`` tells it what the reads will land, ``finish_remote`` waits for the
+verdict).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from aiogguf.config import Config
 from aiogguf.errors import LoadError, PathNotAllowedError, SplitError
-from aiogguf.hub import is_hub_name, parse_hub_name, resolve_hub_file
+from aiogguf.hub import HubFile, is_hub_name, parse_hub_name, resolve_hub_file
+from aiogguf.hub_cache import Digest, HubSource, cache_entry, find_cached
 from aiogguf.io.http_source import HttpSource, RemoteOptions, is_url, redact_url
 from aiogguf.io.opener import AnyPathOpener, FileOpener
 from aiogguf.io.workers import raise_if_stopped
+from aiogguf.jobs import ReadJob
 from aiogguf.records import ParsedFile, WeightIndex
 from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import SPLIT_MAX_COUNT, is_split, read_header_from, split_paths
 from aiogguf.stages.read import Disks
 
-__all__ = ["is_remote", "open_remote", "read_remote_model", "remote_config", "remote_disks"]
+__all__ = [
+    "RemoteRoute",
+    "finish_remote",
+    "is_remote",
+    "open_remote",
+    "read_remote_model",
+    "remote_config",
+    "remote_disks",
+    "route_remote",
+]
 
 
 def is_remote(path: str) -> bool:
@@ -51,36 +69,93 @@ def remote_config(url: str, config: Config, opener: FileOpener | None) -> Config
     return config
 
 
-def open_remote(url: str, config: Config) -> tuple[HttpSource, str]:
+@dataclass(frozen=True, slots=True)
+class RemoteRoute:
+    """Where a remote name is read: ``path`` (a URL or ``hf://`` name, or the hub
+    cache's local file) with ``config``; ``remote`` holds what a remote load needs (the
+    hub's resolution, when it was asked), None for the cached file."""
+
+    path: str
+    config: Config
+    remote: RemoteName | None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteName:
+    """A remote name as resolved so far (``hub``: the first file's, if asked)."""
+
+    hub: HubFile | None
+
+    def read_model(
+        self, path: str, config: Config, keep: Callable[[HttpSource], None]
+    ) -> tuple[ParsedFile, WeightIndex]:
+        """``read_remote_model`` with the resolution made so far."""
+        return read_remote_model(path, config, keep, self.hub)
+
+    def expect_reads(self, files: Sequence[object], jobs: Sequence[Sequence[ReadJob]]) -> None:
+        """Tell each hub file which of its bytes the load's reads will land (``jobs``:
+        every host and device job): its digest fetches the others itself."""
+        for i, f in enumerate(files):
+            if isinstance(f, HubSource):
+                f.expect(
+                    (job.useful_start, job.useful_end)
+                    for group in jobs
+                    for job in group
+                    if job.file_index == i
+                )
+
+
+def route_remote(path: str, config: Config, opener: FileOpener | None) -> RemoteRoute:
+    """Blocking (an ``hf://`` name asks the hub which commit it names): the cached file
+    when the hub's cache has it (``cache`` on, and a load that may read any path), else
+    ``path`` with ``remote_config``'s config."""
+    found = None
+    if is_hub_name(path) and config.load.cache:
+        remote_config(path, config.with_overrides(mode="none"), opener)  # may it read?
+        local, found = find_cached(path, resolve_hub_file)
+        if local is not None and (opener is None or isinstance(opener, AnyPathOpener)):
+            return RemoteRoute(local, config, None)
+    return RemoteRoute(path, remote_config(path, config, opener), RemoteName(found))
+
+
+def open_remote(url: str, config: Config, found: HubFile | None = None) -> tuple[HttpSource, str]:
     """Blocking: ``url`` opened (its first request: size and ETag), and the name that
     opens the same version (for an ``hf://`` name: pinned to the commit the hub resolved
-    it to; the file must have the size the hub gave)."""
+    it to, or ``found`` when it was; the file must have the size the hub gave)."""
     pipeline = config.pipeline
     options = RemoteOptions(retries=pipeline.remote_retries, stall_s=pipeline.remote_timeout)
     if not is_hub_name(url):
         return HttpSource(url, options), url
-    found = resolve_hub_file(url)
+    found = found or resolve_hub_file(url)
     headers = {"Authorization": f"Bearer {found.token}"} if found.token else None
     options = RemoteOptions(options.retries, options.backoff_s, options.stall_s, headers)
+    pinned = f"hf://{found.repo_id}/{found.filename}@{found.commit}"
+    if (digest := Digest.of_etag(found.etag)) is not None:
+        entry = cache_entry(found) if config.load.cache else None
+        hub_source = HubSource(
+            found.url, options, name=found.name, size=found.size, digest=digest, entry=entry
+        )
+        return hub_source, pinned
     source = HttpSource(found.url, options, name=found.name)
     if found.size is not None and source.size_bytes != found.size:
         source.close()
         raise LoadError(
             found.name, None, f"the hub says {found.size} bytes, its file has {source.size_bytes}"
         )
-    return source, f"hf://{found.repo_id}/{found.filename}@{found.commit}"
+    return source, pinned
 
 
 def read_remote_model(
-    path: str, config: Config, keep: Callable[[HttpSource], None]
+    path: str, config: Config, keep: Callable[[HttpSource], None], found: HubFile | None = None
 ) -> tuple[ParsedFile, WeightIndex]:
-    """Blocking: open ``path`` and, for a split set named by its first split, every
-    other split (one after the other, each handed to ``keep`` as it opens); parse each
-    header from growing ranged reads, and index the model.
+    """Blocking: open ``path`` (``found``: its hub resolution, when made) and, for a
+    split set named by its first split, every other split (one after the other, each
+    handed to ``keep`` as it opens); parse each header from growing ranged reads, and
+    index the model.
 
     Raises ``SplitError``: ``path`` is a later split, or its set's names cannot be made
     (a URL with a query); what ``open_remote``, the parse and ``build_index`` raise."""
-    source, pinned = open_remote(path, config)
+    source, pinned = open_remote(path, config, found)
     keep(source)
     parsed = [read_header_from(source.path, source.size_bytes, source.read_upto)]
     if is_split(parsed[0]):
@@ -119,3 +194,11 @@ def remote_disks(files: Sequence[object], config: Config) -> Disks:
         tuple(f"remote {f.host}" if isinstance(f, HttpSource) else "?" for f in files),
         tuple(config.pipeline.remote_readers for _ in files),
     )
+
+
+def finish_remote(files: Sequence[object]) -> None:
+    """Blocking, once every read has landed: each hub file's digest checked
+    (``IntegrityError``) and its cache entry committed."""
+    for f in files:
+        if isinstance(f, HubSource):
+            f.finish()

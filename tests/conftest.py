@@ -44,6 +44,20 @@ def _fresh_process_state() -> Iterator[None]:
     forget_cupy_devices()
 
 
+@pytest.fixture(scope="session")
+def _hub_caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hub-caches")
+
+
+@pytest.fixture(autouse=True)
+def _own_hub_cache(
+    _hub_caches: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """hf:// loads read and write the hub's cache: each test has its own (made when
+    first written), never the user's."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(_hub_caches / f"{id(request.node):x}"))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _freeze_what_came_before() -> None:
     """Collect, then move what is left (modules, strategies, earlier modules' caches) out

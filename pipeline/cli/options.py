@@ -54,6 +54,13 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mlock", dest="mode", action="store_const", const="mlock", help="= --mode mlock"
     )
+    parser.add_argument(
+        "--no-cache",
+        dest="cache",
+        action="store_const",
+        const=False,
+        help="hf:// names: neither read nor write the hub's cache",
+    )
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +134,7 @@ def config_from_args(args: argparse.Namespace, **extra: Any) -> Config:
         "no_host": "no_host",
         "lazy": "lazy",
         "manifest": "manifest",
+        "cache": "cache",
     }
     for attr, key in flag_keys.items():
         overrides[key] = getattr(args, attr, None)

@@ -1,0 +1,675 @@
+"""The hub's own cache, written as an ``hf://`` load streams, and the whole file's digest
+checked as it does.
+
+**Layout.** The files are ``huggingface_hub``'s (read from its ``file_download.py``),
+so that ``hf_hub_download``, ``try_to_load_from_cache`` and ``hf cache`` find them:
+``HF_HUB_CACHE`` (else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``), then
+``models--OWNER--REPO/blobs/<etag>`` for the bytes, ``snapshots/<commit>/<file>`` a
+relative link to it, ``refs/<revision>`` the commit a branch or tag named, and the
+library's lock file ``.locks/models--OWNER--REPO/<etag>.lock`` (``flock``), taken while
+the blob is written. A file is read from the cache when its link exists
+(``find_cached``): by the commit the hub names now, or, when the hub cannot be asked,
+the one ``refs`` recorded, as the library itself does offline.
+
+**Writing.** Reader threads land ranges out of order; each is written at its offset to
+``blobs/<etag>.aiogguf.incomplete`` (the library's ``.incomplete`` suffix, so that
+``hf cache`` lists and cleans it; not its old ``<etag>.incomplete``, which an older
+``huggingface_hub`` resumes by appending at the file's length: this one has holes).
+The blob is committed (renamed into place, linked) only once every byte is there and
+the digest matched; the bytes the load does not read (the header's end, padding) are
+fetched by the hashing thread.
+
+**Resuming.** Which ranges a partial file holds is recorded after its last byte (a
+trailer: magic, length, sha256 of a JSON list of ranges), written only after
+``fdatasync`` of the data, every ``RECORD_S`` and when the load ends unfinished. A
+later load trusts exactly those ranges (and reads them from the file instead of the
+network); a record that does not check out makes it start over. Trust is not
+blind: the whole-file digest still covers those bytes, and a mismatch removes the file.
+
+**The digest.** The hub's ETag of a large file is its sha256 (a small git file's: its
+git blob sha1). One thread per file (``_Tap``) follows the contiguous prefix of the
+bytes that have landed, from the partial file or, without a cache, from copies kept in
+memory (``PARK_BYTES`` at most; a range past that is fetched again when the prefix gets
+there). A mismatch is an ``IntegrityError`` naming the file and both digests, and
+nothing is committed. Every wait polls a stop (``POLL_S``); closing the source stops
+and joins the thread.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import struct
+import threading
+import time
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiogguf.errors import IntegrityError, LoadError
+from aiogguf.hub import HubFile, parse_hub_name
+from aiogguf.io.http_source import HttpSource, RemoteOptions
+from aiogguf.io.workers import raise_if_stopped
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["CacheEntry", "HubSource", "cache_entry", "find_cached", "hub_cache_dir"]
+
+# A wait for bytes, or for the hashing thread, lasts this long at a time.
+POLL_S = 0.25
+# Bytes hashed (and fetched, for a gap) at a time.
+PIECE_BYTES = 4 << 20
+# Without a cache file: the most landed bytes kept for the hash ahead of its prefix.
+PARK_BYTES = 1 << 30
+# How often a partial file's record of its ranges is brought up to date.
+RECORD_S = 5.0
+PARTIAL_SUFFIX = ".aiogguf.incomplete"
+_TRAILER_MAGIC = b"AIOGGPR1"
+_TRAILER = struct.Struct("<8sQ32s")
+_MAX_RECORD_BYTES = 1 << 20
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def hub_cache_dir() -> str:
+    """The cache folder, as ``huggingface_hub.constants.HF_HUB_CACHE`` finds it (read at
+    each call: a process may set the variables after importing the library)."""
+    env = os.environ
+
+    def expand(path: str) -> str:
+        return os.path.expandvars(os.path.expanduser(path))
+
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface",
+    )
+    legacy = env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(expand(home), "hub")
+    return expand(env.get("HF_HUB_CACHE") or legacy)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """Where one hub file at one commit lives in the cache (``etag``: its blob's name)."""
+
+    root: str
+    repo_id: str
+    filename: str
+    commit: str
+    revision: str
+    etag: str
+
+    @property
+    def storage(self) -> str:
+        return os.path.join(self.root, "models--" + self.repo_id.replace("/", "--"))
+
+    @property
+    def blob(self) -> str:
+        return os.path.join(self.storage, "blobs", self.etag)
+
+    @property
+    def partial(self) -> str:
+        return self.blob + PARTIAL_SUFFIX
+
+    @property
+    def pointer(self) -> str:
+        return os.path.join(self.storage, "snapshots", self.commit, *self.filename.split("/"))
+
+    @property
+    def lock(self) -> str:
+        name = "models--" + self.repo_id.replace("/", "--")
+        return os.path.join(self.root, ".locks", name, f"{self.etag}.lock")
+
+    def link(self) -> None:
+        """The snapshot's link to the blob (relative, as the library makes it), and the
+        revision's ref when it named a branch or tag."""
+        os.makedirs(os.path.dirname(self.pointer), exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.pointer)
+        os.symlink(os.path.relpath(self.blob, os.path.dirname(self.pointer)), self.pointer)
+        if self.revision != self.commit:
+            ref = os.path.join(self.storage, "refs", *self.revision.split("/"))
+            os.makedirs(os.path.dirname(ref), exist_ok=True)
+            with contextlib.suppress(OSError), open(ref) as f:
+                if f.read() == self.commit:
+                    return
+            tmp = f"{ref}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(self.commit)
+            os.replace(tmp, ref)
+
+
+def cache_entry(found: HubFile) -> CacheEntry | None:
+    """The cache entry of a resolved hub file; None without a usable ETag."""
+    if not found.etag or not found.commit or "/" in found.etag or found.etag.startswith("."):
+        return None
+    revision = found.revision or "main"
+    return CacheEntry(
+        hub_cache_dir(), found.repo_id, found.filename, found.commit, revision, found.etag
+    )
+
+
+def find_cached(path: str, resolve: Callable[[str], HubFile]) -> tuple[str | None, HubFile | None]:
+    """``(local file, resolution)`` for the ``hf://`` name ``path``: the cached file
+    (every split of a split set named by its first) at the commit ``resolve(path)``
+    names; at a pinned commit, no question to the hub; when the hub cannot be asked (not
+    when it says no), the commit ``refs`` recorded. A blob already cached for another
+    commit is linked. Raises what ``resolve`` raises when nothing cached stands in."""
+    wanted = parse_hub_name(path)
+    root = hub_cache_dir()
+    storage = os.path.join(root, "models--" + wanted.repo_id.replace("/", "--"))
+    if wanted.revision and _COMMIT.fullmatch(wanted.revision):
+        local = _snapshot_file(storage, wanted.revision, wanted.filename)
+        if local is not None:
+            return local, None
+    try:
+        found = resolve(path)
+    except LoadError as exc:
+        if _hub_said_no(exc.__cause__):
+            raise
+        ref = os.path.join(storage, "refs", *(wanted.revision or "main").split("/"))
+        try:
+            with open(ref) as f:
+                commit = f.read().strip()
+        except OSError:
+            raise exc from exc.__cause__
+        local = None
+        if _COMMIT.fullmatch(commit):
+            local = _snapshot_file(storage, commit, wanted.filename)
+        if local is None:
+            raise
+        return local, None
+    local = _snapshot_file(storage, found.commit, found.filename)
+    entry = cache_entry(found)
+    if local is None and entry is not None and _split_count(found.filename) == 1:
+        with contextlib.suppress(OSError):
+            if os.stat(entry.blob).st_size == found.size:
+                entry.link()  # the same bytes at another commit
+                local = _snapshot_file(storage, found.commit, found.filename)
+    return local, found
+
+
+def _split_count(filename: str) -> int:
+    match = re.search(r"-(\d{5})-of-(\d{5})\.gguf$", filename)
+    return int(match.group(2)) if match else 1
+
+
+def _snapshot_file(storage: str, commit: str, filename: str) -> str | None:
+    """The cached file at ``commit``; for a first split, only when every split is there."""
+    count = _split_count(filename)
+    names = [filename]
+    if count > 1 and filename.endswith(f"-00001-of-{count:05d}.gguf"):
+        stem = filename[: -len(f"-00001-of-{count:05d}.gguf")]
+        names = [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    paths = [os.path.join(storage, "snapshots", commit, *n.split("/")) for n in names]
+    return paths[0] if all(os.path.isfile(p) for p in paths) else None
+
+
+def _hub_said_no(cause: BaseException | None) -> bool:
+    """Whether the hub answered (a 4xx: no such repository, revision or file, or no
+    access), as against not being reachable, which the cache may stand in for."""
+    response = getattr(cause, "response", None)
+    status = getattr(response, "status_code", None)
+    return isinstance(status, int) and 400 <= status < 500
+
+
+# --- the digest -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Digest:
+    """The digest the hub gives for a file: ``sha256``, or ``git-sha1`` (a git blob)."""
+
+    kind: str
+    hexdigest: str
+
+    @classmethod
+    def of_etag(cls, etag: str | None) -> Digest | None:
+        if etag and _SHA256.fullmatch(etag):
+            return cls("sha256", etag)
+        if etag and _COMMIT.fullmatch(etag):
+            return cls("git-sha1", etag)
+        return None
+
+    def start(self, size: int) -> Any:
+        if self.kind == "sha256":
+            return hashlib.sha256()
+        hasher = hashlib.sha1(usedforsecurity=False)
+        hasher.update(b"blob %d\0" % size)
+        return hasher
+
+
+class _Ranges:
+    """Disjoint, sorted byte ranges ``[start, end)``; adding merges."""
+
+    def __init__(self, pairs: Iterable[tuple[int, int]] = ()) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        for lo, hi in pairs:
+            self.add(lo, hi)
+
+    def add(self, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        i = bisect_left(self._ends, lo)
+        j = bisect_right(self._starts, hi)
+        if i < j:
+            lo, hi = min(lo, self._starts[i]), max(hi, self._ends[j - 1])
+        self._starts[i:j] = [lo]
+        self._ends[i:j] = [hi]
+
+    def run_end(self, at: int) -> int:
+        """The end of the range holding byte ``at``; ``at`` when none does."""
+        i = bisect_right(self._starts, at) - 1
+        return self._ends[i] if i >= 0 and self._ends[i] > at else at
+
+    def next_start(self, at: int, default: int) -> int:
+        """The first start after ``at``, else ``default``."""
+        i = bisect_right(self._starts, at)
+        return self._starts[i] if i < len(self._starts) else default
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends, strict=True))
+
+    def total(self) -> int:
+        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
+
+
+def _pwrite_all(fd: int, view: builtins.memoryview, offset: int) -> None:
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def _pread_all(fd: int, view: builtins.memoryview, offset: int, name: str) -> None:
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if not got:
+            raise LoadError(name, offset, "the cache's partial file ended early")
+        view, offset = view[got:], offset + got
+
+
+# --- the source -------------------------------------------------------------------------
+
+
+class HubSource(HttpSource):
+    """An ``HttpSource`` of a hub file whose digest is known: what it reads is hashed in
+    file order as it lands and, with a cache ``entry``, written to the partial file (the
+    ranges already there are read from it). ``finish`` waits for the verdict and commits
+    the blob; ``close`` stops the hashing and records what a later load may resume."""
+
+    def __init__(
+        self,
+        url: str,
+        options: RemoteOptions,
+        *,
+        name: str,
+        size: int | None,
+        digest: Digest,
+        entry: CacheEntry | None,
+    ) -> None:
+        super().__init__(url, options, name=name)
+        try:
+            if size is not None and self.size_bytes != size:
+                raise LoadError(
+                    name, None, f"the hub says {size} bytes, its file has {self.size_bytes}"
+                )
+            self._tap = _Tap(self, digest, entry)
+        except BaseException:
+            super().close()
+            raise
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the file the partial file held when the load began (resumed)."""
+        return self._tap.resumed
+
+    def read_into(self, dest: Buffer, offset: int) -> None:
+        view = builtins.memoryview(dest).cast("B")
+        tap = getattr(self, "_tap", None)
+        if tap is None:
+            super().read_into(view, offset)
+            return
+        for lo, hi, cached in tap.split(offset, offset + len(view)):
+            part = view[lo - offset : hi - offset]
+            if cached:
+                tap.read_cached(part, lo)
+            else:
+                super().read_into(part, lo)
+                tap.landed(part, lo)
+
+    def read_upto(self, offset: int, nbytes: int) -> bytes:
+        """The header parse's reads come from the network, never from a partial file: a
+        spoiled byte there would fail the parse before the digest could tell."""
+        buf = bytearray(max(0, min(nbytes, self.size_bytes - offset)))
+        if buf:
+            view = builtins.memoryview(buf)
+            super().read_into(view, offset)
+            self._tap.landed(view, offset)
+        return bytes(buf)
+
+    def fetch(self, view: builtins.memoryview, offset: int) -> None:
+        """The network's bytes, never the cache's (the hashing thread's gaps)."""
+        super().read_into(view, offset)
+
+    def expect(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """The ranges the load's reads will land: the rest is fetched for the digest."""
+        self._tap.expect(ranges)
+
+    def finish(self) -> None:
+        """Blocking: wait for the whole file's digest; ``IntegrityError`` if it differs
+        from the hub's; the blob committed to the cache."""
+        self._tap.finish()
+
+    def close(self) -> None:
+        super().close()
+        tap = getattr(self, "_tap", None)
+        if tap is not None:
+            tap.close()
+
+
+class _PartialFile:
+    """A cache entry's partial file, its lock held: written at any offset, the ranges
+    it holds recorded after its end, renamed into place and linked once verified."""
+
+    def __init__(self, entry: CacheEntry, fd: int, lock_fd: int, size: int, digest: Digest):
+        self.entry, self._fd, self._lock_fd = entry, fd, lock_fd
+        self._size, self._digest = size, digest
+
+    @classmethod
+    def open(cls, entry: CacheEntry, size: int, digest: Digest) -> _PartialFile | None:
+        """Take the entry's lock and open its partial file; None without the lock
+        (another process writes it), or where the cache cannot be written."""
+        try:
+            for folder in (entry.lock, entry.blob, entry.pointer):
+                os.makedirs(os.path.dirname(folder), exist_ok=True)
+            lock_fd = os.open(entry.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o664)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.exists(entry.blob):
+                raise BlockingIOError  # committed meanwhile: nothing to write
+            fd = os.open(entry.partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError:
+            os.close(lock_fd)
+            return None
+        with contextlib.suppress(OSError):  # as the library does: for backup tools
+            tag = os.path.join(entry.root, "CACHEDIR.TAG")
+            if not os.path.exists(tag):
+                with open(tag, "w") as f:
+                    f.write("Signature: 8a477f597d28d172789f06886806bc55\n")
+        return cls(entry, fd, lock_fd, size, digest)
+
+    def resumable(self) -> list[tuple[int, int]]:
+        """The ranges the file's record vouches for; none (and the file emptied) when
+        it has no record that checks out."""
+        pairs = self._read_record()
+        if pairs is None:
+            os.ftruncate(self._fd, 0)
+            return []
+        return pairs
+
+    def _read_record(self) -> list[tuple[int, int]] | None:
+        try:
+            head = os.pread(self._fd, _TRAILER.size, self._size)
+            magic, length, check = _TRAILER.unpack(head)
+            if magic != _TRAILER_MAGIC or length > _MAX_RECORD_BYTES:
+                return None
+            payload = os.pread(self._fd, length, self._size + _TRAILER.size)
+            if len(payload) != length or hashlib.sha256(payload).digest() != check:
+                return None
+            record = json.loads(payload)
+            pairs = [(int(lo), int(hi)) for lo, hi in record["ranges"]]
+        except (OSError, struct.error, ValueError, KeyError, TypeError):
+            return None
+        if record.get("size") != self._size or record.get("digest") != self._digest.hexdigest:
+            return None
+        if any(not 0 <= lo < hi <= self._size for lo, hi in pairs):
+            return None
+        return pairs
+
+    def write(self, view: builtins.memoryview, offset: int) -> None:
+        _pwrite_all(self._fd, view, offset)
+
+    def read(self, view: builtins.memoryview, offset: int, name: str) -> None:
+        _pread_all(self._fd, view, offset, name)
+
+    def record(self, pairs: list[tuple[int, int]]) -> None:
+        """Make the data durable, then record ``pairs`` (written before) after its end."""
+        os.fdatasync(self._fd)
+        payload = json.dumps(
+            {"size": self._size, "digest": self._digest.hexdigest, "ranges": pairs}
+        ).encode()
+        head = _TRAILER.pack(_TRAILER_MAGIC, len(payload), hashlib.sha256(payload).digest())
+        _pwrite_all(self._fd, builtins.memoryview(head + payload), self._size)
+
+    def commit(self) -> None:
+        """The verified file renamed into place and linked: complete, or absent."""
+        os.ftruncate(self._fd, self._size)  # the record goes
+        os.replace(self.entry.partial, self.entry.blob)
+        self.entry.link()
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.remove(self.entry.partial)
+
+    def close(self) -> None:
+        """Close the file, and release the lock with its descriptor."""
+        for fd in (self._fd, self._lock_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._lock_fd = -1
+
+
+class _Tap:
+    """The digest of one file, in file order, on a thread of its own, and the partial
+    file of its cache entry (None when there is none, or it cannot be written)."""
+
+    def __init__(self, source: HubSource, digest: Digest, entry: CacheEntry | None) -> None:
+        self._source, self._digest, self._size = source, digest, source.size_bytes
+        self._cond = threading.Condition()
+        self._written = _Ranges()  # in the partial file, trusted
+        self._landed = _Ranges()  # landed by this load, or resumed
+        self._planned: _Ranges | None = None
+        self._parked: dict[int, bytes] = {}
+        self._parked_bytes = 0
+        self._hashed = 0
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._verified = self._committed = False
+        self._file = _PartialFile.open(entry, self._size, digest) if entry else None
+        self._writing = self._file is not None  # False after a write failed
+        try:
+            for lo, hi in self._file.resumable() if self._file is not None else ():
+                self._written.add(lo, hi)
+                self._landed.add(lo, hi)
+            self.resumed = self._written.total()
+            self._thread = threading.Thread(
+                target=self._run, name=f"aiogguf-hub-hash {source.path}", daemon=True
+            )
+            self._thread.start()
+        except BaseException:
+            if self._file is not None:
+                self._file.close()
+            raise
+
+    # -- the readers' side -------------------------------------------------------------
+
+    def split(self, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        """``[lo, hi)`` cut into parts the partial file holds (True) and the rest."""
+        parts: list[tuple[int, int, bool]] = []
+        with self._cond:
+            at = lo
+            while at < hi:
+                end = min(self._written.run_end(at), hi)
+                if end > at:
+                    parts.append((at, end, True))
+                else:
+                    end = min(self._written.next_start(at, hi), hi)
+                    parts.append((at, end, False))
+                at = end
+        return parts
+
+    def read_cached(self, view: builtins.memoryview, offset: int) -> None:
+        assert self._file is not None  # only ranges it holds are read from it
+        self._file.read(view, offset, self._source.path)
+
+    def landed(self, view: builtins.memoryview, offset: int) -> None:
+        """Bytes the network gave at ``offset``: written to the partial file, or kept
+        for the digest while there is room (or when the digest is up to them)."""
+        end = offset + len(view)
+        if self._writing and self._file is not None:
+            try:
+                self._file.write(view, offset)
+            except OSError:
+                self._writing = False  # a full disk: the load goes on without a cache
+            else:
+                with self._cond:
+                    self._written.add(offset, end)
+                    self._landed.add(offset, end)
+                    self._cond.notify_all()
+                return
+        with self._cond:
+            at = self._hashed
+            keep = end > at and (offset <= at or self._parked_bytes + len(view) <= PARK_BYTES)
+            if keep:
+                self._parked_bytes += end - max(offset, at)
+        data = bytes(view[max(0, at - offset) :]) if keep else b""
+        with self._cond:
+            if keep:
+                self._parked[max(offset, at)] = data
+            self._landed.add(offset, end)
+            self._cond.notify_all()
+
+    def expect(self, ranges: Iterable[tuple[int, int]]) -> None:
+        planned = _Ranges(ranges)
+        with self._cond:
+            self._planned = planned
+            self._cond.notify_all()
+
+    # -- the hashing thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            hasher = self._digest.start(self._size)
+            scratch = builtins.memoryview(bytearray(PIECE_BYTES))
+            recorded = time.monotonic()
+            while self._hashed < self._size:
+                if self._stop.is_set():
+                    return
+                piece = self._next_piece(scratch)
+                if piece is None:
+                    continue
+                hasher.update(piece)
+                with self._cond:
+                    self._hashed += len(piece)
+                    self._drop_parked()
+                if self._writing and time.monotonic() - recorded > RECORD_S:
+                    self._record()
+                    recorded = time.monotonic()
+            got = hasher.hexdigest()
+            if got != self._digest.hexdigest:
+                raise IntegrityError(
+                    (),
+                    self._source.path,
+                    f"the file's {self._digest.kind} is {got}, the hub's is "
+                    f"{self._digest.hexdigest}: nothing was cached",
+                )
+            self._verified = True
+        except BaseException as exc:  # the load's verdict, given by ``finish``
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def _next_piece(self, scratch: builtins.memoryview) -> builtins.memoryview | None:
+        """The bytes at the digest's prefix: kept in memory, in the partial file, or
+        fetched (a gap no read lands, or bytes that found no room); None after a wait."""
+        at = self._hashed
+        with self._cond:
+            for start, data in self._parked.items():
+                if start <= at < start + len(data):
+                    return builtins.memoryview(data)[at - start : at - start + PIECE_BYTES]
+            end = min(self._written.run_end(at), at + PIECE_BYTES)
+            in_file = end > at
+            if not in_file:
+                planned = self._planned
+                if planned is None or (planned.run_end(at) > at and self._landed.run_end(at) == at):
+                    self._cond.wait(POLL_S)  # a read will land it
+                    return None
+                landed_end = self._landed.run_end(at)
+                end = landed_end if landed_end > at else planned.next_start(at, self._size)
+                end = min(end, self._written.next_start(at, self._size), at + PIECE_BYTES)
+        view = scratch[: end - at]
+        if in_file:
+            self.read_cached(view, at)
+            return view
+        self._source.fetch(view, at)
+        if self._writing and self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.write(view, at)
+                with self._cond:
+                    self._written.add(at, end)
+        with self._cond:
+            self._landed.add(at, end)
+        return view
+
+    def _drop_parked(self) -> None:
+        at = self._hashed
+        for start in [s for s, d in self._parked.items() if s + len(d) <= at]:
+            self._parked_bytes -= len(self._parked.pop(start))
+
+    # -- the end -----------------------------------------------------------------------
+
+    def finish(self) -> None:
+        with self._cond:
+            self._planned = _Ranges()  # every read has landed: the hash fetches the rest
+            self._cond.notify_all()
+        while not self._done.wait(POLL_S):
+            raise_if_stopped()
+        if self._error is not None:
+            raise self._error
+        self._commit()
+
+    def _commit(self) -> None:
+        if self._file is None or not self._writing or not self._verified or self._committed:
+            return
+        self._committed = True
+        with contextlib.suppress(OSError):  # the cache is an extra: the load stands
+            self._file.commit()
+
+    def _record(self) -> None:
+        assert self._file is not None
+        with self._cond:
+            pairs = self._written.pairs()
+        self._file.record(pairs)
+
+    def close(self) -> None:
+        """Stop and join the hashing thread (the source's connections are closed first,
+        so a fetch in flight ends at once); commit a verified file, record what a
+        partial one holds, or remove one whose digest differed."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join()
+        file = self._file
+        if file is None:
+            return
+        try:
+            if self._verified:
+                self._commit()
+            elif isinstance(self._error, IntegrityError):
+                file.remove()
+            elif self._writing:
+                with contextlib.suppress(OSError):
+                    self._record()
+        finally:
+            file.close()
+            self._parked.clear()
