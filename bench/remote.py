@@ -13,9 +13,9 @@ Then ``--runs`` times, in alternated order, each in a fresh process:
 
 - ``raw``: plain concurrent ranged GETs with ``http.client`` into fresh memory (its
   pages taken inside the clock, as the load's are), as many at once and as big as the
-  load's (``remote_readers`` connections, requests of the load's job size), at the CPU
-  priority of the load's readers (``LOAD_NICE``): the link's limit for that way of
-  reading;
+  load's (``remote_in_flight`` connections, each taking a job of the load's size and
+  asking for it in requests of ``remote_request_size``), at the CPU priority of the
+  load's readers (``LOAD_NICE``): the link's limit for that way of reading;
 - ``single``: one GET of the whole file on one connection (a browser's, curl's), at
   the same priority;
 - ``load``: ``aiogguf.load(url)`` (mode ``none``, checks on, host memory) after
@@ -137,12 +137,13 @@ class _Clock:
         }
 
 
-def _raw(port: int, path: str, size: int, request_bytes: int, connections: int) -> dict[str, Any]:
+def _raw(port: int, path: str, size: int, cuts: tuple[int, int, int]) -> dict[str, Any]:
     from aiogguf.io.workers import at_load_priority
 
     clock = _Clock()
     dest = _fresh_memory(size)
-    starts = iter(range(0, size, request_bytes))
+    connections, job_bytes, request_bytes = cuts
+    starts = iter(range(0, size, job_bytes))
     lock = threading.Lock()
     errors: list[BaseException] = []
 
@@ -155,7 +156,10 @@ def _raw(port: int, path: str, size: int, request_bytes: int, connections: int) 
                     start = next(starts, None)
                 if start is None:
                     return
-                _get_into(conn, path, dest[start : start + request_bytes], start)
+                end = min(start + job_bytes, size)
+                for lo in range(start, end, request_bytes):
+                    hi = min(lo + request_bytes, end)
+                    _get_into(conn, path, dest[lo:hi], lo)
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -210,7 +214,7 @@ def _measure(task: dict[str, Any], results: Any) -> None:
         import aiogguf.io.workers  # noqa: F401
 
         if kind == "raw":
-            measured = _raw(port, path, size, task["request_bytes"], task["connections"])
+            measured = _raw(port, path, size, task["cuts"])
         elif kind == "single":
             measured = _single(port, path, size)
         else:
@@ -234,22 +238,24 @@ def _in_process(ctx: Any, target: Any, *args: Any, timeout_s: float = 600.0) -> 
 # -- the run -----------------------------------------------------------------------
 
 
-def load_request_bytes(size: int) -> tuple[int, int]:
-    """The load's defaults for a file of ``size`` bytes: (connections, request bytes),
-    as ``jobs.job_bytes`` cuts host jobs (a chunk, or less to give every reader one)."""
+def load_cuts(size: int) -> tuple[int, int, int]:
+    """The load's defaults for a file of ``size`` bytes: (connections, job bytes, request
+    bytes), as ``jobs.job_bytes`` cuts host jobs (a chunk, or less to give every reader
+    one) and ``HttpSource`` asks for a job (``remote_request_size`` at a time)."""
     from aiogguf.config import load_config
     from aiogguf.jobs import MIN_SPREAD_BYTES
 
     pipeline = load_config(None).pipeline
-    readers = pipeline.remote_readers
+    readers = pipeline.remote_in_flight
     spread = max(-(-size // readers), MIN_SPREAD_BYTES)
-    return readers, min(pipeline.chunk_size, spread)
+    job_bytes = min(pipeline.chunk_size, spread)
+    return readers, job_bytes, min(job_bytes, pipeline.remote_request_size)
 
 
 def run(path: Path, runs: int, latency_ms: float, window: int, say: Any) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     size = path.stat().st_size
-    connections, request_bytes = load_request_bytes(size)
+    connections, job_bytes, request_bytes = load_cuts(size)
     load_before = os.getloadavg()
     server, port = _in_process(
         ctx, _serve, str(path.parent), latency_ms / 1000, window, timeout_s=60
@@ -263,8 +269,7 @@ def run(path: Path, runs: int, latency_ms: float, window: int, say: Any) -> dict
                     "port": port,
                     "path": f"/{path.name}",
                     "size": size,
-                    "request_bytes": request_bytes,
-                    "connections": connections,
+                    "cuts": (connections, job_bytes, request_bytes),
                 }
                 proc, result = _in_process(ctx, _measure, task)
                 proc.join(60)
@@ -292,6 +297,7 @@ def run(path: Path, runs: int, latency_ms: float, window: int, say: Any) -> dict
         "latency_ms": latency_ms,
         "window_bytes": window,
         "connections": connections,
+        "job_bytes": job_bytes,
         "request_bytes": request_bytes,
         "runs": runs,
         "cpus": os.cpu_count(),
@@ -311,8 +317,9 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"\n{size_mib:.0f} MiB over loopback, {result['latency_ms']:g} ms round trip, "
         f"{result['window_bytes'] / MiB:g} MiB window per connection; "
-        f"{result['connections']} connections x {result['request_bytes'] / MiB:g} MiB "
-        f"requests (the load made {result['load_requests']}); "
+        f"{result['connections']} connections, jobs of {result['job_bytes'] / MiB:.1f} MiB "
+        f"in requests of {result['request_bytes'] / MiB:.1f} MiB "
+        f"(the load's reads: {result['load_requests']}); "
         f"{result['runs']} runs, medians"
     )
     print("| read | GB/s | runs | CPU s (all threads) |")

@@ -19,6 +19,9 @@ load's reader threads, one keep-alive connection per thread, each ranged body re
 - **Trust.** ``https`` trusts the system's certificate authorities, or those named by
   OpenSSL's ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``; an untrusted certificate fails the load
   at once (no retries), saying so.
+- **Addresses.** With an ``address_policy`` (a server's: ``aiogguf.io.remote_policy``),
+  each host is resolved once per connection and only an address the policy accepts is
+  connected to, by its number: what was checked is what is reached, after redirects too.
 - **Stopping.** Sockets wait ``POLL_S`` at a time and call ``raise_if_stopped`` between
   waits and between pieces of a body, so a cancelled load ends its reads within about a
   second even when a server stalls; ``stall_s`` without a byte is a timeout.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import http.client
+import ipaddress
 import os
 import random
 import re
@@ -44,13 +48,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from aiogguf.errors import LoadError
+from aiogguf.errors import LoadError, PathNotAllowedError
 from aiogguf.io.workers import raise_if_stopped
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["HttpSource", "RemoteOptions", "is_url", "redact_url"]
+    from aiogguf.io.remote_policy import IPAddress
+
+# Why an address may not be connected to (None: it may): see ``RemoteOptions``.
+AddressPolicy = Callable[[str, "IPAddress"], str | None]
+__all__ = ["AddressPolicy", "HttpSource", "RemoteOptions", "is_url", "redact_url"]
 
 # A socket waits this long at a time: between waits a stopped load is noticed.
 POLL_S = 0.25
@@ -88,12 +96,20 @@ class RemoteOptions:
     """How a remote file is read: ``retries`` in a row per range, the first after
     ``backoff_s`` (doubling, jittered), ``stall_s`` without a byte (or to connect) is a
     timeout, ``headers`` go with every request (``Authorization`` only to the first
-    host)."""
+    host). ``request_bytes``: the most one ranged request asks for (a longer read is
+    several, one after the other). ``address_policy(host, address)``: why an address
+    the host resolved to may not be connected to, or None; None: any address."""
 
     retries: int = 4
     backoff_s: float = 0.25
     stall_s: float = 30.0
     headers: Mapping[str, str] | None = None
+    request_bytes: int = 16 << 20
+    address_policy: AddressPolicy | None = None
+
+
+class AddressRefused(Exception):
+    """The policy refused every address of a host: not a fault another try fixes."""
 
 
 class _Changed(Exception):
@@ -150,8 +166,35 @@ def _tls_context() -> ssl.SSLContext:
     return context
 
 
-def _connect(host: str, port: int, stall_s: float, tls: ssl.SSLContext | None) -> socket.socket:
-    raw = socket.create_connection((host, port), timeout=min(stall_s, 10.0))
+def _allowed_addresses(host: str, port: int, policy: AddressPolicy) -> list[tuple[str, int]]:
+    """The addresses of ``host`` that ``policy`` accepts, resolved once; raises
+    ``AddressRefused`` when it accepts none."""
+    found: list[tuple[str, int]] = []
+    refusal = f"{host} resolves to no address"
+    for _, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        address = ipaddress.ip_address(sockaddr[0])
+        reason = policy(host, address)
+        if reason is None:
+            found.append((str(sockaddr[0]), port))
+        else:
+            refusal = reason
+    if not found:
+        raise AddressRefused(refusal)
+    return found
+
+
+def _connect(
+    host: str,
+    port: int,
+    stall_s: float,
+    tls: ssl.SSLContext | None,
+    policy: AddressPolicy | None = None,
+) -> socket.socket:
+    timeout = min(stall_s, 10.0)
+    if policy is None:
+        raw = socket.create_connection((host, port), timeout=timeout)
+    else:
+        raw = _first_connection(_allowed_addresses(host, port, policy), timeout)
     sock = _PollingSocket(fileno=raw.detach())
     sock.stall_s = stall_s
     sock.settimeout(POLL_S)
@@ -168,17 +211,31 @@ def _connect(host: str, port: int, stall_s: float, tls: ssl.SSLContext | None) -
     return wrapped
 
 
+def _first_connection(addresses: list[tuple[str, int]], timeout: float) -> socket.socket:
+    """A connection to the first of ``addresses`` (numbers: nothing is resolved again)
+    that answers."""
+    error: OSError | None = None
+    for address in addresses:
+        try:
+            return socket.create_connection(address, timeout=timeout)
+        except OSError as exc:
+            error = exc
+    assert error is not None
+    raise error
+
+
 class _Connection(http.client.HTTPConnection):
     """One keep-alive connection to one host, over a polling socket."""
 
-    def __init__(self, scheme: str, host: str, port: int, stall_s: float) -> None:
+    def __init__(self, scheme: str, host: str, port: int, options: RemoteOptions) -> None:
         super().__init__(host, port, timeout=POLL_S)
         self.key = (scheme, host, port)
-        self._stall_s = stall_s
+        self._stall_s = options.stall_s
+        self._policy = options.address_policy
 
     def connect(self) -> None:
         tls = _tls_context() if self.key[0] == "https" else None
-        self.sock = _connect(self.host, self.port, self._stall_s, tls)
+        self.sock = _connect(self.host, self.port, self._stall_s, tls, self._policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +315,12 @@ class HttpSource:
             raise LoadError(
                 self.path, offset, f"range up to byte {end} is past the end ({self.size_bytes})"
             )
+        step = max(self.options.request_bytes, 1)
+        for start in range(0, len(view), step):
+            self._read_range(view[start : start + step], offset + start)
+
+    def _read_range(self, view: builtins.memoryview, offset: int) -> None:
+        """One ranged request's worth, retried from where it stops."""
         self._with_retries(offset, lambda done: self._fetch(view, offset, done))
 
     def read_upto(self, offset: int, nbytes: int) -> bytes:
@@ -329,6 +392,8 @@ class HttpSource:
             raise LoadError(self.path, start, _untrusted(exc)) from None
         except (*_RETRIABLE, _Fault) as exc:
             raise _Progress(done, exc) from exc
+        except AddressRefused as exc:
+            raise PathNotAllowedError(self.path, f"not connected: {exc}") from None
         try:
             self._check_response(response, start, end)
             view = view[: max(done, min(len(view), self.size_bytes - offset))]
@@ -436,7 +501,7 @@ class HttpSource:
             return conn
         if conn is not None:
             self._drop(conn)
-        fresh = _Connection(where.scheme, where.host, where.port, self.options.stall_s)
+        fresh = _Connection(where.scheme, where.host, where.port, self.options)
         with self._lock:
             if self._closed:
                 raise LoadError(self.path, None, "the source is closed")

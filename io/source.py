@@ -15,7 +15,7 @@ the mapped modes map it (``allocate_mapped``); ``LoadResources`` holds ``DataFil
 and ``resolve_mode`` makes ``auto`` ``mmap``. So the remote kind needs more than being a
 ``ByteSource``; ``aiogguf.remote`` has it all in one place: the parse stage reads it
 through ``read_header_from``, the front opens it and ``LoadResources`` holds it in place
-of a ``DataFile``, its reader limit is ``remote_readers`` (no disk), and its mode is
+of a ``DataFile``, its reader limit is ``remote_in_flight`` (no disk), and its mode is
 ``none`` (no mappings, no ``O_DIRECT``, no ``fadvise``).
 """
 

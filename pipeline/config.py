@@ -24,6 +24,7 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 import re2
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -40,9 +41,11 @@ from pydantic_core import ErrorDetails
 from aiogguf.errors import ConfigError
 from aiogguf.io.devices.sim import SIM_COPY_BYTES_PER_S, SIM_COPY_LATENCY_US, SIM_PIN_S_PER_GIB
 from aiogguf.io.ggml_types import ggml_type_by_name
+from aiogguf.io.remote_policy import checked_network, checked_prefix
 from aiogguf.units import format_size, parse_size
 
 __all__ = [
+    "FORMER_NAMES",
     "Config",
     "HugePages",
     "LoadConfig",
@@ -237,13 +240,20 @@ class PipelineConfig(_Section):
     # has them off (THP "never") every setting gives 4 KiB pages, silently.
     huge_pages: HugePages = "auto"
     path: tuple[PathLimit, ...] = ()
-    # Remote files (http:// and https://): reader threads, each one ranged request in
-    # flight on a keep-alive connection of its own; tries of a range after a reset, a
-    # timeout, a short body or a 5xx, in a row, before the load fails; seconds without a
-    # byte before a request counts as timed out.
-    remote_readers: Int = Field(default=16, ge=1, le=MAX_THREADS)
+    # Remote files (http:// and https://): ranged requests in flight, each on a reader
+    # thread and a keep-alive connection of its own (``remote_readers``, its former
+    # name, is still read); the most bytes one request asks for; tries of a range after
+    # a reset, a timeout, a short body or a 5xx, in a row, before the load fails;
+    # seconds without a byte before a request counts as timed out.
+    remote_in_flight: Int = Field(default=16, ge=1, le=MAX_THREADS)
+    remote_request_size: PositiveSize = Field(default=16 * 1024**2, le=MAX_CHUNK_BYTES)
     remote_retries: Int = Field(default=4, ge=0, le=100)
     remote_timeout: Float = Field(default=30.0, gt=0.0, le=3600.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_names(cls, data: Any) -> Any:
+        return _renamed(data, "[pipeline] ")
 
     @field_validator("alignment")
     @classmethod
@@ -324,12 +334,39 @@ class PipelineConfig(_Section):
         return best
 
 
+# Keys read under a former name: what they are called now.
+FORMER_NAMES: dict[str, str] = {"remote_readers": "remote_in_flight"}
+
+
+def _renamed(data: Any, where: str = "") -> Any:
+    """``data`` (a section's keys, or overrides) with former names as today's; both
+    names of one key is an error."""
+    if not isinstance(data, Mapping) or not any(k in data for k in FORMER_NAMES):
+        return data
+    data = dict(data)
+    for old, new in FORMER_NAMES.items():
+        if old in data:
+            if data.get(new) is not None and data[old] is not None:
+                raise ValueError(f"{where}{old} is the former name of {new}: give one of them")
+            value = data.pop(old)
+            if value is not None:
+                data[new] = value
+    return data
+
+
 class ServerConfig(_Section):
     """``[server]``: settings of ``aiogguf serve``, not of a load (no override sets them).
 
-    ``roots``: the directories whose files clients may load (``--root`` adds to them)."""
+    ``roots``: the directories whose files clients may load (``--root`` adds to them).
+    ``allow_remote`` (``["hf"]``), ``allow_url_prefixes``: the remote names they may
+    load; ``allow_private_addresses``, ``allow_networks``: the addresses such loads may
+    connect to beyond public ones (docs/server.md; each has the flag of its name)."""
 
     roots: tuple[Annotated[str, Field(min_length=1)], ...] = ()
+    allow_remote: tuple[Literal["hf"], ...] = ()
+    allow_url_prefixes: tuple[Annotated[str, AfterValidator(checked_prefix)], ...] = ()
+    allow_private_addresses: Bool = False
+    allow_networks: tuple[Annotated[str, AfterValidator(checked_network)], ...] = ()
 
 
 # What a load server lets its clients hold by default (``aiogguf.server_policy``'s
@@ -525,6 +562,10 @@ class Config(_Section):
         """``with_overrides`` with the overrides in a mapping; errors name ``origin``
         (e.g. ``"command line"``) as where the bad value came from."""
         data = self.model_dump(exclude={"source"})
+        try:
+            overrides = _renamed(overrides)
+        except ValueError as exc:
+            raise ConfigError("remote_in_flight", origin, str(exc)) from None
         for key, value in overrides.items():
             if value is None:
                 continue

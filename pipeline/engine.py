@@ -215,7 +215,7 @@ class _Load:
         model = Model(self.index, plan, images, layout.slots, report, failures=failures)
         if self.ready is not None:
             self.ready.finish(
-                model.tensors.__getitem__,
+                model,
                 failed={f.name for f in failures},
                 last=[t.name for t in plan.tensors if t.lazy],
             )

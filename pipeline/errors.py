@@ -142,13 +142,16 @@ class BigEndianError(LoadError):
 
 
 class PathNotAllowedError(LoadError):
-    """A path lies outside every root the loader may read, or a symlink leads out of one.
+    """A path lies outside every root the loader may read, or a symlink leads out of one;
+    a remote name or address a server may not reach (``problem`` says which).
 
     Says nothing about the file itself (whether it exists, its size, its bytes): only the
     path as it was asked for."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path, None, "not under a served root")
+    def __init__(
+        self, path: str | os.PathLike[str], problem: str = "not under a served root"
+    ) -> None:
+        super().__init__(path, None, problem)
 
 
 @dataclass(frozen=True, slots=True)

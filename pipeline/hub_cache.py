@@ -20,11 +20,15 @@ the digest matched; the bytes the load does not read (the header's end, padding)
 fetched by the hashing thread.
 
 **Resuming.** Which ranges a partial file holds is recorded after its last byte (a
-trailer: magic, length, sha256 of a JSON list of ranges), written only after
-``fdatasync`` of the data, every ``RECORD_S`` and when the load ends unfinished. A
-later load trusts exactly those ranges (and reads them from the file instead of the
-network); a record that does not check out makes it start over. Trust is not
-blind: the whole-file digest still covers those bytes, and a mismatch removes the file.
+trailer: magic, length, sha256 of a JSON list of ranges), every ``RECORD_S`` and when the
+load ends unfinished; a range is recorded only once its write returned. A later load
+trusts exactly those ranges (and reads them from the file instead of the network),
+but only under the kernel that wrote them (the record names its boot id): a process
+killed loses nothing of what it wrote (the page cache has it), a machine that lost
+power may have, and its record is not trusted. So no ``fdatasync`` is needed, and a
+cancelled load's close costs a small write, not a flush of gigabytes. A record that
+does not check out makes the load start over. Trust is not blind: the whole-file digest
+still covers those bytes, and a mismatch removes the file.
 
 **The digest.** The hub's ETag of a large file is its sha256 (a small git file's: its
 git blob sha1). One thread per file (``_Tap``) follows the contiguous prefix of the
@@ -281,6 +285,15 @@ class _Ranges:
         return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
 
 
+def _boot_id() -> str:
+    """This boot's id (Linux); empty where there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _pwrite_all(fd: int, view: builtins.memoryview, offset: int) -> None:
     while view:
         done = os.pwrite(fd, view, offset)
@@ -428,7 +441,8 @@ class _PartialFile:
             pairs = [(int(lo), int(hi)) for lo, hi in record["ranges"]]
         except (OSError, struct.error, ValueError, KeyError, TypeError):
             return None
-        if record.get("size") != self._size or record.get("digest") != self._digest.hexdigest:
+        expected = {"size": self._size, "digest": self._digest.hexdigest, "boot": _boot_id()}
+        if any(record.get(key) != value for key, value in expected.items()):
             return None
         if any(not 0 <= lo < hi <= self._size for lo, hi in pairs):
             return None
@@ -441,11 +455,12 @@ class _PartialFile:
         _pread_all(self._fd, view, offset, name)
 
     def record(self, pairs: list[tuple[int, int]]) -> None:
-        """Make the data durable, then record ``pairs`` (written before) after its end."""
-        os.fdatasync(self._fd)
-        payload = json.dumps(
-            {"size": self._size, "digest": self._digest.hexdigest, "ranges": pairs}
-        ).encode()
+        """Record ``pairs`` (written before) after the file's end, for this boot."""
+        boot = _boot_id()
+        if not boot:  # no boot id to tell a reboot by: the data made durable first
+            os.fdatasync(self._fd)
+        record = {"size": self._size, "digest": self._digest.hexdigest, "boot": boot}
+        payload = json.dumps({**record, "ranges": pairs}).encode()
         head = _TRAILER.pack(_TRAILER_MAGIC, len(payload), hashlib.sha256(payload).digest())
         _pwrite_all(self._fd, builtins.memoryview(head + payload), self._size)
 
@@ -527,15 +542,19 @@ class _Tap:
         end = offset + len(view)
         if self._writing and self._file is not None:
             try:
-                self._file.write(view, offset)
+                # In pieces: a write waits while the kernel flushes (seconds for a job,
+                # on a slow disk), and a stopped load stops between two.
+                for lo in range(offset, end, PIECE_BYTES):
+                    raise_if_stopped()
+                    hi = min(lo + PIECE_BYTES, end)
+                    self._file.write(view[lo - offset : hi - offset], lo)
+                    with self._cond:
+                        self._written.add(lo, hi)
+                        self._landed.add(lo, hi)
+                        self._cond.notify_all()
+                return
             except OSError:
                 self._writing = False  # a full disk: the load goes on without a cache
-            else:
-                with self._cond:
-                    self._written.add(offset, end)
-                    self._landed.add(offset, end)
-                    self._cond.notify_all()
-                return
         with self._cond:
             at = self._hashed
             keep = end > at and (offset <= at or self._parked_bytes + len(view) <= PARK_BYTES)

@@ -15,6 +15,7 @@ view of one (``Model.tensors`` makes the same). The load never waits for a consu
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskGroup
 
+from aiogguf.errors import ClosedResourceError
+from aiogguf.model import Model
 from aiogguf.records import TensorEntry
 from aiogguf.torch_tensors import to_torch
 
@@ -72,10 +75,19 @@ class ReadyTensors:
         else:
             self._release(names)
 
-    def finish(self, array: ArrayOf, *, failed: Collection[str], last: Iterable[str]) -> None:
-        """The load succeeded: names are addressed by ``array`` (the model's) from now on;
-        the names held back but those in ``failed`` (a load that keeps invalid tensors)
-        come now, then ``last`` (lazy tensors: mapped, never read), then the end."""
+    def finish(self, model: Model, *, failed: Collection[str], last: Iterable[str]) -> None:
+        """The load succeeded: names are addressed through ``model`` from now on, which
+        this record does not keep alive (the handle or its caller does); the names held
+        back but those in ``failed`` (a load that keeps invalid tensors) come now, then
+        ``last`` (lazy tensors: mapped, never read), then the end."""
+        held = weakref.ref(model)
+
+        def array(name: str) -> Any:
+            alive = held()
+            if alive is None:
+                raise ClosedResourceError(f"model of tensor {name!r} (collected)")
+            return alive.tensors[name]
+
         self._array = array
         self._release([n for n in self._pending if n not in failed])
         self._pending = []

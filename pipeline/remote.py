@@ -8,7 +8,7 @@ from its ranged reads, which grow until the header is complete, and the read and
 validate stages read it as any ``ByteSource``. What a local file has and a URL has not
 is skipped here: there is nothing to map and no ``O_DIRECT`` (mode ``auto`` is ``none``,
 ``mmap``/``mlock``/``direct`` are refused), no disk to find (the reader count is
-``remote_readers``), no ``fadvise``. A split set is named by its first split, as
+``remote_in_flight``), no ``fadvise``. A split set is named by its first split, as
 locally; the others are opened and parsed one after the other.
 
 An ``hf://`` file is the hub's: ``route_remote`` finds it in the hub's cache (then the
@@ -16,18 +16,30 @@ load reads a local file, in any mode), and otherwise its ``HubSource``
 (``aiogguf.hub_cache``) checks its digest and writes the cache as it streams
 (``expect_reads`` tells it what the reads will land, ``finish_remote`` waits for the
 verdict).
+
+A load that may read any path opens URLs itself (``open_remote``); one whose opener is a
+``RemoteOpener`` (a server's, ``aiogguf.server_remote``) opens them through it, which
+applies the server's rules and hands over what it opened to admit the request (such a
+load reads the hub's cache never: its opener opens no local file).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 from aiogguf.config import Config
 from aiogguf.errors import LoadError, PathNotAllowedError, SplitError
 from aiogguf.hub import HubFile, is_hub_name, parse_hub_name, resolve_hub_file
 from aiogguf.hub_cache import Digest, HubSource, cache_entry, find_cached
-from aiogguf.io.http_source import HttpSource, RemoteOptions, is_url, redact_url
+from aiogguf.io.http_source import (
+    AddressPolicy,
+    HttpSource,
+    RemoteOptions,
+    is_url,
+    redact_url,
+)
 from aiogguf.io.opener import AnyPathOpener, FileOpener
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.jobs import ReadJob
@@ -37,6 +49,7 @@ from aiogguf.stages.parse import SPLIT_MAX_COUNT, is_split, read_header_from, sp
 from aiogguf.stages.read import Disks
 
 __all__ = [
+    "RemoteOpener",
     "RemoteRoute",
     "finish_remote",
     "is_remote",
@@ -45,7 +58,21 @@ __all__ = [
     "remote_config",
     "remote_disks",
     "route_remote",
+    "split_names",
 ]
+
+
+@runtime_checkable
+class RemoteOpener(Protocol):
+    """An opener that also opens remote files, under its own rules."""
+
+    def open(self, path: str) -> int:
+        """As ``FileOpener.open``."""
+        ...
+
+    def open_remote(self, name: str, config: Config) -> tuple[HttpSource, str]:
+        """As ``open_remote``; raises ``PathNotAllowedError`` for a name it refuses."""
+        ...
 
 
 def is_remote(path: str) -> bool:
@@ -56,8 +83,9 @@ def is_remote(path: str) -> bool:
 def remote_config(url: str, config: Config, opener: FileOpener | None) -> Config:
     """``config`` for a load of ``url``: mode ``auto`` becomes ``none``; a mode that
     needs a local file raises ``LoadError``. Only a load that may read any path may read
-    a URL: an ``opener`` held to roots (a server's) raises ``PathNotAllowedError``."""
-    if opener is not None and not isinstance(opener, AnyPathOpener):
+    a URL, or one whose opener is a ``RemoteOpener``: an ``opener`` held to roots raises
+    ``PathNotAllowedError``."""
+    if opener is not None and not isinstance(opener, (AnyPathOpener, RemoteOpener)):
         raise PathNotAllowedError(redact_url(url))
     mode = str(config.load.mode)
     if mode == "auto":
@@ -82,15 +110,17 @@ class RemoteRoute:
 
 @dataclass(frozen=True, slots=True)
 class RemoteName:
-    """A remote name as resolved so far (``hub``: the first file's, if asked)."""
+    """A remote name as resolved so far (``hub``: the first file's, if asked), and the
+    ``RemoteOpener`` that opens its files, if any."""
 
     hub: HubFile | None
+    opener: RemoteOpener | None = None
 
     def read_model(
         self, path: str, config: Config, keep: Callable[[HttpSource], None]
     ) -> tuple[ParsedFile, WeightIndex]:
         """``read_remote_model`` with the resolution made so far."""
-        return read_remote_model(path, config, keep, self.hub)
+        return read_remote_model(path, config, keep, self.hub, self.opener)
 
     def expect_reads(self, files: Sequence[object], jobs: Sequence[Sequence[ReadJob]]) -> None:
         """Tell each hub file which of its bytes the load's reads will land (``jobs``:
@@ -110,6 +140,8 @@ def route_remote(path: str, config: Config, opener: FileOpener | None) -> Remote
     when the hub's cache has it (``cache`` on, and a load that may read any path), else
     ``path`` with ``remote_config``'s config."""
     found = None
+    if isinstance(opener, RemoteOpener):  # it opened the files already; no local file
+        return RemoteRoute(path, remote_config(path, config, opener), RemoteName(None, opener))
     if is_hub_name(path) and config.load.cache:
         remote_config(path, config.with_overrides(mode="none"), opener)  # may it read?
         local, found = find_cached(path, resolve_hub_file)
@@ -118,17 +150,29 @@ def route_remote(path: str, config: Config, opener: FileOpener | None) -> Remote
     return RemoteRoute(path, remote_config(path, config, opener), RemoteName(found))
 
 
-def open_remote(url: str, config: Config, found: HubFile | None = None) -> tuple[HttpSource, str]:
+def open_remote(
+    url: str,
+    config: Config,
+    found: HubFile | None = None,
+    *,
+    policy: AddressPolicy | None = None,
+) -> tuple[HttpSource, str]:
     """Blocking: ``url`` opened (its first request: size and ETag), and the name that
     opens the same version (for an ``hf://`` name: pinned to the commit the hub resolved
-    it to, or ``found`` when it was; the file must have the size the hub gave)."""
+    it to, or ``found`` when it was; the file must have the size the hub gave).
+    ``policy``: the addresses it may connect to (``RemoteOptions.address_policy``)."""
     pipeline = config.pipeline
-    options = RemoteOptions(retries=pipeline.remote_retries, stall_s=pipeline.remote_timeout)
+    options = RemoteOptions(
+        retries=pipeline.remote_retries,
+        stall_s=pipeline.remote_timeout,
+        request_bytes=pipeline.remote_request_size,
+        address_policy=policy,
+    )
     if not is_hub_name(url):
         return HttpSource(url, options), url
     found = found or resolve_hub_file(url)
-    headers = {"Authorization": f"Bearer {found.token}"} if found.token else None
-    options = RemoteOptions(options.retries, options.backoff_s, options.stall_s, headers)
+    if found.token:
+        options = replace(options, headers={"Authorization": f"Bearer {found.token}"})
     pinned = f"hf://{found.repo_id}/{found.filename}@{found.commit}"
     if (digest := Digest.of_etag(found.etag)) is not None:
         entry = cache_entry(found) if config.load.cache else None
@@ -146,22 +190,30 @@ def open_remote(url: str, config: Config, found: HubFile | None = None) -> tuple
 
 
 def read_remote_model(
-    path: str, config: Config, keep: Callable[[HttpSource], None], found: HubFile | None = None
+    path: str,
+    config: Config,
+    keep: Callable[[HttpSource], None],
+    found: HubFile | None = None,
+    opener: RemoteOpener | None = None,
 ) -> tuple[ParsedFile, WeightIndex]:
     """Blocking: open ``path`` (``found``: its hub resolution, when made) and, for a
     split set named by its first split, every other split (one after the other, each
     handed to ``keep`` as it opens); parse each header from growing ranged reads, and
-    index the model.
+    index the model. Each file is opened by ``opener`` when given, else by
+    ``open_remote``.
 
     Raises ``SplitError``: ``path`` is a later split, or its set's names cannot be made
     (a URL with a query); what ``open_remote``, the parse and ``build_index`` raise."""
-    source, pinned = open_remote(path, config, found)
+    if opener is not None:
+        source, pinned = opener.open_remote(path, config)
+    else:
+        source, pinned = open_remote(path, config, found)
     keep(source)
     parsed = [read_header_from(source.path, source.size_bytes, source.read_upto)]
     if is_split(parsed[0]):
         for name in _other_splits(parsed[0], pinned):
             raise_if_stopped()
-            other, _ = open_remote(name, config)
+            other, _ = (opener.open_remote if opener else open_remote)(name, config)
             keep(other)
             parsed.append(read_header_from(other.path, other.size_bytes, other.read_upto))
     return parsed[0], build_index(tuple(parsed))
@@ -175,24 +227,31 @@ def _other_splits(first: ParsedFile, pinned: str) -> list[str]:
     if split_no != 0:
         which = "has no split.no" if split_no is None else f"is split {split_no + 1} of {count}"
         raise SplitError(first.path, f"a split set is loaded from its first split; this {which}")
+    return split_names(pinned, count, first.path)
+
+
+def split_names(pinned: str, count: int, shown: str) -> list[str]:
+    """The names of the ``count - 1`` splits after the one opened as ``pinned`` (a URL,
+    or an ``hf://`` name at a commit), in order; ``SplitError`` naming ``shown`` when
+    they cannot be made."""
     if is_hub_name(pinned):
         hub = parse_hub_name(pinned)
         at = f"@{hub.revision}" if hub.revision else ""
         names = split_paths(hub.filename, 0, count)
         return [f"hf://{hub.repo_id}/{name}{at}" for name in names[1:]]
     if "?" in pinned or "#" in pinned:
-        raise SplitError(first.path, "a split set by URL needs names without a query")
+        raise SplitError(shown, "a split set by URL needs names without a query")
     try:
         return split_paths(pinned, 0, count)[1:]
     except SplitError as exc:  # said of the name without its credentials
-        raise SplitError(first.path, exc.problem) from None
+        raise SplitError(shown, exc.problem) from None
 
 
 def remote_disks(files: Sequence[object], config: Config) -> Disks:
-    """The reader limit of remote files: ``remote_readers`` per host."""
+    """The reader limit of remote files: ``remote_in_flight`` per host."""
     return Disks(
         tuple(f"remote {f.host}" if isinstance(f, HttpSource) else "?" for f in files),
-        tuple(config.pipeline.remote_readers for _ in files),
+        tuple(config.pipeline.remote_in_flight for _ in files),
     )
 
 

@@ -21,7 +21,9 @@ only beneath the roots (each file opened once, under them, and read only through
 descriptor; a path outside gets 403 and learns nothing of the file), an optional bearer
 token guards every route but ``/healthz``, a request's config may set only some keys,
 only some modes, and no value above the server's own, and the models held and the
-records kept are bounded. Model ids are 128 random bits.
+records kept are bounded. Model ids are 128 random bits. Remote names (``https://``,
+``hf://``) are loaded only as the operator allows, and connect to no internal address
+(``aiogguf.server_remote``).
 
 Every load runs as a task of one task group that the application owns: its startup
 opens the group, its shutdown cancels every load and closes every model, and no load
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -60,6 +63,7 @@ from aiogguf.errors import GGUFError
 from aiogguf.events import FanOut, Progress
 from aiogguf.io.devices.arena import device_arenas
 from aiogguf.io.devices.base import Device
+from aiogguf.io.http_source import is_url, redact_url
 from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
 from aiogguf.io.workers import LoadThreads
 from aiogguf.model import Model
@@ -75,6 +79,7 @@ from aiogguf.server_policy import (
     one_line,
     server_base_config,
 )
+from aiogguf.server_remote import NoLocalFiles, RemoteAccess
 from aiogguf.server_requests import LoadRequest, parse_request
 from aiogguf.server_transport import (
     ConnectionGuard,
@@ -90,6 +95,7 @@ __all__ = [
     "LoadLimiter",
     "LoadState",
     "LoaderRegistry",
+    "RemoteAccess",
     "ServerPolicy",
     "create_app",
     "registry_of",
@@ -140,7 +146,10 @@ class _Entry:
         gbps = p.gbps if p is not None else math.nan
         data: dict[str, Any] = {
             "id": self.id,
-            "path": self.request.path,
+            # Without a signed URL's query: every client may list every load.
+            "path": redact_url(self.request.path)
+            if is_url(self.request.path)
+            else self.request.path,
             "state": self.state.value,
             "queued": self.queued and self.state is LoadState.LOADING,
             "stage": p.stage.value if p is not None else None,
@@ -608,25 +617,32 @@ def create_app(
     share it); default ``LoadLimiter()``. ``roots``: the directories whose files may be
     loaded, with those of the config's ``[server] roots``; a path beneath none gets 403.
     ``allow_any_path=True`` instead serves any file the process can read: only for a
-    server that trusts every client. ``policy``: token, request keys, modes and limits
-    (default: ``ServerPolicy()``, no token).
+    server that trusts every client. ``policy``: token, request keys, modes, limits and
+    the remote names allowed, with those of the config's ``[server]`` (default:
+    ``ServerPolicy()``, no token, nothing remote). A server that allows remote names
+    needs no root: it then serves no local file.
 
-    Raises ``ConfigError`` for a bad ``config``, ``ValueError`` when neither ``roots`` nor
-    ``allow_any_path`` is given, ``LoadError`` for a root that is not a directory.
+    Raises ``ConfigError`` for a bad ``config``, ``ValueError`` when neither ``roots``,
+    ``allow_any_path`` nor a remote name is allowed, or for a bad ``[server]`` remote
+    setting, ``LoadError`` for a root that is not a directory.
     """
     base = server_base_config(load_config(config))
+    policy = policy if policy is not None else ServerPolicy()
+    remote = policy.remote.merged(RemoteAccess.from_config(base.server))
+    policy = dataclasses.replace(policy, remote=remote)
     all_roots = [*(os.fspath(r) for r in roots or ()), *base.server.roots]
     opener: FileOpener
     if all_roots:
         opener = RootedOpener(all_roots)
     elif allow_any_path:
         opener = AnyPathOpener()
+    elif remote.enabled:
+        opener = NoLocalFiles()
     else:
         raise ValueError(
-            "create_app: give roots=[...] (directories clients may load from) "
-            "or allow_any_path=True"
+            "create_app: give roots=[...] (directories clients may load from), "
+            "allow_any_path=True, or a remote source in policy.remote"
         )
-    policy = policy if policy is not None else ServerPolicy()
     middlewares: list[Any] = [json_errors_middleware]
     if policy.token is not None:
         middlewares.append(auth_middleware(policy.token))

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from aiogguf.config import (
+    FORMER_NAMES,
     SERVER_MAX_MODELS,
     SERVER_MAX_SHARDS,
     SERVER_REQUEST_TIMEOUT_S,
@@ -32,6 +33,7 @@ from aiogguf.config import (
 )
 from aiogguf.errors import ConfigError, from_os_error
 from aiogguf.io.opener import FileOpener
+from aiogguf.server_remote import RemoteAccess
 
 __all__ = [
     "DEFAULT_MODES",
@@ -137,6 +139,8 @@ class ServerPolicy:
     must also send a request's head within it of connecting or of its last reply.
     ``max_connections``: open connections where ``serve`` runs the app (None: a quarter
     of the descriptor limit, at most 512); loads never take the descriptors they need.
+    ``remote``: the ``https://`` and ``hf://`` names clients may load, and the addresses
+    those loads may connect to (``aiogguf.server_remote``; default: none).
     """
 
     token: str | None = None
@@ -149,6 +153,7 @@ class ServerPolicy:
     finished_ttl_s: float = 3600.0
     request_timeout_s: float = SERVER_REQUEST_TIMEOUT_S
     max_connections: int | None = None
+    remote: RemoteAccess = field(default_factory=RemoteAccess)
 
     def __post_init__(self) -> None:
         unknown = self.modes - DEFAULT_MODES - OPT_IN_MODES
@@ -186,12 +191,13 @@ def request_config(base: Config, overrides: Mapping[str, Any], policy: ServerPol
 
     Raises ``RequestRefused`` (400 or 403) saying which key and why.
     """
-    for key in overrides:
+    for given in overrides:
+        key = FORMER_NAMES.get(given, given)
         # An unknown key is left to ``with_settings``, which says what was meant.
         if key in _ALL_KEYS and key not in policy.request_keys:
             allowed = ", ".join(sorted(policy.request_keys))
             raise RequestRefused(
-                f"request config: {key!r} is not a key a request may set; allowed: {allowed}",
+                f"request config: {given!r} is not a key a request may set; allowed: {allowed}",
                 status=403,
             )
     try:

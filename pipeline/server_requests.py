@@ -1,6 +1,7 @@
 """A load server's ``POST /models`` request, read and checked (``parse_request``): its
 body, the client's config on top of the server's, its files opened beneath the roots
-while the descriptors they need are there, its devices and its share of the budget."""
+(or, for a remote name the server allows, by ``aiogguf.server_remote``) while the
+descriptors they need are there, its devices and its share of the budget."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from aiohttp import web
 
 from aiogguf.config import Config
 from aiogguf.devices import enumerate_devices
-from aiogguf.errors import ConfigError, LoadError, PathNotAllowedError
+from aiogguf.errors import ConfigError, GGUFError, LoadError, PathNotAllowedError
+from aiogguf.hub import is_hub_name, parse_hub_name
 from aiogguf.io.devices.base import Device
+from aiogguf.io.http_source import is_url, redact_url
 from aiogguf.io.workers import LoadThreads
+from aiogguf.remote import is_remote
 from aiogguf.server_policy import (
     PreOpened,
     RequestRefused,
@@ -24,6 +28,7 @@ from aiogguf.server_policy import (
     exception_line,
     request_config,
 )
+from aiogguf.server_remote import RemoteFiles
 from aiogguf.stages.parse import split_count_from_name, split_paths
 
 if TYPE_CHECKING:
@@ -41,7 +46,8 @@ class LoadRequest:
     devices: tuple[Device, ...]
     readers: int
     staging_bytes: int
-    opener: PreOpened  # every file of the load, opened (beneath the roots) at the request
+    # Every file of the load, opened (beneath the roots, or remote) at the request.
+    opener: PreOpened | RemoteFiles
     nbytes: int  # file bytes the model will hold: every shard's real size
 
 
@@ -131,6 +137,45 @@ def _open_files(registry: LoaderRegistry, paths: list[str]) -> PreOpened:
             raise RequestRefused(exception_line(exc)) from exc
 
 
+def _open_remote(registry: LoaderRegistry, path: str, config: Config) -> RemoteFiles:
+    """Open a remote load's files (blocking: on the request's thread), if the server
+    allows the name and the descriptors its connections need leave the reserve for
+    serving whole: each file's first request learns its size. ``RequestRefused``: 403
+    for a name or an address the server does not allow, 503 short of descriptors, 502
+    when the remote server fails, 400 for a bad name."""
+    access = registry.policy.remote
+    reason = access.refusal(path)
+    if reason is not None:
+        raise RequestRefused(f"{_shown(path)}: {reason}", status=403)
+    if is_hub_name(path):
+        try:
+            parse_hub_name(path)
+        except LoadError as exc:
+            raise RequestRefused(exception_line(exc)) from exc
+    need = config.pipeline.remote_in_flight + _FDS_PER_LOAD
+    with registry.admission_lock:
+        room = registry.descriptor_budget().room(registry.connection_count())
+    if room is not None and need > room:
+        raise RequestRefused(
+            f"this server is short of file descriptors: the load needs about {need}, "
+            f"{max(room, 0)} are free beyond those kept for serving; try again later",
+            status=503,
+        )
+    try:
+        return RemoteFiles(access, path, config, registry.policy.max_shards)
+    except PathNotAllowedError as exc:
+        raise RequestRefused(exception_line(exc), status=403) from exc
+    except LoadError as exc:
+        # The remote side failed: refused, unknown to it, not ranged, the hub unreachable.
+        raise RequestRefused(exception_line(exc), status=502) from exc
+    except GGUFError as exc:  # a split set too big, or whose names cannot be made
+        raise RequestRefused(exception_line(exc)) from exc
+
+
+def _shown(path: str) -> str:
+    return redact_url(path) if is_url(path) else path
+
+
 async def _prepare_request(
     registry: LoaderRegistry, path: str, overrides: dict[str, Any], threads: LoadThreads
 ) -> LoadRequest:
@@ -138,18 +183,28 @@ async def _prepare_request(
     config = await threads.run_sync(request_config, registry.config, overrides, registry.policy)
     if config.pipeline.reader_count() > limiter.max_readers:
         config = config.with_settings({"readers": limiter.max_readers})
-    # A relative path is the server's directory's; ``~`` is not expanded.
-    paths = _load_paths(path, registry.policy)
-    # Every file is opened here, once, under the roots: the load reads these descriptors,
-    # and the bytes held are counted from their real sizes.
-    opener = await threads.run_sync(_open_files, registry, paths)
+    opener: PreOpened | RemoteFiles
+    if is_remote(path):
+        # Its reader threads are the server's readers too.
+        if config.pipeline.remote_in_flight > limiter.max_readers:
+            config = config.with_settings({"remote_in_flight": limiter.max_readers})
+        opener = await threads.run_sync(_open_remote, registry, path, config)
+        splits = opener.files
+        per_file = config.pipeline.remote_in_flight
+    else:
+        # A relative path is the server's directory's; ``~`` is not expanded.
+        paths = _load_paths(path, registry.policy)
+        # Every file is opened here, once, under the roots: the load reads these
+        # descriptors, and the bytes held are counted from their real sizes.
+        opener = await threads.run_sync(_open_files, registry, paths)
+        splits = len(paths)
+        per_file = config.pipeline.readers_for(path)
     try:
         try:
             devices = await threads.run_sync(enumerate_devices, config)
         except ConfigError as exc:
             raise RequestRefused(exception_line(exc)) from exc
-        splits = len(paths)
-        readers = config.pipeline.readers_for(path) * splits
+        readers = per_file * splits
         gpus = sum(1 for d in devices if d.kind != "cpu")
         staging = 0
         if gpus and config.placement.n_gpu_layers != 0:

@@ -33,7 +33,7 @@ hub_lib = pytest.importorskip("huggingface_hub")
 
 pytestmark = pytest.mark.timeout(60)
 
-SMALL = {"chunk_size": "256KiB", "remote_readers": 4}
+SMALL = {"chunk_size": "256KiB", "remote_in_flight": 4}
 NAME = "hf://own/repo/m.gguf"
 
 
@@ -327,3 +327,55 @@ def test_a_file_another_process_is_caching_is_loaded_without_writing(
     with aiogguf.load_sync(NAME, **SMALL):
         pass
     assert _blobs() == [sha]
+
+
+def test_a_blob_cached_for_another_commit_is_linked_not_downloaded(
+    hub: HubServer, cdn: FileServer
+) -> None:
+    with aiogguf.load_sync(NAME, **SMALL):
+        pass
+    # The same bytes, cached under another commit only: the hub's commit has no link.
+    repo = Path(hub_cache_dir(), "models--own--repo")
+    (repo / "snapshots" / COMMIT).rename(repo / "snapshots" / ("f" * 40))
+    (repo / "refs" / "main").unlink()
+    cdn.faults.__init__()  # type: ignore[misc]
+    with aiogguf.load_sync(NAME, mode="mmap") as model:
+        assert model.report.files[0].path == _cached()
+    assert not cdn.faults.headers
+    assert Path(_cached() or "").read_bytes() == _source(cdn)
+
+
+def test_a_cache_that_cannot_be_written_loads_without_one(
+    hub: HubServer, cdn: FileServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a-file").write_bytes(b"")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "a-file" / "hub"))
+    with aiogguf.load_sync(NAME, **SMALL) as model:
+        _same_bytes(model, cdn.root / "m.gguf")
+    assert not _hash_threads()
+    hub.etags["m.gguf"] = "0" * 64  # the digest is checked all the same
+    with pytest.raises(IntegrityError):
+        aiogguf.load_sync(NAME, **SMALL).__enter__()
+
+
+def test_a_record_written_before_a_reboot_is_not_trusted(hub: HubServer, cdn: FileServer) -> None:
+    cdn.faults.after, cdn.faults.status_left = 8, 10**6
+    with pytest.raises(aiogguf.LoadError):
+        aiogguf.load_sync(NAME, remote_retries=0, **SMALL).__enter__()
+    size = len(_source(cdn))
+    assert _recorded(size)
+    (partial,) = Path(hub_cache_dir()).glob(f"*/blobs/*{PARTIAL_SUFFIX}")
+    with open(partial, "r+b") as f:  # the same record, as another boot wrote it
+        f.seek(size)
+        _, length, _ = struct.unpack("<8sQ32s", f.read(48))
+        record = json.loads(f.read(length))
+        record["boot"] = "another-boot"
+        payload = json.dumps(record).encode()
+        f.seek(size)
+        f.write(struct.pack("<8sQ32s", b"AIOGGPR1", len(payload), hashlib.sha256(payload).digest()))
+        f.write(payload)
+    cdn.faults.__init__()  # type: ignore[misc]
+    with aiogguf.load_sync(NAME, **SMALL):
+        pass
+    assert _data_bytes(cdn) >= size  # every byte asked again
+    assert _cached() is not None

@@ -56,6 +56,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.hashing": 5,
     "aiogguf.server_policy": 6,
     "aiogguf.server_limiter": 6,
+    "aiogguf.server_remote": 6,
     "aiogguf.server_requests": 6,
     "aiogguf.server_transport": 6,
     "aiogguf.server": 6,

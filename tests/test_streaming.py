@@ -20,6 +20,7 @@ import anyio
 import numpy as np
 import pytest
 from test_load_cancel import mappings_of, open_fds, our_threads, threads_in_our_code
+from upload_helpers import cupy_stand_in_backend
 
 import aiogguf
 from aiogguf.errors import TensorValidationError
@@ -432,3 +433,36 @@ def test_keep_invalid_skips_the_bad_tensors_and_ends(damaged: tuple[SynthModel, 
     got = anyio.run(lambda: stream_all(bad.path, mode="mmap", keep_invalid=True))
     names = {name for name, _ in got}
     assert names == {t.name for t in bad.tensors} - wrong
+
+
+@pytest.mark.usefixtures("eager_reports")
+def test_cupy_backend_device_tensors_stream_as_cupy_arrays(
+    model: SynthModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CuPy backend (on its stand-in): a device tensor comes as a CuPy array holding
+    its file's bytes, before the load ends (its copies' events are what say so)."""
+    with cupy_stand_in_backend() as cupy:
+        overrides: dict[str, Any] = {"n_gpu_layers": -1, "staging_buffer_size": "256KiB"}
+        plan = aiogguf.plan_sync(model.path, **overrides)
+        on_device = {t.name for t in plan.tensors if t.buffer_type == "CUDA0"}
+        assert on_device
+        go, held = gate_last_job(monkeypatch, model, "fill_slot")
+        name, stage, loaded = anyio.run(
+            lambda: first_while_loading(model, go, on_device.__contains__, **overrides)
+        )
+        assert len(held) == 1
+        assert stage is not Stage.DONE, name
+        assert not loaded, name
+        got: dict[str, Any] = {}
+
+        async def run() -> None:
+            async with aiogguf.load(model.path, **overrides).tensors_as_ready() as tensors:
+                async for n, array in tensors:
+                    if n in on_device:
+                        assert isinstance(array, cupy.ndarray), n
+                        got[n] = cupy.asnumpy(array).tobytes()
+
+        anyio.run(run)
+        assert set(got) == on_device
+        for n, data in got.items():
+            assert data == file_bytes(model, n), n

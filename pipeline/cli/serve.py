@@ -4,8 +4,10 @@ Routes and states are described in ``aiogguf.server``. Stops on SIGINT or SIGTER
 cancelling every load and closing every model first.
 
 It refuses to start rather than serve unsafely: without ``--root`` (or ``[server] roots``)
-unless ``--allow-any-path`` is given, and on an address other than loopback without
-``--token-file`` unless ``--insecure`` is given; both escapes print a warning. What
+unless ``--allow-any-path`` or a remote source is given, and on an address other than
+loopback without ``--token-file`` unless ``--insecure`` is given; these escapes, the remote
+sources (``--allow-remote hf``, ``--allow-url-prefix``) and the internal addresses remote
+loads may reach (``--allow-private-addresses``, ``--allow-network``) print a warning. What
 clients may hold is bounded by default (models, their bytes, shards of a set,
 connections, time to send a request); every bound has a flag.
 
@@ -88,6 +90,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         choices=("mlock", "direct"),
         help="let requests ask for this load mode too (repeatable; default: none, mmap)",
+    )
+    parser.add_argument(
+        "--allow-remote",
+        action="append",
+        default=[],
+        choices=("hf",),
+        help="let requests load hf://OWNER/REPO/FILE.gguf[@REV] from the hub (HF_ENDPOINT)",
+    )
+    parser.add_argument(
+        "--allow-url-prefix",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="let requests load http(s) URLs beneath URL: same scheme, host and port, the "
+        "path beneath it on a '/' boundary (repeatable)",
+    )
+    parser.add_argument(
+        "--allow-private-addresses",
+        action="store_true",
+        help="let remote loads connect to loopback, private, link-local and other internal "
+        "addresses (refused by default: no server-side request forgery)",
+    )
+    parser.add_argument(
+        "--allow-network",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="let remote loads connect to addresses in this network even if internal "
+        "(repeatable; e.g. 10.1.0.0/16)",
     )
     parser.add_argument(
         "--max-models",
@@ -192,18 +223,21 @@ def _read_token(path: str) -> tuple[str, str | None]:
     return token, warning
 
 
-def _checked(args: argparse.Namespace, roots: Sequence[str]) -> tuple[str, str | None] | None:
+def _checked(
+    args: argparse.Namespace, roots: Sequence[str], remote: bool
+) -> tuple[str, str | None] | None:
     """Refuse what would make an unsafe or broken server; the token, if any, with a
-    warning about its file."""
+    warning about its file. ``remote``: remote names are allowed (no root is needed)."""
     if not 0 <= args.port <= 65535:
         raise _Refused(f"--port {args.port}: expected a port in 0-65535")
     for root in roots:
         if not os.path.isdir(root):
             raise _Refused(f"--root {root}: not a directory")
-    if not roots and not args.allow_any_path:
+    if not roots and not args.allow_any_path and not remote:
         raise _Refused(
             "no --root given: name the directories clients may load from with --root DIR "
-            "(or [server] roots in --config), or pass --allow-any-path"
+            "(or [server] roots in --config), pass --allow-any-path, or allow remote "
+            "sources (--allow-remote hf, --allow-url-prefix URL)"
         )
     token = _read_token(args.token_file) if args.token_file else None
     if token is None and not _is_loopback(args.host) and not args.insecure:
@@ -221,7 +255,7 @@ def _checked(args: argparse.Namespace, roots: Sequence[str]) -> tuple[str, str |
 def run(args: argparse.Namespace) -> int:
     # aiohttp is the optional ``server`` extra: imported only when serving.
     try:
-        from aiogguf.server import LoadLimiter, ServerPolicy, create_app, serve
+        from aiogguf.server import LoadLimiter, RemoteAccess, ServerPolicy, create_app, serve
         from aiogguf.server_policy import DEFAULT_MODES
     except ImportError as exc:
         print(
@@ -233,7 +267,15 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)  # a ConfigError is one line, exit 2
     try:
-        checked = _checked(args, [*args.root, *config.server.roots])
+        remote = RemoteAccess.from_config(config.server).merged(
+            RemoteAccess.from_settings(
+                allow_remote=args.allow_remote,
+                url_prefixes=args.allow_url_prefix,
+                private_addresses=args.allow_private_addresses,
+                networks=args.allow_network,
+            )
+        )
+        checked = _checked(args, [*args.root, *config.server.roots], remote.enabled)
         token, token_warning = checked if checked is not None else (None, None)
         limiter = LoadLimiter(args.max_loads, args.max_readers, _size(args.max_staging))
         max_bytes = (
@@ -249,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
             max_shards=args.max_shards,
             max_connections=args.max_connections,
             request_timeout_s=args.request_timeout,
+            remote=remote,
         )
     except (_Refused, ValueError) as exc:
         print(f"aiogguf serve: {exc}", file=sys.stderr)
@@ -261,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
             "process can read",
             file=sys.stderr,
         )
+    for line in remote.warnings():
+        print(f"aiogguf serve: warning: {line}", file=sys.stderr)
     if token is None and not _is_loopback(args.host):
         print(
             f"aiogguf serve: warning: --insecure: anyone who reaches {args.host} may load, "
