@@ -98,7 +98,8 @@ class RemoteOptions:
     timeout, ``headers`` go with every request (``Authorization`` only to the first
     host). ``request_bytes``: the most one ranged request asks for (a longer read is
     several, one after the other). ``address_policy(host, address)``: why an address
-    the host resolved to may not be connected to, or None; None: any address."""
+    the host resolved to may not be connected to, or None; None: any address.
+    ``head_bytes``: what the first request asks for (1: only the size and the ETag)."""
 
     retries: int = 4
     backoff_s: float = 0.25
@@ -106,6 +107,7 @@ class RemoteOptions:
     headers: Mapping[str, str] | None = None
     request_bytes: int = 16 << 20
     address_policy: AddressPolicy | None = None
+    head_bytes: int = HEAD_BYTES
 
 
 class AddressRefused(Exception):
@@ -347,11 +349,10 @@ class HttpSource:
     # -- requests ------------------------------------------------------------------
 
     def _learn(self) -> None:
-        """The first request: the size, the ETag and the first ``HEAD_BYTES`` (fewer for
-        a smaller file)."""
-        head = builtins.memoryview(bytearray(HEAD_BYTES))
+        """The first request: the size, the ETag and the first ``head_bytes``."""
+        head = builtins.memoryview(bytearray(max(self.options.head_bytes, 1)))
         self._with_retries(0, lambda done: self._fetch(head, 0, done))
-        self._head = bytes(head[: min(HEAD_BYTES, self.size_bytes)])
+        self._head = bytes(head[: min(len(head), self.size_bytes)])
 
     def _with_retries(self, offset: int, attempt: Callable[[int], None]) -> None:
         """Run ``attempt(done)`` until it returns, resuming from where it stopped."""
