@@ -13,6 +13,12 @@ load's reader threads, one keep-alive connection per thread, each ranged body re
   naming the URL (credentials and query left out) and the offset.
 - **Redirects** are followed (``MAX_REDIRECTS``); the ``Authorization`` header goes only
   to the host it was given for.
+- **Round trips.** The first request asks for the file's first ``HEAD_BYTES``, which the
+  header parse then reads without another request; the TLS context (the trusted
+  certificates, read from disk) is made once per process.
+- **Trust.** ``https`` trusts the system's certificate authorities, or those named by
+  OpenSSL's ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``; an untrusted certificate fails the load
+  at once (no retries), saying so.
 - **Addresses.** With an ``address_policy`` (a server's: ``aiogguf.io.remote_policy``),
   each host is resolved once per connection and only an address the policy accepts is
   connected to, by its number: what was checked is what is reached, after redirects too.
@@ -30,6 +36,7 @@ import builtins
 import contextlib
 import http.client
 import ipaddress
+import os
 import random
 import re
 import socket
@@ -58,6 +65,10 @@ POLL_S = 0.25
 # The most bytes one readinto asks for: a stop is noticed between pieces.
 PIECE_BYTES = 4 << 20
 MAX_REDIRECTS = 5
+# The first request's bytes: a header of a model with a large vocabulary fits (the
+# parse's growing reads are then answered from them), and a body this small costs
+# little more than the round trip any first request costs.
+HEAD_BYTES = 1 << 20
 _CONTENT_RANGE = re.compile(r"bytes (\d{1,20})-(\d{1,20})/(\d{1,20})")
 _STRONG_ETAG = re.compile(r'"[\x21\x23-\x7e\x80-\xff]{0,256}"')
 # Faults worth another try: the link or the server, not the request.
@@ -87,7 +98,8 @@ class RemoteOptions:
     timeout, ``headers`` go with every request (``Authorization`` only to the first
     host). ``request_bytes``: the most one ranged request asks for (a longer read is
     several, one after the other). ``address_policy(host, address)``: why an address
-    the host resolved to may not be connected to, or None; None: any address."""
+    the host resolved to may not be connected to, or None; None: any address.
+    ``head_bytes``: what the first request asks for (1: only the size and the ETag)."""
 
     retries: int = 4
     backoff_s: float = 0.25
@@ -95,6 +107,7 @@ class RemoteOptions:
     headers: Mapping[str, str] | None = None
     request_bytes: int = 16 << 20
     address_policy: AddressPolicy | None = None
+    head_bytes: int = HEAD_BYTES
 
 
 class AddressRefused(Exception):
@@ -135,6 +148,24 @@ class _PollingSSLSocket(ssl.SSLSocket):
 
     def recv_into(self, buffer: Buffer, nbytes: int | None = None, flags: int = 0) -> int:
         return _polled_recv(super().recv_into, self.stall_s, buffer, nbytes, flags)
+
+
+_TLS_LOCK = threading.Lock()
+_TLS: dict[tuple[str | None, str | None], ssl.SSLContext] = {}
+
+
+def _tls_context() -> ssl.SSLContext:
+    """The context of ``https`` connections: the system's trusted certificates, or those
+    that ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name. One per process and per value of
+    those two: reading the certificates costs more than a round trip, per source."""
+    key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    with _TLS_LOCK:
+        context = _TLS.get(key)
+        if context is None:
+            context = ssl.create_default_context()
+            context.sslsocket_class = _PollingSSLSocket
+            _TLS[key] = context
+    return context
 
 
 def _allowed_addresses(host: str, port: int, policy: AddressPolicy) -> list[tuple[str, int]]:
@@ -198,22 +229,15 @@ def _first_connection(addresses: list[tuple[str, int]], timeout: float) -> socke
 class _Connection(http.client.HTTPConnection):
     """One keep-alive connection to one host, over a polling socket."""
 
-    def __init__(
-        self,
-        scheme: str,
-        host: str,
-        port: int,
-        options: RemoteOptions,
-        tls: ssl.SSLContext,
-    ) -> None:
+    def __init__(self, scheme: str, host: str, port: int, options: RemoteOptions) -> None:
         super().__init__(host, port, timeout=POLL_S)
         self.key = (scheme, host, port)
         self._stall_s = options.stall_s
         self._policy = options.address_policy
-        self._tls = tls if scheme == "https" else None
 
     def connect(self) -> None:
-        self.sock = _connect(self.host, self.port, self._stall_s, self._tls, self._policy)
+        tls = _tls_context() if self.key[0] == "https" else None
+        self.sock = _connect(self.host, self.port, self._stall_s, tls, self._policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,8 +281,7 @@ class HttpSource:
         self.path = name or redact_url(url)  # ``name``: what messages call it instead
         self._first = _Target.parse(url, self.path)
         self._where = self._first  # where the last redirect led
-        self._tls = ssl.create_default_context()
-        self._tls.sslsocket_class = _PollingSSLSocket
+        self._head = b""  # the file's first bytes, from the first request
         self._local = threading.local()
         self._lock = threading.Lock()
         self._connections: set[_Connection] = set()
@@ -303,10 +326,13 @@ class HttpSource:
         self._with_retries(offset, lambda done: self._fetch(view, offset, done))
 
     def read_upto(self, offset: int, nbytes: int) -> bytes:
-        """Up to ``nbytes`` at ``offset``: fewer only at the end (the header parse)."""
+        """Up to ``nbytes`` at ``offset``: fewer only at the end (the header parse); what
+        the first request brought is not asked for again."""
         buf = bytearray(max(0, min(nbytes, self.size_bytes - offset)))
-        if buf:
-            self.read_into(buf, offset)
+        known = self._head[offset : offset + len(buf)] if offset >= 0 else b""
+        buf[: len(known)] = known
+        if len(known) < len(buf):
+            self.read_into(builtins.memoryview(buf)[len(known) :], offset + len(known))
         return bytes(buf)
 
     def check_unchanged(self) -> None:
@@ -323,8 +349,10 @@ class HttpSource:
     # -- requests ------------------------------------------------------------------
 
     def _learn(self) -> None:
-        probe = builtins.memoryview(bytearray(1))
-        self._with_retries(0, lambda done: self._fetch(probe, 0, done))
+        """The first request: the size, the ETag and the first ``head_bytes``."""
+        head = builtins.memoryview(bytearray(max(self.options.head_bytes, 1)))
+        self._with_retries(0, lambda done: self._fetch(head, 0, done))
+        self._head = bytes(head[: min(len(head), self.size_bytes)])
 
     def _with_retries(self, offset: int, attempt: Callable[[int], None]) -> None:
         """Run ``attempt(done)`` until it returns, resuming from where it stopped."""
@@ -355,17 +383,21 @@ class HttpSource:
 
     def _fetch(self, view: builtins.memoryview, offset: int, done: int) -> None:
         """One try: the range ``[offset + done, offset + len(view))`` into ``view[done:]``
-        (the probe asks for byte 0 into a one-byte view). Raises ``_Progress`` with how
-        far it got on a fault worth another try, ``LoadError`` otherwise."""
-        start, end = offset + done, offset + max(len(view), 1)
+        (the first request's view may reach past a small file's end: it is cut to the
+        size learnt). Raises ``_Progress`` with how far it got on a fault worth another
+        try, ``LoadError`` otherwise."""
+        start, end = offset + done, offset + len(view)
         try:
             conn, response = self._request(start, end)
+        except ssl.SSLCertVerificationError as exc:
+            raise LoadError(self.path, start, _untrusted(exc)) from None
         except (*_RETRIABLE, _Fault) as exc:
             raise _Progress(done, exc) from exc
         except AddressRefused as exc:
             raise PathNotAllowedError(self.path, f"not connected: {exc}") from None
         try:
             self._check_response(response, start, end)
+            view = view[: max(done, min(len(view), self.size_bytes - offset))]
             while done < len(view):
                 raise_if_stopped()
                 piece = view[done : min(len(view), done + PIECE_BYTES)]
@@ -470,7 +502,7 @@ class HttpSource:
             return conn
         if conn is not None:
             self._drop(conn)
-        fresh = _Connection(where.scheme, where.host, where.port, self.options, self._tls)
+        fresh = _Connection(where.scheme, where.host, where.port, self.options)
         with self._lock:
             if self._closed:
                 raise LoadError(self.path, None, "the source is closed")
@@ -506,6 +538,13 @@ def _exchange(conn: _Connection, target: str, headers: dict[str, str]) -> http.c
     the caller on failure."""
     conn.request("GET", target, headers=headers)
     return conn.getresponse()
+
+
+def _untrusted(exc: ssl.SSLCertVerificationError) -> str:
+    return (
+        f"the server's certificate is not trusted ({exc.verify_message}); "
+        "SSL_CERT_FILE can name a file of certificate authorities to trust"
+    )
 
 
 def _discard(response: http.client.HTTPResponse) -> bool:

@@ -358,14 +358,13 @@ class HubSource(HttpSource):
                 tap.landed(part, lo)
 
     def read_upto(self, offset: int, nbytes: int) -> bytes:
-        """The header parse's reads come from the network, never from a partial file: a
-        spoiled byte there would fail the parse before the digest could tell."""
-        buf = bytearray(max(0, min(nbytes, self.size_bytes - offset)))
-        if buf:
-            view = builtins.memoryview(buf)
-            super().read_into(view, offset)
-            self._tap.landed(view, offset)
-        return bytes(buf)
+        """The header parse's reads come from the network (the first request's bytes, then
+        ranged reads), never from a partial file: a spoiled byte there would fail the
+        parse before the digest could tell."""
+        data = super().read_upto(offset, nbytes)
+        if data:
+            self._tap.landed(builtins.memoryview(data), offset)
+        return data
 
     def fetch(self, view: builtins.memoryview, offset: int) -> None:
         """The network's bytes, never the cache's (the hashing thread's gaps)."""

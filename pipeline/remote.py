@@ -34,6 +34,7 @@ from aiogguf.errors import LoadError, PathNotAllowedError, SplitError
 from aiogguf.hub import HubFile, is_hub_name, parse_hub_name, resolve_hub_file
 from aiogguf.hub_cache import Digest, HubSource, cache_entry, find_cached
 from aiogguf.io.http_source import (
+    HEAD_BYTES,
     AddressPolicy,
     HttpSource,
     RemoteOptions,
@@ -156,17 +157,20 @@ def open_remote(
     found: HubFile | None = None,
     *,
     policy: AddressPolicy | None = None,
+    head_bytes: int = HEAD_BYTES,
 ) -> tuple[HttpSource, str]:
-    """Blocking: ``url`` opened (its first request: size and ETag), and the name that
-    opens the same version (for an ``hf://`` name: pinned to the commit the hub resolved
-    it to, or ``found`` when it was; the file must have the size the hub gave).
-    ``policy``: the addresses it may connect to (``RemoteOptions.address_policy``)."""
+    """Blocking: ``url`` opened (its first request: size, ETag and the first
+    ``head_bytes``), and the name that opens the same version (for an ``hf://`` name:
+    pinned to the commit the hub resolved it to, or ``found`` when it was; the file must
+    have the size the hub gave). ``policy``: the addresses it may connect to
+    (``RemoteOptions.address_policy``)."""
     pipeline = config.pipeline
     options = RemoteOptions(
         retries=pipeline.remote_retries,
         stall_s=pipeline.remote_timeout,
         request_bytes=pipeline.remote_request_size,
         address_policy=policy,
+        head_bytes=head_bytes,
     )
     if not is_hub_name(url):
         return HttpSource(url, options), url

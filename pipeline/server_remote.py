@@ -213,7 +213,8 @@ class RemoteFiles:
         policy = self._access.address_policy
         if is_hub_name(name):
             _check_hub_endpoint(policy)
-        source, pinned = open_remote(name, self._config, policy=policy)
+        # Only the size and the ETag: a request refused for its size reads no data.
+        source, pinned = open_remote(name, self._config, policy=policy, head_bytes=1)
         return _Opened(source, pinned)
 
     # -- the load's opener ------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A real HTTP server on loopback for remote-source tests: aiohttp's ``FileResponse``
 (Range, ETag, If-Match) on a thread of its own, with faults the tests switch on.
 
-Faults apply to ranged requests of more than one byte (not to the first, which learns
-the size), each ``*_left`` counting down per request it spoils:
+Faults apply to ranged requests of more than one byte after the first (which learns
+the size and brings the header's bytes), each ``*_left`` counting down per request it
+spoils:
 
 - ``status_left``: answer ``status`` (503) instead;
 - ``reset_left``: send half the body, then reset the connection;
@@ -10,7 +11,7 @@ the size), each ``*_left`` counting down per request it spoils:
 - ``short``: every body is cut short (Content-Length promised, none of it sent);
 - ``replace_after``: after that many ranged requests the file is rewritten (new ETag);
 - ``redirect_to``: every request is redirected there (``Location`` + path);
-- ``after``: the first that many ranged requests (the header's) are spared.
+- ``after``: the first that many ranged requests are spared (at least the first).
 
 ``headers`` keeps each request's headers, in order.
 """
@@ -20,6 +21,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
+import ssl
+import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,11 +50,15 @@ class Faults:
 
 
 class FileServer:
-    """Serves the files of ``root`` at ``http://HOST:PORT/NAME``; ``url(name)``."""
+    """Serves the files of ``root`` at ``http://HOST:PORT/NAME`` (``https://`` with
+    ``tls``); ``url(name)``."""
 
-    def __init__(self, root: Path, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, root: Path, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None
+    ) -> None:
         self.root = root
         self.host = host
+        self.tls = tls
         self.faults = Faults()
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -58,7 +66,8 @@ class FileServer:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     def url(self, name: str) -> str:
-        return f"http://{self.host}:{self.port}/{name}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.host}:{self.port}/{name}"
 
     def __enter__(self) -> Self:
         return self.start()
@@ -83,7 +92,7 @@ class FileServer:
         self._routes(app)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, 0)
+        site = web.TCPSite(self._runner, self.host, 0, ssl_context=self.tls)
         await site.start()
         server = site._server
         assert server is not None
@@ -105,7 +114,7 @@ class FileServer:
             if f.replace_after is not None and f.ranged > f.replace_after:
                 f.replace_after = None
                 _rewrite(path)
-            if f.ranged <= f.after:
+            if f.ranged <= max(f.after, 1):
                 return web.FileResponse(path)
             if f.status_left:
                 f.status_left -= 1
@@ -197,6 +206,66 @@ class HubServer(FileServer):
         return self._digests[key]
 
 
+def self_signed(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path] | None:
+    """A self-signed certificate for ``host`` (an IP address) and its key, written in
+    ``folder`` by the ``cryptography`` package, else the ``openssl`` command; None where
+    neither is here."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    try:
+        _write_self_signed(cert, key, host)
+    except ImportError:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            return None
+        subprocess.run(
+            [
+                *(openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"),
+                *("-nodes", "-days", "1", "-subj", f"/CN={host}"),
+                *("-addext", f"subjectAltName=IP:{host}", "-keyout", str(key), "-out", str(cert)),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+    return cert, key
+
+
+def _write_self_signed(cert: Path, key: Path, host: str) -> None:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]),
+            critical=False,
+        )
+        .sign(private, hashes.SHA256())
+    )
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+
 def _slice(path: Path, start: int, stop: int) -> tuple[int, bytes]:
     """The file's size and its bytes ``[start, stop)`` (small test files: read whole)."""
     data = path.read_bytes()
@@ -211,8 +280,10 @@ def _rewrite(path: Path) -> None:
 
 
 @contextmanager
-def file_server(root: Path, host: str = "127.0.0.1") -> Iterator[FileServer]:
-    server = FileServer(root, host).start()
+def file_server(
+    root: Path, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None
+) -> Iterator[FileServer]:
+    server = FileServer(root, host, tls).start()
     try:
         yield server
     finally:

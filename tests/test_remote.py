@@ -253,6 +253,10 @@ def _partial(content_range: str, body: bytes, extra: str = "") -> bytes:
     return head.encode() + body
 
 
+# The answer to the first request, which asks for the first MiB: the whole small file.
+_FIRST = _partial("bytes 0-999/1000", b"G" * 1000)
+
+
 @pytest.mark.parametrize(
     ("second", "problem"),
     [
@@ -265,8 +269,7 @@ def _partial(content_range: str, body: bytes, extra: str = "") -> bytes:
     ],
 )
 def test_hostile_answers_are_load_errors(second: bytes, problem: str) -> None:
-    first = _partial("bytes 0-0/1000", b"G")
-    with _canned([first, second]) as url:
+    with _canned([_FIRST, second]) as url:
         source = HttpSource(url, RemoteOptions(retries=0))
         try:
             assert (source.size_bytes, source.etag) == (1000, '"v1"')
@@ -278,7 +281,7 @@ def test_hostile_answers_are_load_errors(second: bytes, problem: str) -> None:
 
 
 def test_a_range_past_the_end_is_refused_before_any_request() -> None:
-    with _canned([_partial("bytes 0-0/1000", b"G")]) as url:
+    with _canned([_FIRST]) as url:
         source = HttpSource(url)
         try:
             source.read_into(bytearray(0), 1000)  # nothing to read: no request
