@@ -95,6 +95,7 @@ class LoadHandle:
         bad tensor). Arrays are views of the model's buffers, as ``Model.tensors`` gives
         them. Iterated without ``async with``, it reads a load another task runs (``async
         with handle as model``), as ``events()`` does. docs/python.md has the details."""
+        self._ready.wanted = True
         return TensorStream(self._ready, self._claim, self._enter, self._leave)
 
     def _claim(self) -> None:

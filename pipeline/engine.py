@@ -273,6 +273,11 @@ class _Load:
             def copied(jobs: Sequence[ReadJob]) -> None:
                 progress.device_copied(jobs, ready)  # before ``transfer`` returns
 
+            # Each completed copy is followed only for a stream of ready tensors asked for
+            # by now: it costs a loop callback per job and a round of checks per batch,
+            # where a load that nobody streams checks its device tensors once, at the end.
+            streamed = self.ready is not None and self.ready.wanted
+
             # Device jobs are read (and checked) before they land: the read stage starts
             # now, before the validate stage's first check.
             began = self.hub.elapsed()
@@ -280,7 +285,11 @@ class _Load:
                 reader.started(file_index, began)
             # The reader fills each slot, handing its pieces to the piece sink as they land.
             fill: SlotFill = reader.fill_slot
-            await uploader.transfer(targets, fill, landed=landed, copied=copied)
+            await uploader.transfer(
+                targets, fill, landed=landed, copied=copied if streamed else None
+            )
+            if not streamed and progress.device_landed:
+                await ready.send(list(progress.device_landed))
 
     # --- completion and validation ----------------------------------------------------
 

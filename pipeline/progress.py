@@ -62,6 +62,8 @@ class LoadProgress:
         # Bytes of each tensor still to land; of each device tensor, still to be copied.
         self._remaining = spans.sizes()
         self._uncopied = spans.sizes()
+        # Device tensors whose bytes all landed: ready once their copies have completed.
+        self.device_landed: list[str] = []
 
     def landed(self, job: ReadJob) -> list[str]:
         """Count a landed job; the host tensors it completed. A device tensor is ready
@@ -73,8 +75,8 @@ class LoadProgress:
             job.buffer_index, job.file_index, job.useful_start, job.useful_end
         ):
             self._remaining[name] -= hi - lo
-            if not self._remaining[name] and not on_device:
-                done.append(name)
+            if not self._remaining[name]:
+                (self.device_landed if on_device else done).append(name)
         self.emit(Stage.READ)
         return done
 

@@ -52,6 +52,9 @@ class ReadyTensors:
         self._entry: Callable[[str], TensorEntry] | None = None
         self._hold = False
         self.ended = False
+        # A stream was asked for (``tensors_as_ready``): the load then follows each
+        # device copy as it completes, which costs a loop callback per job.
+        self.wanted = False
         self.error: BaseException | None = None
         self.error_delivered = False
         self._wake: anyio.Event | None = None

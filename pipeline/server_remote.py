@@ -44,7 +44,7 @@ from aiogguf.io.remote_policy import (
 from aiogguf.remote import open_remote, split_names
 from aiogguf.stages.parse import split_count_from_name
 
-__all__ = ["NoLocalFiles", "RemoteAccess", "RemoteFiles"]
+__all__ = ["NoLocalFiles", "RemoteAccess", "RemoteFiles", "remote_file_count"]
 
 # The hub's default endpoint, as ``huggingface_hub`` has it without ``HF_ENDPOINT``.
 _HUB_ENDPOINT = "https://huggingface.co"
@@ -184,7 +184,7 @@ class RemoteFiles:
         self._closed = False
         self.size_bytes = 0
         self.files = 0
-        count = split_count_from_name(_file_name(path))
+        count = remote_file_count(path)
         if count > max_shards:  # before anything is opened
             raise SplitError(
                 _shown(path),
@@ -193,7 +193,7 @@ class RemoteFiles:
         try:
             first = self._open(path)
             self._keep(path, first)
-            if count > 1 and _file_name(path).endswith(f"-00001-of-{count:05d}.gguf"):
+            if count > 1:
                 for name in split_names(first.pinned, count, first.source.path):
                     self._keep(name, self._open(name))
         except BaseException:
@@ -245,6 +245,14 @@ class RemoteFiles:
 
 def _shown(name: str) -> str:
     return name if is_hub_name(name) else redact_url(name)
+
+
+def remote_file_count(name: str) -> int:
+    """How many files a load of ``name`` opens: every split of a set named by its first
+    (``-00001-of-00003.gguf``), else one."""
+    file_name = _file_name(name)
+    count = split_count_from_name(file_name)
+    return count if file_name.endswith(f"-00001-of-{count:05d}.gguf") else 1
 
 
 def _file_name(name: str) -> str:

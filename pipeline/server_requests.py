@@ -28,7 +28,7 @@ from aiogguf.server_policy import (
     exception_line,
     request_config,
 )
-from aiogguf.server_remote import RemoteFiles
+from aiogguf.server_remote import RemoteFiles, remote_file_count
 from aiogguf.stages.parse import split_count_from_name, split_paths
 
 if TYPE_CHECKING:
@@ -152,7 +152,8 @@ def _open_remote(registry: LoaderRegistry, path: str, config: Config) -> RemoteF
             parse_hub_name(path)
         except LoadError as exc:
             raise RequestRefused(exception_line(exc)) from exc
-    need = config.pipeline.remote_in_flight + _FDS_PER_LOAD
+    # A reader thread keeps a connection to each file it has read from.
+    need = config.pipeline.remote_in_flight * remote_file_count(path) + _FDS_PER_LOAD
     with registry.admission_lock:
         room = registry.descriptor_budget().room(registry.connection_count())
     if room is not None and need > room:
