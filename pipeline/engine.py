@@ -82,6 +82,7 @@ from aiogguf.records import WeightIndex
 from aiogguf.remote import finish_remote, is_remote, route_remote
 from aiogguf.report import LoadReport, build_report
 from aiogguf.stages.allocate import Allocation
+from aiogguf.stages.plan import MAPPED_MODES
 from aiogguf.stages.read import HostReads, direct_refusals
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 
@@ -192,10 +193,13 @@ class _Load:
         # A file truncated, rewritten, replaced or deleted while it was read makes a
         # model whose bytes no longer match its file (and, mapped, one that a later
         # read of a cut-off page would kill): the load fails instead. The readers
-        # checked the files that only they read; those the transfer threads read too
-        # are checked here.
-        if staged := [files[i] for i in layout.staged_files]:
-            await resources.thread.run_sync(_check_unchanged, staged)
+        # checked the files that only they read, once they left them; those the transfer
+        # threads read too are checked here, and in a mapped mode every file, since the
+        # checks of mapped tensors read it on the check threads after the readers left.
+        mapped_checks = validation.enabled and plan.mode in MAPPED_MODES
+        recheck = [f for i, f in enumerate(files) if mapped_checks or i in layout.staged_files]
+        if recheck:
+            await resources.thread.run_sync(_check_unchanged, recheck)
         if not resources.local_files:  # a hub file's digest, then its cache entry
             await resources.thread.run_sync(finish_remote, files)
         for f, was_direct in zip(files, reader.direct, strict=True):

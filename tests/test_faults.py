@@ -654,3 +654,46 @@ async def test_finding_8_a_root_symlink_repointed_during_the_load_does_not_fail_
         loaded = await _load_rooted(root / "m.gguf", root, mode)
     assert seam.fired
     assert loaded == await _first_tensor_bytes(old / "m.gguf")
+
+
+@pytest.mark.parametrize("mode", ["mmap", "mlock"])
+def test_a_file_changed_after_its_readers_left_it_fails_a_mapped_load(
+    model: SynthModel, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checks of mapped tensors read the file on the check threads, which may be after
+    the readers have left it and checked it unchanged. A file grown then (every read of
+    it still succeeds) fails the load all the same."""
+    import threading
+
+    from aiogguf.io.files import DataFile
+
+    path = tmp_path / "grown.gguf"
+    copy_file(model.path, path)
+    verified = threading.Event()
+    grown: list[int] = []
+    check_unchanged, read_into = DataFile.check_unchanged, DataFile.read_into
+
+    def checked(self: DataFile) -> None:
+        check_unchanged(self)
+        verified.set()
+
+    def read(self: DataFile, dest: Any, offset: int) -> None:
+        if threading.current_thread().name != "aiogguf-load" and not grown:
+            assert verified.wait(10), "the readers never checked the file"
+            grown.append(offset)
+            os.truncate(path, path.stat().st_size + 4096)
+        read_into(self, dest, offset)
+
+    monkeypatch.setattr(DataFile, "check_unchanged", checked)
+    monkeypatch.setattr(DataFile, "read_into", read)
+
+    def load() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a refused mlock: not the point here
+            with aiogguf.load_sync(path, mode=mode, check_tensors=True, n_gpu_layers=0):
+                pass
+
+    with pytest.raises(aiogguf.LoadError) as info:
+        load()
+    assert grown
+    assert "modified" in str(info.value) or "changed" in str(info.value)
