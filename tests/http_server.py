@@ -234,10 +234,10 @@ def _write_self_signed(cert: Path, key: Path, host: str) -> None:
     import datetime
     import ipaddress
 
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from cryptography import x509  # pyright: ignore[reportMissingImports]  (optional: else openssl)
+    from cryptography.hazmat.primitives import hashes, serialization  # pyright: ignore[reportMissingImports]  (optional: else openssl)
+    from cryptography.hazmat.primitives.asymmetric import ec  # pyright: ignore[reportMissingImports]  (optional: else openssl)
+    from cryptography.x509.oid import NameOID  # pyright: ignore[reportMissingImports]  (optional: else openssl)
 
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
