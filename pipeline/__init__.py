@@ -14,6 +14,8 @@ of the package uses) and may change.
 
 from __future__ import annotations
 
+import gc
+
 if __name__ != "aiogguf":
     # The folder pipeline/ is the package aiogguf; imported by its folder's name (from the
     # repository root, or by an IDE's auto-import) it would be a second copy of every
@@ -135,3 +137,8 @@ __all__ = [
     "warm_up",
     "warm_up_sync",
 ]
+
+# The imports above leave the collector a debt (a full collection is due once enough
+# objects have survived): paid here, at import, rather than by a first load's thread
+# while the loop waits for the GIL it holds.
+gc.collect()

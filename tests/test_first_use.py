@@ -162,13 +162,6 @@ def test_slow_cupy_is_imported_off_the_loop(model: SynthModel) -> None:
 
 
 @pytest.mark.timing
-@pytest.mark.xfail(
-    reason="issue 23: a regression found at the end of a session, not yet fixed: the first "
-    "load of a fresh process stalls its loop 40-65 ms since eead2fe (f9afbe9 passes: the "
-    "merge that brought the server's remote rules and address policy into the remote "
-    "source work); the cause is not found yet",
-    strict=False,
-)
 def test_first_load_with_a_slow_cupy_keeps_the_loop_responsive(model: SynthModel) -> None:
     """Issue 23's must-show: worst lag under 20 ms during a fresh process's first load
     after ``import aiogguf`` alone, while CuPy's import sleeps (in one of up to three
