@@ -4,19 +4,29 @@ A host image is page-aligned anonymous memory (modes ``none``/``direct``) or map
 exactly its file ranges (``mmap``/``mlock``); a device image is device memory that the
 upload stage copies into. The allocate stage makes them; the load's ``LoadResources``
 owns them (the stages see them read-only) until the model takes them.
+
+``tensor_chunks`` reads a tensor's bytes back from wherever they landed, in bounded
+pieces (the integrity checks, once the reads are done).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Final
 
 from aiogguf.io.buffers import HostBuffer
 from aiogguf.io.devices.base import DeviceBuffer
 from aiogguf.io.mapping import FileMapping
+from aiogguf.io.source import ByteSource
+from aiogguf.io.workers import raise_if_stopped
 from aiogguf.jobs import BufferLayout, ReadJob, TensorSlot
 
-__all__ = ["DeviceImage", "HostImage", "Image", "MappedImage"]
+__all__ = ["CHUNK_BYTES", "DeviceImage", "HostImage", "Image", "MappedImage", "tensor_chunks"]
+
+# ``tensor_chunks`` hands a tensor's bytes over in pieces this big: each stays in the
+# CPU's cache between its copy (from a device or the file) and its use.
+CHUNK_BYTES: Final = 1 << 20
 
 
 class HostImage:
@@ -83,3 +93,38 @@ class DeviceImage:
 
 
 Image = HostImage | MappedImage | DeviceImage
+
+
+def tensor_chunks(
+    slot: TensorSlot | None,
+    images: Sequence[Image | None],
+    file: ByteSource,
+    offset: int,
+    nbytes: int,
+) -> Iterator[memoryview]:
+    """Blocking: a tensor's landed bytes, in order, in pieces of ``CHUNK_BYTES`` at most:
+    views of its host image; copies back from its device; else (mapped, or ``slot``
+    None: not loaded, or its bytes landed swapped) its ``nbytes`` read from ``file`` at
+    ``offset``, never through a mapping (a file cut short during the load would kill the
+    process: ``stages.validate.FileBytes``). A piece read from the file is valid until
+    the next is asked for. Raises ``LoadError`` if the file ends early or a read fails;
+    stops between pieces when the load is stopped (``raise_if_stopped``)."""
+    image = images[slot.buffer_index] if slot is not None else None
+    if slot is not None and isinstance(image, HostImage):
+        data = image.tensor_bytes(slot)
+        for lo in range(0, len(data), CHUNK_BYTES):
+            raise_if_stopped()
+            yield data[lo : lo + CHUNK_BYTES]
+        return
+    if slot is not None and isinstance(image, DeviceImage):
+        for lo in range(0, slot.nbytes, CHUNK_BYTES):
+            raise_if_stopped()
+            n = min(CHUNK_BYTES, slot.nbytes - lo)
+            yield memoryview(image.buffer.to_host(slot.buffer_offset + lo, n))
+        return
+    scratch = memoryview(bytearray(min(CHUNK_BYTES, nbytes)))
+    for lo in range(0, nbytes, CHUNK_BYTES):
+        raise_if_stopped()
+        part = scratch[: min(CHUNK_BYTES, nbytes - lo)]
+        file.read_into(part, offset + lo)
+        yield part

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import builtins
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ from aiogguf.manifest import (
     block_span,
     header_digest,
     tensor_digest,
+    tensor_hasher,
 )
 from aiogguf.records import ParsedFile, WeightIndex
 
@@ -251,11 +252,14 @@ class IntegrityChecker:
         return Mismatch(file_index, name, block, start, end - start, tuple(bad), tuple(unchecked))
 
     def settle(
-        self, mismatches: Iterable[Mismatch], tensor_bytes: Callable[[str], Buffer]
+        self,
+        mismatches: Iterable[Mismatch],
+        tensor_bytes: Callable[[str], Buffer | Iterator[Buffer]],
     ) -> list[Mismatch]:
         """``mismatches`` with their unchecked tensors checked whole (``tensor_bytes(name)``
-        gives a tensor's landed data): a tensor whose digest matches is dropped; a block
-        left with no tensor stays (its padding differs)."""
+        gives a tensor's landed data, whole or in pieces: ``check_tensor``): a tensor
+        whose digest matches is dropped; a block left with no tensor stays (its padding
+        differs)."""
         verdicts: dict[str, bool] = {}
         settled: list[Mismatch] = []
         for m in mismatches:
@@ -275,10 +279,18 @@ class IntegrityChecker:
         view = _bytes_view(data)
         return len(view) == f.header_bytes and header_digest(view) == f.header_xxh3_128
 
-    def check_tensor(self, name: str, data: Buffer) -> bool:
-        """Whether ``data`` (a tensor's whole data) matches the manifest's digest of
-        tensor ``name``. Raises ``KeyError`` for a tensor the manifest does not list."""
-        return tensor_digest(_bytes_view(data)) == self._by_name[name].xxh3_128
+    def check_tensor(self, name: str, data: Buffer | Iterator[Buffer]) -> bool:
+        """Whether ``data`` (a tensor's whole data, or an iterator of its pieces in
+        order) matches the manifest's digest of tensor ``name``. Raises ``KeyError`` for
+        a tensor the manifest does not list."""
+        if isinstance(data, Iterator):
+            state = tensor_hasher()
+            for piece in data:
+                state.update(_bytes_view(piece))
+            digest = state.digest()
+        else:
+            digest = tensor_digest(_bytes_view(data))
+        return digest == self._by_name[name].xxh3_128
 
     def failures(self, mismatches: Iterable[Mismatch]) -> tuple[TensorFailure, ...]:
         """One ``TensorFailure`` per bad tensor (in file order), naming the file, the

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from aiogguf.errors import (
@@ -43,7 +43,7 @@ from aiogguf.errors import (
     TensorFailure,
     TensorValidationError,
 )
-from aiogguf.images import DeviceImage, HostImage
+from aiogguf.images import HostImage, tensor_chunks
 from aiogguf.integrity import IntegrityChecker, Mismatch, match_manifest
 from aiogguf.io.opener import OpenFiles
 from aiogguf.io.source import ByteSource
@@ -344,19 +344,13 @@ class IntegritySink:
         with self._lock:
             return list(self._found)
 
-    def tensor_bytes(self, name: str) -> memoryview:
-        """Blocking: tensor ``name``'s landed bytes (a device tensor's copied back; a
-        mapped, swapped or unloaded one's read from its file)."""
+    def tensor_bytes(self, name: str) -> Iterator[memoryview]:
+        """Blocking: tensor ``name``'s landed bytes, in pieces (``tensor_chunks``: a
+        device tensor's copied back; a mapped, swapped or unloaded one's read from its
+        file)."""
         slot = None if self._swapped else self._slots.get(name)
-        image = self._images[slot.buffer_index] if slot is not None else None
-        if slot is not None and isinstance(image, HostImage):
-            return image.tensor_bytes(slot)
-        if slot is not None and isinstance(image, DeviceImage):
-            return image.buffer.to_host(slot.buffer_offset, slot.nbytes)
         t = next(t for t in self.checker.manifest.tensors if t.name == name)
-        data = bytearray(t.nbytes)
-        self._files[t.file].read_into(data, t.offset)
-        return memoryview(data)
+        return tensor_chunks(slot, self._images, self._files[t.file], t.offset, t.nbytes)
 
     def error(self, path: str | None) -> IntegrityError | None:
         """Blocking, once the reads are done: hash the edges (``finish``); the

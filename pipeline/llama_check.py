@@ -4,8 +4,8 @@ That format holds one digest per tensor and algorithm, over the tensor's data by
 and none per block: a tensor's digest can be taken only once all of it has landed, in
 order. So each tensor is hashed from where it landed once the reads are done: a host
 tensor in the host image; a device tensor copied back in chunks; a mapped or
-byte-swapped one read from its file in chunks (never through the mapping: a file cut
-short during the load would kill the process, ``stages.validate.FileBytes``).
+byte-swapped one read from its file in chunks, never through the mapping
+(``images.tensor_chunks``).
 
 Of the algorithms a tensor's lines give, the load checks the fastest (xxh3, xxh64, then
 sha1, sha256); ``aiogguf verify --manifest`` checks every line, the whole-model ones
@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import xxhash
 
 from aiogguf.errors import IntegrityError, TensorFailure
-from aiogguf.images import DeviceImage, HostImage, Image
+from aiogguf.images import Image, tensor_chunks
 from aiogguf.io.source import ByteSource
-from aiogguf.io.workers import raise_if_stopped
 from aiogguf.jobs import BufferLayout, ReadJob, TensorSlot
 from aiogguf.llama_hash import LlamaLine, match_llama, parse_llama
 from aiogguf.records import WeightIndex
@@ -44,9 +43,6 @@ _NEW: Final[Mapping[str, Callable[[], Any]]] = {
     "sha1": hashlib.sha1,
     "sha256": hashlib.sha256,
 }
-# A tensor read back from its file or a device is hashed in chunks this big: each
-# stays in the CPU's cache between its copy and its hash.
-CHUNK_BYTES: Final = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +117,9 @@ class LlamaSink:
             if line is None or t.name not in self._loaded:
                 continue
             state = _NEW[line.algorithm]()
-            for chunk in self._chunks(t.name):
+            slot = None if self._swapped else self._slots.get(t.name)
+            file = self._files[t.file_index]
+            for chunk in tensor_chunks(slot, self._images, file, t.offset, t.nbytes):
                 state.update(chunk)
             self.tensors_hashed += 1
             if state.hexdigest() != line.digest:
@@ -138,28 +136,3 @@ class LlamaSink:
                     )
                 )
         return IntegrityError(failures, path) if failures else None
-
-    def _chunks(self, name: str) -> Iterator[memoryview]:
-        """Tensor ``name``'s landed bytes, in order, in chunks."""
-        slot = self._slots.get(name)
-        image = self._images[slot.buffer_index] if slot is not None else None
-        if slot is not None and isinstance(image, HostImage) and not self._swapped:
-            data = image.tensor_bytes(slot)
-            for lo in range(0, len(data), CHUNK_BYTES):
-                raise_if_stopped()
-                yield data[lo : lo + CHUNK_BYTES]
-            return
-        if slot is not None and isinstance(image, DeviceImage) and not self._swapped:
-            for lo in range(0, slot.nbytes, CHUNK_BYTES):
-                raise_if_stopped()
-                n = min(CHUNK_BYTES, slot.nbytes - lo)
-                yield memoryview(image.buffer.to_host(slot.buffer_offset + lo, n))
-            return
-        # Mapped, swapped (the manifest is of the file's bytes) or not loaded (lazy).
-        entry = self._index[name]
-        scratch = memoryview(bytearray(min(CHUNK_BYTES, entry.nbytes)))
-        for lo in range(0, entry.nbytes, CHUNK_BYTES):
-            raise_if_stopped()
-            part = scratch[: min(CHUNK_BYTES, entry.nbytes - lo)]
-            self._files[entry.file_index].read_into(part, entry.offset + lo)
-            yield part

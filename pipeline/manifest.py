@@ -47,6 +47,7 @@ __all__ = [
     "read_manifest_text",
     "sidecar_path",
     "tensor_digest",
+    "tensor_hasher",
 ]
 
 FORMAT_NAME: Final = "aiogguf-manifest"
@@ -143,6 +144,11 @@ def block_hasher(block: int) -> xxhash.xxh3_128:
 def tensor_digest(data: Buffer) -> bytes:
     """The digest of a tensor's data bytes (xxh3_128, seed 0)."""
     return xxhash.xxh3_128_digest(data)
+
+
+def tensor_hasher() -> xxhash.xxh3_128:
+    """``tensor_digest`` fed in parts: ``update`` each, then ``digest``."""
+    return xxhash.xxh3_128()
 
 
 def header_digest(data: Buffer) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType, TracebackType
@@ -82,14 +82,22 @@ def _piece_scratch() -> numpy.ndarray[Any, Any]:
     return scratch
 
 
+def _file_pieces(file: ByteSource, at: int, nbytes: int) -> Iterator[Bytes]:
+    """Blocking: ``file``'s bytes ``[at, at + nbytes)``, read piece by piece into this
+    thread's scratch (``HOST_SLICE_BYTES`` at most each; a piece is valid until the
+    next is asked for). Raises ``LoadError`` if the file ends early or a read fails."""
+    scratch = _piece_scratch()
+    for lo in range(at, at + nbytes, HOST_SLICE_BYTES):
+        raise_if_stopped()  # a call reads up to CALL_BYTES: from a slow disk, seconds
+        piece = scratch[: min(HOST_SLICE_BYTES, at + nbytes - lo)]
+        file.read_into(piece.data, lo)
+        yield piece
+
+
 def _update_from_file(checker: TensorChecker, source: FileBytes, start: int, nbytes: int) -> None:
     """Feed ``checker`` the tensor's bytes ``[start, start + nbytes)``, read piece by piece
     from the file. Raises ``LoadError`` if the file ends early or a read fails."""
-    scratch = _piece_scratch()
-    for lo in range(start, start + nbytes, HOST_SLICE_BYTES):
-        raise_if_stopped()  # a call reads up to CALL_BYTES: from a slow disk, seconds
-        piece = scratch[: min(HOST_SLICE_BYTES, start + nbytes - lo)]
-        source.file.read_into(piece.data, source.offset + lo)
+    for piece in _file_pieces(source.file, source.offset + start, nbytes):
         checker.update(piece)
 
 
@@ -255,13 +263,12 @@ def _update_on_its_device(checker: TensorChecker, chunk: Bytes) -> None:
 
 def _file_fetch(file: ByteSource, offset: int) -> Callable[[int, int], Bytes]:
     """A ``PieceCheck.finish_from`` fetch of a tensor's bytes from ``offset`` of
-    ``file``. The fetch raises ``LoadError`` if the file ends early."""
+    ``file`` (``HOST_SLICE_BYTES`` at most: one piece of ``_file_pieces``, valid until
+    the thread's next read). The fetch raises ``LoadError`` if the file ends early."""
 
     def fetch(lo: int, hi: int) -> Bytes:
-        raise_if_stopped()
-        data = numpy.empty(hi - lo, dtype=numpy.uint8)
-        file.read_into(data.data, offset + lo)
-        return data
+        (piece,) = _file_pieces(file, offset + lo, hi - lo)
+        return piece
 
     return fetch
 
