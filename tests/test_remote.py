@@ -135,6 +135,28 @@ def test_local_jobs_are_backed_before_their_read_and_remote_ones_are_not(
     assert backed == []
 
 
+def test_a_url_load_has_a_thread_per_connection_started_before_its_header_is_read(
+    server: FileServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool starts a new thread at a time, each start waiting for the GIL: threads
+    started only once the reads began would join them one by one."""
+    from aiogguf import engine
+
+    reserved: list[tuple[int, int]] = []
+    reserve = engine.reserve_threads
+
+    def counted(count: int) -> None:
+        reserved.append((count, len(server.faults.headers)))
+        reserve(count)
+
+    monkeypatch.setattr(engine, "reserve_threads", counted)
+    _load(server.url("m.gguf"), remote_in_flight=12, check_tensors=False)
+    assert reserved == [(1 + 12, 0)]  # its own thread and one per connection, first
+    reserved.clear()
+    _load(server.root / "m.gguf", readers=3, check_tensors=False)  # type: ignore[arg-type]
+    assert [count for count, _ in reserved] == [1 + 3]
+
+
 @pytest.mark.parametrize("mode", ["mmap", "mlock", "direct"])
 def test_modes_that_need_a_local_file_are_refused(server: FileServer, mode: str) -> None:
     with pytest.raises(LoadError, match=f"mode '{mode}' needs a local file"):
