@@ -41,6 +41,7 @@ import random
 import re
 import socket
 import ssl
+import struct
 import threading
 import time
 import urllib.parse
@@ -127,7 +128,7 @@ def _polled_recv(recv: object, stall_s: float, *args: object) -> int:
     while True:
         try:
             return recv(*args)  # type: ignore[operator,no-any-return]
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):  # Python's timeout, or the kernel's
             waited += POLL_S
             if waited >= stall_s:
                 raise
@@ -199,10 +200,18 @@ def _connect(
         raw = _first_connection(_allowed_addresses(host, port, policy), timeout)
     sock = _PollingSocket(fileno=raw.detach())
     sock.stall_s = stall_s
-    sock.settimeout(POLL_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if tls is None:
+        # The kernel's timeouts, not Python's: a socket with a Python timeout polls
+        # before each recv (two calls, and two GIL round trips, per read, contended by
+        # every connection's thread); this one blocks in recv, which the kernel ends with
+        # EAGAIN after POLL_S for a look at the stop.
+        sock.settimeout(None)
+        timeval = struct.pack("@ll", int(POLL_S), round(POLL_S % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         return sock
+    sock.settimeout(POLL_S)  # TLS reads its records through Python's timeout
     try:
         wrapped = tls.wrap_socket(sock, server_hostname=host)
     except BaseException:

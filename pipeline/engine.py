@@ -340,11 +340,14 @@ def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
     )
 
 
-def load_thread_count(config: Config, *, uploads: bool = True) -> int:
-    """How many threads a load of ``config`` holds at once, at most: its own, readers,
-    check threads and (``uploads``) transfer threads."""
+def load_thread_count(config: Config, *, uploads: bool = True, remote: bool = False) -> int:
+    """How many threads a load of ``config`` holds at once, at most: its own, readers
+    (``remote``: one per connection), check threads and (``uploads``) transfer threads."""
     pipeline = config.pipeline
-    readers = pipeline.reader_count(direct=config.load.mode == "direct")
+    if remote:
+        readers = pipeline.remote_in_flight
+    else:
+        readers = pipeline.reader_count(direct=config.load.mode == "direct")
     checks = pipeline.validate_workers if config.load.check_tensors else 0
     return 1 + readers + checks + (readers if uploads else 0)
 
@@ -419,7 +422,7 @@ async def run_load(
         # open, allocate, close), is taken last (by the resources), so that it is the
         # last to start: the front is pure Python, and while it runs, a thread that
         # waits to start waits for the GIL too.
-        reserve_threads(load_thread_count(config, uploads=False))
+        reserve_threads(load_thread_count(config, uploads=False, remote=is_remote(os.fspath(path))))
         # Each file is opened once, by the parse stage (``resources.opened``); the engine
         # reads through the same descriptors (its DataFiles hold duplicates).
         resources = await stack.enter_async_context(LoadResources(opener))

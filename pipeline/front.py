@@ -48,7 +48,7 @@ from aiogguf.llama_check import LlamaCheck, LlamaSink
 from aiogguf.load_resources import LoadResources
 from aiogguf.progress import LoadProgress
 from aiogguf.records import ParsedFile, Plan, WeightIndex
-from aiogguf.remote import RemoteName, remote_disks
+from aiogguf.remote import RemoteName, remote_disks, remote_pieces
 from aiogguf.stages.allocate import allocate_host_images
 from aiogguf.stages.plan import MAPPED_MODES, make_plan
 from aiogguf.stages.read import ByteSwap, Disks, HostReads, Reader, find_disks, open_data_files
@@ -291,6 +291,11 @@ class Front:
             pieces=pieces,
             file_check=integrity.check_from_file if integrity is not None else None,
             lock=plan.mode == "mlock",
+            piece_bytes=remote_pieces(files),
+            # A local read into pages backed first costs the kernel less than one that
+            # faults them in as it lands; a remote file's request would wait for the
+            # backing, where its faults overlap the network's waits.
+            back_first=[isinstance(f, DataFile) for f in files],
         )
         reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)
         # Where landed jobs go, attached before the first read starts.

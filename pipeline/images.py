@@ -32,6 +32,11 @@ class HostImage:
         """Where ``job``'s bytes land."""
         return self.buffer.memoryview[job.buffer_offset : job.buffer_offset + job.nbytes]
 
+    def back(self, job: ReadJob) -> None:
+        """Back ``job``'s pages with memory in one call, before its read lands there
+        (``HostBuffer.populate``)."""
+        self.buffer.populate(job.buffer_offset, job.buffer_offset + job.nbytes)
+
     def tensor_bytes(self, slot: TensorSlot) -> memoryview:
         return self.buffer.memoryview[slot.buffer_offset : slot.buffer_offset + slot.nbytes]
 

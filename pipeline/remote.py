@@ -51,7 +51,7 @@ from aiogguf.jobs import ReadJob
 from aiogguf.records import ParsedFile, WeightIndex
 from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import SPLIT_MAX_COUNT, is_split, read_header_from, split_paths
-from aiogguf.stages.read import Disks
+from aiogguf.stages.read import CHECK_PIECE_BYTES, Disks
 
 __all__ = [
     "RemoteOpener",
@@ -366,6 +366,16 @@ def remote_disks(files: Sequence[object], config: Config) -> Disks:
         tuple(f"remote {f.host}" if isinstance(f, HttpSource) else "?" for f in files),
         tuple(config.pipeline.remote_in_flight for _ in files),
     )
+
+
+def remote_pieces(files: Sequence[object]) -> list[int]:
+    """Per file, the most a checked piece holds: for a remote file one request, so that
+    each request's bytes are checked while the other connections wait on the network
+    (the checks of a job's bytes would otherwise all fall after the last request, when
+    every connection finishes at once); for a local file the read stage's default."""
+    return [
+        f.options.request_bytes if isinstance(f, HttpSource) else CHECK_PIECE_BYTES for f in files
+    ]
 
 
 def finish_remote(files: Sequence[object]) -> None:

@@ -210,7 +210,10 @@ class Reader:
     so that the disk gets its next read while the last one is checked. ``file_check``
     gets each job whose landed bytes are not the file's bytes as the piece sink would
     see them (mapped images, which it must not read; swapped bytes), once it landed,
-    on the thread that landed it."""
+    on the thread that landed it. ``piece_bytes``: per file, the most a checked piece
+    holds (default ``CHECK_PIECE_BYTES``). ``back_first``: per file, whether a job's
+    pages in a host image are backed with memory in one call before its read
+    (``HostImage.back``) rather than faulted in one by one by the read itself."""
 
     def __init__(
         self,
@@ -223,8 +226,12 @@ class Reader:
         pieces: PieceSink | None = None,
         file_check: Callable[[ReadJob], None] | None = None,
         lock: bool = False,
+        piece_bytes: Sequence[int] | None = None,
+        back_first: Sequence[bool] | None = None,
     ) -> None:
         self._files = files
+        self._piece_bytes = piece_bytes or [CHECK_PIECE_BYTES for _ in files]
+        self._back_first = back_first or [False for _ in files]
         self._images = images
         self._direct = direct
         self._clock = clock
@@ -283,6 +290,8 @@ class Reader:
             return
         assert isinstance(image, HostImage)
         dest = image.dest(job)
+        if self._back_first[job.file_index]:
+            image.back(job)
         if self._pieces is not None and not self._direct[job.file_index]:
             self._check_pieces(job, dest, read=True)
             return
@@ -330,10 +339,10 @@ class Reader:
         device tensor means copying them back from the device."""
         assert self._pieces is not None
         useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
-        previous = 0
-        for lo in range(0, len(useful), CHECK_PIECE_BYTES):
+        previous, step = 0, self._piece_bytes[job.file_index]
+        for lo in range(0, len(useful), step):
             raise_if_stopped()  # a job of a slow disk is cut short, piece by piece
-            hi = min(lo + CHECK_PIECE_BYTES, len(useful))
+            hi = min(lo + step, len(useful))
             if read:
                 self._files[job.file_index].read_into(useful[lo:hi], job.useful_start + lo)
             self._pieces(job, job.useful_start + previous, useful[previous:hi])

@@ -95,12 +95,14 @@ def test_quick_sweep_writes_json_and_plot(
         "preadv_touched",
         "memcpy",
         "preadv_fresh",
+        "preadv_fresh_backed",
         "preadv_fresh_huge",
         "np_memmap_touch",
     } <= set(result["limits"])
     # Which memory each limit filled is said beside it.
     assert "huge-page" in result["limit_notes"]["preadv_fresh_huge"]
     assert "4 KiB-page" in result["limit_notes"]["preadv_fresh"]
+    assert "backed in one call first" in result["limit_notes"]["preadv_fresh_backed"]
     assert set(result["best"]) == {"none", "mmap"}
     # A checked mmap load's low ratio is explained, not left to look broken.
     assert any("the checks' price" in note for note in result["notes"])
@@ -130,18 +132,29 @@ def test_grid_groups_points_by_mode() -> None:
 
 
 def test_limits_a_mode_is_judged_by() -> None:
-    # direct fills fresh memory: O_DIRECT into fresh memory is its limit.
-    assert limits_for_mode("direct", cold=True) == ("direct_fresh",)
-    # none: the faster of 4 KiB and huge pages, on as many threads as it has readers.
-    assert limits_for_mode("none", cold=True) == ("preadv_fresh_cold", "preadv_fresh_huge_cold")
+    # direct fills fresh memory: O_DIRECT into fresh memory is its limit, the pages
+    # faulted in by the read or backed first.
+    assert limits_for_mode("direct", cold=True) == ("direct_fresh", "direct_fresh_backed")
+    # none: the fastest of 4 KiB and huge pages, faulted in or backed first, on as many
+    # threads as it has readers.
+    assert limits_for_mode("none", cold=True) == (
+        "preadv_fresh_cold",
+        "preadv_fresh_backed_cold",
+        "preadv_fresh_huge_cold",
+        "preadv_fresh_huge_backed_cold",
+    )
     assert limits_for_mode("none", cold=False, readers=1) == (
         "preadv_fresh_1t",
+        "preadv_fresh_1t_backed",
         "preadv_fresh_1t_huge",
+        "preadv_fresh_1t_huge_backed",
     )
     if LIMIT_THREADS > 1:
         assert limits_for_mode("none", cold=False, readers=4) == (
             "preadv_fresh",
+            "preadv_fresh_backed",
             "preadv_fresh_huge",
+            "preadv_fresh_huge_backed",
         )
     assert limits_for_mode("mmap", cold=False) == ("np_memmap_touch",)
 

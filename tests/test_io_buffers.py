@@ -76,6 +76,48 @@ def test_prefault_keeps_contents_and_works() -> None:
         assert int(buf.as_array().sum()) == buf.nbytes
 
 
+def test_populate_backs_exactly_the_pages_of_the_range_and_keeps_contents() -> None:
+    from aiogguf.io import _libc
+
+    with HostBuffer(16 * PAGE_BYTES) as buf:
+        assert not any(b & 1 for b in _libc.mincore(buf.address, buf.capacity_bytes))
+        buf.memoryview[5 * PAGE_BYTES] = 7  # a page backed already, written
+        buf.populate(4 * PAGE_BYTES + 100, 8 * PAGE_BYTES)  # from inside page 4
+        resident = [
+            i for i, b in enumerate(_libc.mincore(buf.address, buf.capacity_bytes)) if b & 1
+        ]
+        if buffers_module._populate_write_works:  # a kernel before 5.14 backs nothing
+            assert resident == [4, 5, 6, 7]
+        assert buf.memoryview[5 * PAGE_BYTES] == 7
+        assert int(buf.as_array().sum()) == 7
+        buf.populate(12 * PAGE_BYTES, 100 * PAGE_BYTES)  # past the end: cut to it
+        buf.populate(8 * PAGE_BYTES, 8 * PAGE_BYTES)  # empty: nothing
+
+
+def test_populate_on_a_kernel_without_it_leaves_the_pages_to_the_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+
+    from aiogguf.io import _libc
+
+    calls: list[int] = []
+
+    def refused(address: int, length: int, advice: int) -> None:
+        calls.append(advice)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(buffers_module, "_populate_write_works", True)
+    monkeypatch.setattr(_libc, "madvise", refused)
+    with HostBuffer(4 * PAGE_BYTES) as buf:
+        buf.populate(0, buf.nbytes)
+        buf.populate(0, buf.nbytes)  # not asked again
+        assert calls == [_libc.MADV_POPULATE_WRITE]
+        assert not any(b & 1 for b in _libc.mincore(buf.address, buf.capacity_bytes))
+        buf.memoryview[:] = b"x" * buf.nbytes  # the writes fault the pages in
+    assert not buffers_module._populate_write_works
+
+
 def test_close_is_idempotent_and_use_after_close_is_clear() -> None:
     buf = HostBuffer(100)
     assert buf.state is ResourceState.OPEN

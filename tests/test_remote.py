@@ -7,6 +7,7 @@ gguf-py elsewhere: every tensor's bytes must be equal.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -85,6 +86,75 @@ def test_simulated_gpu_load_from_a_url_has_the_file_bytes(server: FileServer) ->
     with aiogguf.load_sync(url, sim_gpus=["24GiB"], n_gpu_layers=-1, **SMALL) as model:
         assert {t.device for t in model.plan.tensors if t.nbytes} == {"g0"}
         _same_bytes(model, server.root / "m.gguf")
+
+
+def test_each_request_is_checked_before_the_next_is_sent(
+    server: FileServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remote job's bytes are checked request by request as they land, while the other
+    connections wait on the network, not all at once after the job's last request."""
+    from aiogguf.stages.validate import Validation
+
+    requests_at_check: list[int] = []
+    check_piece = Validation.check_piece
+
+    def check(*args: object, **kwargs: object) -> None:
+        requests_at_check.append(len(server.faults.headers))
+        check_piece(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Validation, "check_piece", check)
+    overrides = {"chunk_size": "1MiB", "remote_request_size": "256KiB", "remote_in_flight": 1}
+    with aiogguf.load_sync(server.url("m.gguf"), **overrides) as model:
+        assert model.report.validated > 0
+    steps = [b - a for a, b in itertools.pairwise(requests_at_check)]
+    assert len(requests_at_check) > 8
+    assert set(steps) <= {0, 1}, steps  # never two requests between two checks
+    assert requests_at_check[-1] == len(server.faults.headers)
+
+
+def test_local_jobs_are_backed_before_their_read_and_remote_ones_are_not(
+    server: FileServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local read lands in pages backed first (one call per job); a remote request is
+    not held back for it."""
+    from aiogguf.images import HostImage
+
+    backed: list[int] = []
+    back = HostImage.back
+
+    def counted(image: HostImage, job: object) -> None:
+        backed.append(1)
+        back(image, job)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HostImage, "back", counted)
+    with aiogguf.load_sync(server.root / "m.gguf", mode="none", chunk_size="1MiB") as model:
+        assert len(backed) == model.report.files[0].reads > 1
+    backed.clear()
+    with aiogguf.load_sync(server.url("m.gguf"), **SMALL) as model:
+        assert model.report.files[0].reads > 1
+    assert backed == []
+
+
+def test_a_url_load_has_a_thread_per_connection_started_before_its_header_is_read(
+    server: FileServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool starts a new thread at a time, each start waiting for the GIL: threads
+    started only once the reads began would join them one by one."""
+    from aiogguf import engine
+
+    reserved: list[tuple[int, int]] = []
+    reserve = engine.reserve_threads
+
+    def counted(count: int) -> None:
+        reserved.append((count, len(server.faults.headers)))
+        reserve(count)
+
+    monkeypatch.setattr(engine, "reserve_threads", counted)
+    _load(server.url("m.gguf"), remote_in_flight=12, check_tensors=False)
+    assert reserved == [(1 + 12, 0)]  # its own thread and one per connection, first
+    reserved.clear()
+    _load(server.root / "m.gguf", readers=3, check_tensors=False)  # type: ignore[arg-type]
+    assert [count for count, _ in reserved] == [1 + 3]
 
 
 @pytest.mark.parametrize("mode", ["mmap", "mlock", "direct"])

@@ -218,11 +218,14 @@ def preadv_fresh_gbps(
     runs: int = 1,
     chunk_bytes: int = CHUNK_BYTES,
     huge_pages: bool = False,
+    backed: bool = False,
 ) -> float:
     """``preadv`` into a new, never-touched page-aligned buffer each run (the first-load
-    limit: page faults are paid inside the read, as they are in a real load).
+    limit: the memory's backing is paid inside the clock, as it is in a real load).
     ``huge_pages``: into memory advised for transparent huge pages before its first
-    touch (``HostBuffer(huge_pages=True)``)."""
+    touch (``HostBuffer(huge_pages=True)``). ``backed``: each chunk's pages backed in
+    one call before its read (``HostBuffer.populate``, as a load's reader does), not
+    faulted in by the read itself."""
     p = Path(path)
     nbytes = p.stat().st_size
     warm_or_drop = _prepare(p, cold)
@@ -240,12 +243,15 @@ def preadv_fresh_gbps(
     with open_file(p) as f:
 
         def run() -> None:
-            view = bufs[-1].memoryview
-            _parallel(
-                threads,
-                _chunks(nbytes, chunk_bytes),
-                lambda off, n: f.read_into(view[off : off + n], off),
-            )
+            buf = bufs[-1]
+            view = buf.memoryview
+
+            def step(off: int, n: int) -> None:
+                if backed:
+                    buf.populate(off, off + n)
+                f.read_into(view[off : off + n], off)
+
+            _parallel(threads, _chunks(nbytes, chunk_bytes), step)
 
         return _median_gbps(runs, nbytes, prepare, run, cleanup)
 
@@ -281,10 +287,13 @@ def direct_gbps(
     runs: int = 1,
     chunk_bytes: int = CHUNK_BYTES,
     fresh: bool = False,
+    backed: bool = False,
 ) -> float:
     """``O_DIRECT`` reads of aligned chunks into touched memory: the disk, no cache.
-    ``fresh=True``: into never-touched memory, whose page faults then delay each read
-    (what a direct load into new buffers pays).
+    ``fresh=True``: into never-touched memory, whose backing then delays each read
+    (what a direct load into new buffers pays); with ``backed``, each chunk's pages
+    backed in one call before its read (as a load's reader does), else faulted in by
+    the read.
 
     Raises ``RuntimeError`` when the filesystem refuses ``O_DIRECT``.
     """
@@ -307,12 +316,15 @@ def direct_gbps(
             raise RuntimeError(f"{p}: O_DIRECT refused: {f.direct_refusal}")
 
         def run() -> None:
-            view = bufs[-1].memoryview
-            _parallel(
-                threads,
-                _chunks(nbytes, chunk_bytes),
-                lambda off, n: f.read_direct_into(view[off : off + align_up(n, 4096)], off),
-            )
+            buf = bufs[-1]
+            view = buf.memoryview
+
+            def step(off: int, n: int) -> None:
+                if backed:
+                    buf.populate(off, off + align_up(n, 4096))
+                f.read_direct_into(view[off : off + align_up(n, 4096)], off)
+
+            _parallel(threads, _chunks(nbytes, chunk_bytes), step)
 
         try:
             return _median_gbps(runs, nbytes, prepare, run, cleanup)

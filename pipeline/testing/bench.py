@@ -296,22 +296,28 @@ def load_in_subprocess(
 # --- limits -----------------------------------------------------------------------------
 
 
-def _preadv_name(threads: int, huge: bool, cold: bool) -> str:
+def _preadv_name(threads: int, huge: bool, cold: bool, backed: bool = False) -> str:
     one = "_1t" if threads == 1 else ""
-    return f"preadv_fresh{one}{'_huge' if huge else ''}{'_cold' if cold else ''}"
+    kind = f"{'_huge' if huge else ''}{'_backed' if backed else ''}"
+    return f"preadv_fresh{one}{kind}{'_cold' if cold else ''}"
 
 
 def limits_for_mode(mode: str, cold: bool, readers: int = LIMIT_THREADS) -> tuple[str, ...]:
     """The limits a load in ``mode`` with ``readers`` threads is judged by: the fastest
     of them, each measured in the same run. ``none`` fills fresh memory, which may come
-    in 4 KiB or in huge pages (``huge_pages``): its limit is the faster of ``preadv``
-    into each, on one thread for one reader, else on ``LIMIT_THREADS``. ``direct`` is
-    ``O_DIRECT`` into fresh memory, as the load's own is."""
+    in 4 KiB or in huge pages (``huge_pages``), faulted in by the read or backed just
+    before it: its limit is the fastest ``preadv`` into each, on one thread for one
+    reader, else on ``LIMIT_THREADS``. ``direct`` is ``O_DIRECT`` into fresh memory, as
+    the load's own is, either way."""
     if mode == "direct":
-        return ("direct_fresh",)
+        return ("direct_fresh", "direct_fresh_backed")
     if mode == "none":
         threads = 1 if readers == 1 else LIMIT_THREADS
-        return tuple(_preadv_name(threads, huge, cold) for huge in (False, True))
+        return tuple(
+            _preadv_name(threads, huge, cold, backed)
+            for huge in (False, True)
+            for backed in (False, True)
+        )
     return ("np_memmap_touch_cold",) if cold else ("np_memmap_touch",)
 
 
@@ -319,8 +325,10 @@ def _np_memmap_gbps(path: Path, cold: bool = False) -> float:
     return path.stat().st_size / np_memmap_touch_s(path, cold=cold) / GB
 
 
-def _preadv_fresh(threads: int, huge: bool, cold: bool) -> Callable[[Path], float]:
-    return lambda p: preadv_fresh_gbps(p, threads=threads, huge_pages=huge, cold=cold)
+def _preadv_fresh(threads: int, huge: bool, cold: bool, backed: bool) -> Callable[[Path], float]:
+    return lambda p: preadv_fresh_gbps(
+        p, threads=threads, huge_pages=huge, cold=cold, backed=backed
+    )
 
 
 _MEMORY = {False: "4 KiB-page", True: "huge-page (2 MiB-aligned, MADV_HUGEPAGE)"}
@@ -328,14 +336,16 @@ _MEMORY = {False: "4 KiB-page", True: "huge-page (2 MiB-aligned, MADV_HUGEPAGE)"
 # name → how to measure it on a file, in GB/s.
 _LIMITS: dict[str, Callable[[Path], float]] = {
     **{
-        _preadv_name(threads, huge, cold): _preadv_fresh(threads, huge, cold)
+        _preadv_name(threads, huge, cold, backed): _preadv_fresh(threads, huge, cold, backed)
         for threads in sorted({1, LIMIT_THREADS})
         for huge in (False, True)
         for cold in (False, True)
+        for backed in (False, True)
     },
     "preadv_touched": lambda p: preadv_touched_gbps(p, threads=LIMIT_THREADS),
     "direct": lambda p: direct_gbps(p, threads=LIMIT_THREADS),
     "direct_fresh": lambda p: direct_gbps(p, threads=LIMIT_THREADS, fresh=True),
+    "direct_fresh_backed": lambda p: direct_gbps(p, threads=LIMIT_THREADS, fresh=True, backed=True),
     "memcpy": lambda p: memcpy_gbps(p.stat().st_size, threads=LIMIT_THREADS),
     "mmap_touch": lambda p: mmap_touch_gbps(p, threads=LIMIT_THREADS),
     "mmap_touch_cold": lambda p: mmap_touch_gbps(p, threads=LIMIT_THREADS, cold=True),
@@ -350,18 +360,24 @@ def _threads(n: int) -> str:
 
 LIMIT_NOTES: dict[str, str] = {
     **{
-        _preadv_name(threads, huge, cold): (
+        _preadv_name(threads, huge, cold, backed): (
             f"preadv, {_threads(threads)}, into fresh {_MEMORY[huge]} memory"
+            + (", each chunk's pages backed in one call first" if backed else "")
             + (", from a dropped cache" if cold else "")
         )
         for threads in sorted({1, LIMIT_THREADS})
         for huge in (False, True)
         for cold in (False, True)
+        for backed in (False, True)
     },
     "preadv_touched": f"preadv, {_threads(LIMIT_THREADS)}, into touched 4 KiB-page memory (reload)",
     "direct": f"O_DIRECT, {_threads(LIMIT_THREADS)}, into touched aligned memory (the disk)",
     "direct_fresh": (
         f"O_DIRECT, {_threads(LIMIT_THREADS)}, into fresh 4 KiB-page memory, as a direct load"
+    ),
+    "direct_fresh_backed": (
+        f"O_DIRECT, {_threads(LIMIT_THREADS)}, into fresh 4 KiB-page memory, each chunk's"
+        " pages backed in one call first, as a direct load"
     ),
     "memcpy": f"memory copy, {_threads(LIMIT_THREADS)}, between touched buffers",
     "mmap_touch": f"mapping made resident, MADV_POPULATE_READ, {_threads(LIMIT_THREADS)}",
