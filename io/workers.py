@@ -54,6 +54,7 @@ __all__ = [
     "LOAD_NICE",
     "Call",
     "LoadThreads",
+    "StopLink",
     "Stopped",
     "at_load_priority",
     "idle_threads",
@@ -108,12 +109,42 @@ class Call(Generic[T]):
 
 def raise_if_stopped() -> None:
     """From a long loop on a load's thread: raise ``Stopped`` if the task awaiting the
-    running call was cancelled. A no-op anywhere else (the loop's thread, a plain
-    thread, a direct call of a stage), so stages call it unconditionally. About 0.1 µs:
-    loops over tensors call it every few hundred items, not every one."""
+    running call was cancelled (on a thread it lent, ``StopLink.run``: once the link
+    stops). A no-op anywhere else (the loop's thread, a plain thread, a direct call of a
+    stage), so stages call it unconditionally. About 0.1 µs: loops over tensors call it
+    every few hundred items, not every one."""
     call = getattr(_running, "call", None)
     if call is not None and call.stopped:
         raise Stopped
+
+
+class StopLink:
+    """A load's stop lent to a plain thread that its running call starts for part of its
+    work (``run``): on that thread, ``raise_if_stopped`` raises once the call is stopped
+    or ``also()`` says so. Made on the lending thread, where it finds the call (a link
+    made on a thread that runs another link's ``run`` stops with that link too; made
+    outside a load's call, only ``also`` stops it)."""
+
+    __slots__ = ("_also", "_lender")
+
+    def __init__(self, also: Callable[[], bool] = lambda: False) -> None:
+        self._lender: Call[Any] | StopLink | None = getattr(_running, "call", None)
+        self._also = also
+
+    @property
+    def stopped(self) -> bool:
+        """Whether ``raise_if_stopped`` under this link raises."""
+        lender = self._lender
+        return (lender is not None and lender.stopped) or self._also()
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the calling thread, stopped by this link's stop."""
+        before = getattr(_running, "call", None)
+        _running.call = self
+        try:
+            return fn()
+        finally:
+            _running.call = before
 
 
 class _Lane(Protocol):
@@ -536,7 +567,8 @@ class LoadThreads:
         loop would only log, is raised by the ``run_sync`` of that call instead.
         ``lazy``: it may wait for the loop's next wake-up, up to the call's end
         (``_on_loop``)."""
-        call: Call[Any] | None = getattr(_running, "call", None)
+        running = getattr(_running, "call", None)
+        call = running if isinstance(running, Call) else None  # not a ``StopLink``
 
         def on_loop() -> None:
             try:
@@ -550,7 +582,7 @@ class LoadThreads:
         self._on_loop(on_loop, lazy=lazy)
 
 
-# The call each pooled thread is running, if any.
+# The call each pooled thread is running, if any (a ``StopLink`` on a thread it lent).
 _running = threading.local()
 
 

@@ -9,7 +9,9 @@ validate stages read it as any ``ByteSource``. What a local file has and a URL h
 is skipped here: there is nothing to map and no ``O_DIRECT`` (mode ``auto`` is ``none``,
 ``mmap``/``mlock``/``direct`` are refused), no disk to find (the reader count is
 ``remote_in_flight``), no ``fadvise``. A split set is named by its first split, as
-locally; the others are opened and parsed one after the other.
+locally; the others are opened and parsed at once, ``remote_in_flight`` at a time
+(``_SplitOpening``): each costs round trips (a hub resolution, the first request), and a
+set then costs about two files' worth of them, not one per split.
 
 An ``hf://`` file is the hub's: ``route_remote`` finds it in the hub's cache (then the
 load reads a local file, in any mode), and otherwise its ``HubSource``
@@ -25,6 +27,8 @@ load reads the hub's cache never: its opener opens no local file).
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
@@ -42,7 +46,7 @@ from aiogguf.io.http_source import (
     redact_url,
 )
 from aiogguf.io.opener import AnyPathOpener, FileOpener
-from aiogguf.io.workers import raise_if_stopped
+from aiogguf.io.workers import StopLink, Stopped, at_load_priority, raise_if_stopped
 from aiogguf.jobs import ReadJob
 from aiogguf.records import ParsedFile, WeightIndex
 from aiogguf.stages.index import build_index
@@ -201,13 +205,14 @@ def read_remote_model(
     opener: RemoteOpener | None = None,
 ) -> tuple[ParsedFile, WeightIndex]:
     """Blocking: open ``path`` (``found``: its hub resolution, when made) and, for a
-    split set named by its first split, every other split (one after the other, each
-    handed to ``keep`` as it opens); parse each header from growing ranged reads, and
-    index the model. Each file is opened by ``opener`` when given, else by
-    ``open_remote``.
+    split set named by its first split, every other split (``_SplitOpening``: several at
+    once); parse each header from growing ranged reads, and index the model. Each file
+    is opened by ``opener`` when given, else by ``open_remote``, and handed to ``keep``
+    (in split order; those opened by a failed load too).
 
     Raises ``SplitError``: ``path`` is a later split, or its set's names cannot be made
-    (a URL with a query); what ``open_remote``, the parse and ``build_index`` raise."""
+    (a URL with a query); what ``open_remote``, the parse and ``build_index`` raise (for
+    the lowest split that fails)."""
     if opener is not None:
         source, pinned = opener.open_remote(path, config)
     else:
@@ -215,12 +220,116 @@ def read_remote_model(
     keep(source)
     parsed = [read_header_from(source.path, source.size_bytes, source.read_upto)]
     if is_split(parsed[0]):
-        for name in _other_splits(parsed[0], pinned):
-            raise_if_stopped()
-            other, _ = (opener.open_remote if opener else open_remote)(name, config)
-            keep(other)
-            parsed.append(read_header_from(other.path, other.size_bytes, other.read_upto))
+
+        def open_one(name: str) -> HttpSource:
+            return (opener.open_remote if opener else open_remote)(name, config)[0]
+
+        opening = _SplitOpening(_other_splits(parsed[0], pinned), open_one)
+        parsed += opening.run(config.pipeline.remote_in_flight, keep)
     return parsed[0], build_index(tuple(parsed))
+
+
+@dataclass(slots=True)
+class _Split:
+    """One split's outcome so far: its source once opened, then its header, or why not."""
+
+    source: HttpSource | None = None
+    parsed: ParsedFile | None = None
+    error: BaseException | None = None
+
+
+class _SplitOpening:
+    """The later splits of a remote set (``names``, in order) opened by ``open_one`` and
+    parsed by a few plain threads of its own, each taking the next split in order.
+
+    Failures are told the same way whatever the scheduling: once split ``i`` fails no
+    thread takes another, the splits after ``i`` in flight are stopped (their sockets
+    notice within ``POLL_S``), those before it go on, and the error raised is the lowest
+    split's. The load's stop reaches the threads through a ``StopLink``; the caller's
+    thread waits for them all, so a failed or stopped opening leaves no thread, and
+    hands every source opened to ``keep``."""
+
+    def __init__(self, names: Sequence[str], open_one: Callable[[str], HttpSource]) -> None:
+        self._names = names
+        self._open_one = open_one
+        self._splits = [_Split() for _ in names]
+        self._lock = threading.Lock()
+        self._next = 0  # the next split to take
+        self._failed = len(names)  # the lowest split that failed so far
+        self._abandoned = False  # the caller left early: every thread stops
+
+    def run(self, in_flight: int, keep: Callable[[HttpSource], None]) -> list[ParsedFile]:
+        """Blocking, on the load's thread: every split parsed, at most ``in_flight`` at
+        once, in split order; each source opened handed to ``keep``, in split order,
+        when every thread has ended. Raises the lowest failed split's error, or
+        ``Stopped``."""
+        link = StopLink(lambda: self._abandoned)  # the load's stop, for the threads
+        threads: list[threading.Thread] = []
+        try:
+            for n in range(min(in_flight, len(self._names))):
+                thread = threading.Thread(
+                    target=self._serve, args=(link,), name=f"aiogguf-split-{n}", daemon=True
+                )
+                thread.start()
+                threads.append(thread)
+            for thread in threads:
+                while thread.is_alive():
+                    raise_if_stopped()
+                    thread.join(_WAIT_S)
+        except BaseException:
+            self._abandoned = True
+            for thread in threads:
+                thread.join()  # stopped: within ``POLL_S`` (a hub resolution: its timeout)
+            raise
+        finally:
+            for split in self._splits:
+                if split.source is not None:
+                    keep(split.source)
+        raise_if_stopped()  # the threads may have seen the stop first
+        errors = [s.error for s in self._splits if s.error is not None]
+        if errors:  # a stopped split's ``Stopped`` only with a real error before it
+            raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
+        return [s.parsed for s in self._splits if s.parsed is not None]
+
+    def _serve(self, link: StopLink) -> None:
+        """One thread: split after split, until none is left or the opening ends."""
+        at_load_priority()
+        link.run(functools.partial(self._take_splits, link))
+
+    def _take_splits(self, link: StopLink) -> None:
+        while (i := self._take(link)) is not None:
+            split = self._splits[i]
+            try:
+                # Made here: stopped with the opening's link, and once a lower split fails.
+                StopLink(functools.partial(self._after_failure, i)).run(
+                    functools.partial(self._open_and_parse, self._names[i], split)
+                )
+            except BaseException as exc:  # the caller's thread raises it
+                split.error = exc
+                if not isinstance(exc, Stopped):
+                    with self._lock:
+                        self._failed = min(self._failed, i)
+
+    def _take(self, link: StopLink) -> int | None:
+        """The next split to open, or None: all taken, one failed, or the opening stops."""
+        with self._lock:
+            if self._next >= len(self._names) or self._failed < len(self._names):
+                return None
+            if link.stopped:
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _after_failure(self, i: int) -> bool:
+        return self._failed < i
+
+    def _open_and_parse(self, name: str, split: _Split) -> None:
+        source = split.source = self._open_one(name)
+        split.parsed = read_header_from(source.path, source.size_bytes, source.read_upto)
+
+
+# How long the load's thread waits for the split threads between checks of its stop.
+_WAIT_S = 0.1
 
 
 def _other_splits(first: ParsedFile, pinned: str) -> list[str]:

@@ -17,7 +17,15 @@ import pytest
 
 import aiogguf.io.workers
 from aiogguf.io import workers as workers_module
-from aiogguf.io.workers import IDLE_NAME, LOAD_NICE, LoadThreads, idle_threads
+from aiogguf.io.workers import (
+    IDLE_NAME,
+    LOAD_NICE,
+    LoadThreads,
+    StopLink,
+    Stopped,
+    idle_threads,
+    raise_if_stopped,
+)
 from aiogguf.testing.synth import write_synthetic_model
 
 
@@ -412,3 +420,48 @@ async def test_all_running_waits_for_every_thread() -> None:
         running = [t for t in threading.enumerate() if t.name.startswith("aiogguf-all")]
         assert len(running) == 3
         assert all(t.is_alive() for t in running)
+
+
+@pytest.mark.asyncio
+async def test_a_thread_lent_by_a_call_stops_with_it() -> None:
+    """A plain thread started by a call runs under its ``StopLink`` (here a link made on
+    a linked thread, as a helper's helper): cancelling the call's caller stops it."""
+    started, outcome = threading.Event(), []
+
+    def spin() -> None:
+        started.set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            raise_if_stopped()
+            time.sleep(0.005)
+        outcome.append("never stopped")
+
+    def call() -> None:
+        link = StopLink()
+
+        def helper() -> None:
+            try:
+                link.run(lambda: StopLink().run(spin))
+            except Stopped:
+                outcome.append("stopped")
+
+        thread = threading.Thread(target=helper)
+        thread.start()
+        thread.join()
+
+    async with LoadThreads(1) as threads, anyio.create_task_group() as tg:
+        tg.start_soon(threads.run_sync, call)
+        assert await anyio.to_thread.run_sync(started.wait, 10)
+        tg.cancel_scope.cancel()
+    assert outcome == ["stopped"]
+
+
+def test_a_link_made_outside_a_call_stops_only_when_told() -> None:
+    told = [False]
+    link = StopLink(lambda: told[0])
+    link.run(raise_if_stopped)  # no call to stop it
+    told[0] = True
+    assert link.stopped
+    with pytest.raises(Stopped):
+        link.run(raise_if_stopped)
+    raise_if_stopped()  # the thread is unlinked again
