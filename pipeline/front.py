@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from aiogguf.config import Config
+from aiogguf.config import Config, usable_cores
 from aiogguf.devices import enumerate_devices
 from aiogguf.events import ProgressHub
 from aiogguf.headers import read_whole_model
@@ -243,6 +243,7 @@ class Front:
         # Big-endian bytes are swapped as they land.
         swapped = needs_swap(index.byte_order)
         threads = resources.lend(disks.total_readers, "aiogguf-reader")
+        spare_core = disks.total_readers < usable_cores()
         workers = config.pipeline.validate_workers
         # With checks off nothing runs on check threads: the readers' stand in.
         check = config.load.check_tensors
@@ -296,6 +297,9 @@ class Front:
             # faults them in as it lands; a remote file's request would wait for the
             # backing, where its faults overlap the network's waits.
             back_first=[isinstance(f, DataFile) for f in files],
+            # Fewer readers than cores leave a core idle: it checks each landed job
+            # while its reader reads the next, instead of the reader checking in turn.
+            apart=[isinstance(f, DataFile) and spare_core for f in files],
         )
         reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)
         # Where landed jobs go, attached before the first read starts.

@@ -213,7 +213,10 @@ class Reader:
     on the thread that landed it. ``piece_bytes``: per file, the most a checked piece
     holds (default ``CHECK_PIECE_BYTES``). ``back_first``: per file, whether a job's
     pages in a host image are backed with memory in one call before its read
-    (``HostImage.back``) rather than faulted in one by one by the read itself."""
+    (``HostImage.back``) rather than faulted in one by one by the read itself.
+    ``apart``: per file, whether its buffered reads are checked apart too, as
+    ``O_DIRECT`` ones are (a core the readers leave free checks one job while the
+    reader reads the next)."""
 
     def __init__(
         self,
@@ -228,10 +231,12 @@ class Reader:
         lock: bool = False,
         piece_bytes: Sequence[int] | None = None,
         back_first: Sequence[bool] | None = None,
+        apart: Sequence[bool] | None = None,
     ) -> None:
         self._files = files
         self._piece_bytes = piece_bytes or [CHECK_PIECE_BYTES for _ in files]
         self._back_first = back_first or [False for _ in files]
+        self._apart = apart or [False for _ in files]
         self._images = images
         self._direct = direct
         self._clock = clock
@@ -292,7 +297,7 @@ class Reader:
         dest = image.dest(job)
         if self._back_first[job.file_index]:
             image.back(job)
-        if self._pieces is not None and not self._direct[job.file_index]:
+        if self._pieces is not None and not self.checks_apart(job.file_index):
             self._check_pieces(job, dest, read=True)
             return
         self._read_into(job, dest)
@@ -311,7 +316,9 @@ class Reader:
 
     def checks_apart(self, file_index: int) -> bool:
         """Whether the file's jobs are checked on the check threads, after the read."""
-        return self._pieces is not None and self._direct[file_index] is not None
+        return self._pieces is not None and (
+            self._direct[file_index] is not None or self._apart[file_index]
+        )
 
     def _resident_locked(self, mapping: FileMapping, job: ReadJob, image: MappedImage) -> bool:
         """Mode ``mlock``: lock the job's pages and read them in; False when they are not

@@ -228,3 +228,60 @@ def test_the_files_of_a_disk_share_its_readers(
         assert max(peak.values()) == 1, peak  # one reader per disk
         assert total[1] >= 2, total  # the disks are read at the same time
     assert sorted(checked) == sorted(str(p) for p in model.paths)
+
+
+def _check_threads_during_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, readers: int, cores: int
+) -> tuple[dict[str, set[str]], bool]:
+    """A buffered load with ``readers`` on a machine of ``cores``: the threads that read
+    and checked, and whether a read started while the first check was held."""
+    from aiogguf import front
+    from aiogguf.io.files import DataFile
+    from aiogguf.stages.validate import Validation
+
+    m = write_synthetic_model(tmp_path / "apart.gguf", size_bytes="4MiB", seed=5)
+    threads: dict[str, set[str]] = {"read": set(), "check": set()}
+    checking = threading.Event()
+    read_during_check = threading.Event()
+    read_into = DataFile.read_into
+    check_piece = Validation.check_piece
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        threads["read"].add(threading.current_thread().name)
+        if checking.is_set():
+            read_during_check.set()
+        return read_into(*args, **kwargs)
+
+    def check(*args: Any, **kwargs: Any) -> Any:
+        threads["check"].add(threading.current_thread().name)
+        if not checking.is_set():
+            checking.set()
+            read_during_check.wait(2)
+        return check_piece(*args, **kwargs)
+
+    monkeypatch.setattr(front, "usable_cores", lambda: cores)
+    monkeypatch.setattr(DataFile, "read_into", read)
+    monkeypatch.setattr(Validation, "check_piece", check)
+    with aiogguf.load_sync(
+        m.path, mode="none", chunk_size="256KiB", readers=readers, n_gpu_layers=0
+    ) as model:
+        assert model.report.validated == m.n_tensors
+    return threads, read_during_check.is_set()
+
+
+def test_fewer_readers_than_cores_check_apart_while_the_reader_reads_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a core the readers leave free, each landed job is checked on a check thread
+    while the reader reads the next: the first check holds until a read has started."""
+    threads, read_during_check = _check_threads_during_reads(tmp_path, monkeypatch, 1, 4)
+    assert read_during_check, "no read started while a check was running"
+    assert {name.rsplit("-", 1)[0] for name in threads["check"]} == {"aiogguf-check"}
+    assert {name.rsplit("-", 1)[0] for name in threads["read"]} == {"aiogguf-reader"}
+
+
+def test_readers_on_every_core_check_what_they_read_themselves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads, _ = _check_threads_during_reads(tmp_path, monkeypatch, 2, 2)
+    assert {name.rsplit("-", 1)[0] for name in threads["check"]} == {"aiogguf-reader"}
