@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import http.client
 import ipaddress
 import os
 import random
 import re
+import select
 import socket
 import ssl
 import struct
@@ -195,7 +197,7 @@ def _connect(
 ) -> socket.socket:
     timeout = min(stall_s, 10.0)
     if policy is None:
-        raw = socket.create_connection((host, port), timeout=timeout)
+        raw = _first_connection([(host, port)], timeout)
     else:
         raw = _first_connection(_allowed_addresses(host, port, policy), timeout)
     sock = _PollingSocket(fileno=raw.detach())
@@ -223,16 +225,46 @@ def _connect(
 
 
 def _first_connection(addresses: list[tuple[str, int]], timeout: float) -> socket.socket:
-    """A connection to the first of ``addresses`` (numbers: nothing is resolved again)
-    that answers."""
+    """A connection to the first of ``addresses`` (numbers are not resolved again) that
+    answers within ``timeout``."""
     error: OSError | None = None
-    for address in addresses:
-        try:
-            return socket.create_connection(address, timeout=timeout)
-        except OSError as exc:
-            error = exc
-    assert error is not None
+    for host, port in addresses:
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        ):
+            try:
+                return _connected(socket.socket(family, kind, proto), sockaddr, timeout)
+            except OSError as exc:
+                error = exc
+    if error is None:
+        raise OSError(f"{addresses[0][0]} resolves to no address")
     raise error
+
+
+def _connected(sock: socket.socket, sockaddr: object, timeout: float) -> socket.socket:
+    """``sock`` connected to ``sockaddr`` within ``timeout`` (closed if not). The connect
+    is waited for ``POLL_S`` at a time, a stopped load noticed between: a server that
+    never answers the handshake would otherwise hold a cancelled load for the timeout."""
+    try:
+        sock.setblocking(False)
+        error = sock.connect_ex(sockaddr)  # type: ignore[arg-type]
+        waited, poller = 0.0, select.poll()
+        poller.register(sock, select.POLLOUT)
+        while error in (errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY):
+            if poller.poll(POLL_S * 1000):
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                break
+            waited += POLL_S
+            if waited >= timeout:
+                raise TimeoutError(f"no answer to the connect within {timeout:g} s")
+            raise_if_stopped()
+        if error:
+            raise OSError(error, os.strerror(error))
+        sock.setblocking(True)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
 
 
 class _Connection(http.client.HTTPConnection):

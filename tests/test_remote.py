@@ -289,6 +289,40 @@ async def test_a_cancelled_load_closes_every_connection_promptly(server: FileSer
     assert _client_sockets(server.port) == before == 0
 
 
+@pytest.mark.anyio
+async def test_a_cancelled_load_stops_waiting_for_a_connect_no_one_answers() -> None:
+    """A listener whose accept queue is full drops new handshakes: the load's connect
+    waits, and a cancel ends it within about a second, not after the connect timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    address = listener.getsockname()
+    queued: list[socket.socket] = []
+    try:
+        while True:  # fill the queue: the connect that does not complete shows it full
+            probe = socket.socket()
+            queued.append(probe)
+            probe.setblocking(False)
+            probe.connect_ex(address)
+            await anyio.sleep(0.05)
+            if probe.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0 or len(queued) > 8:
+                break
+            try:
+                probe.getpeername()
+            except OSError:
+                break  # still connecting: the queue is full
+        began = time.monotonic()
+        with anyio.move_on_after(0.5) as scope:
+            async with aiogguf.load(f"http://127.0.0.1:{address[1]}/m.gguf", remote_timeout=30):
+                pytest.fail("no connection can be made")
+        assert scope.cancelled_caught
+        assert time.monotonic() - began < 2.0  # not the 10 s connect timeout
+    finally:
+        for probe in queued:
+            probe.close()
+        listener.close()
+
+
 @contextmanager
 def _canned(answers: list[bytes]) -> Iterator[str]:
     """A raw server on loopback that answers its requests, one connection each, with
