@@ -300,6 +300,10 @@ class Front:
             # Fewer readers than cores leave a core idle: it checks each landed job
             # while its reader reads the next, instead of the reader checking in turn.
             apart=[isinstance(f, DataFile) and spare_core for f in files],
+            # A manifest's blocks hashed as each read lands, in the core's cache.
+            stream=integrity.stream
+            if isinstance(integrity, IntegritySink) and not swapped
+            else None,
         )
         reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)
         # Where landed jobs go, attached before the first read starts.

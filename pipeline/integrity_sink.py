@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiogguf.errors import (
@@ -59,6 +60,8 @@ from aiogguf.manifest import (
 from aiogguf.records import WeightIndex
 
 if TYPE_CHECKING:
+    import xxhash
+
     from aiogguf.images import Image
 
 __all__ = [
@@ -171,6 +174,16 @@ def shares_mapped_reads(checker: IntegrityChecker | LlamaCheck | None, mode: str
     return isinstance(checker, IntegrityChecker) and mode in ("mmap", "mlock")
 
 
+@dataclass(slots=True)
+class _Streamed:
+    """A block being hashed part by part as a reader lands it (``IntegritySink.stream``)."""
+
+    file: int
+    block: int
+    hasher: xxhash.xxh3_128
+    next: int  # the file offset its next part starts at
+
+
 class IntegritySink:
     """One load's blocks checked against its manifest, from any thread (the module's
     docstring says where each block is hashed)."""
@@ -256,6 +269,36 @@ class IntegritySink:
         blocks = self._claim(job.file_index, file_offset, file_offset + len(piece))
         if blocks:
             self._check(job.file_index, blocks, file_offset, piece)
+
+    def stream(self, job: ReadJob, file_offset: int, part: memoryview) -> None:
+        """A ``PieceSink`` for reads as they land, in order within a job (``Reader``'s
+        ``stream``): each block is hashed part by part while the parts are in the
+        core's cache, from a part that starts it to the one that ends it. A block that
+        matches is done; one that does not, or whose parts came apart (it spans two
+        jobs), is left to the piece that holds it whole, or to the edges."""
+        i = job.file_index
+        start, data_end, count = self._grid[i]
+        B = self.block_bytes
+        state: _Streamed | None = getattr(self._scratch, "stream", None)
+        at, end = file_offset, file_offset + len(part)
+        while at < end:
+            k = (at - start) // B
+            if at < start or k >= count:
+                return
+            block_end = min(start + (k + 1) * B, data_end)
+            upto = min(end, block_end)
+            if at == start + k * B:
+                state = _Streamed(i, k, block_hasher(k), at)
+            if state is not None and (state.file, state.block, state.next) == (i, k, at):
+                state.hasher.update(part[at - file_offset : upto - file_offset])
+                state.next = upto
+                if upto == block_end:
+                    if state.hasher.digest() == self.checker.manifest.files[i].blocks[k]:
+                        with self._lock:
+                            self._done[i][k] = 1
+                    state = None
+            at = upto
+        self._scratch.stream = state
 
     def _scratch_view(self) -> memoryview:
         buf: bytearray | None = getattr(self._scratch, "buf", None)

@@ -65,6 +65,10 @@ __all__ = [
 # a column of each block, at memory speed, and need no cache to keep up with the disk.
 # Bounded still, so that a stop reaches a reader of a slow disk within a second.
 CHECK_PIECE_BYTES = 64 << 20
+# With a stream (a manifest's block hashes), a local file's buffered piece lands in reads
+# this large, each hashed right after it landed, while it is in the core's own cache: a
+# hash of bytes read back from memory costs about twice as much.
+STREAM_BYTES = 1 << 20
 
 
 def open_data_files(
@@ -216,7 +220,9 @@ class Reader:
     (``HostImage.back``) rather than faulted in one by one by the read itself.
     ``apart``: per file, whether its buffered reads are checked apart too, as
     ``O_DIRECT`` ones are (a core the readers leave free checks one job while the
-    reader reads the next)."""
+    reader reads the next). ``stream`` gets the buffered reads of the files backed
+    first (local ones) checked on the reader's thread in reads of ``STREAM_BYTES``,
+    each right after it landed, before the piece that holds it goes to ``pieces``."""
 
     def __init__(
         self,
@@ -232,11 +238,13 @@ class Reader:
         piece_bytes: Sequence[int] | None = None,
         back_first: Sequence[bool] | None = None,
         apart: Sequence[bool] | None = None,
+        stream: PieceSink | None = None,
     ) -> None:
         self._files = files
         self._piece_bytes = piece_bytes or [CHECK_PIECE_BYTES for _ in files]
         self._back_first = back_first or [False for _ in files]
         self._apart = apart or [False for _ in files]
+        self._stream = stream
         self._images = images
         self._direct = direct
         self._clock = clock
@@ -347,13 +355,27 @@ class Reader:
         assert self._pieces is not None
         useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
         previous, step = 0, self._piece_bytes[job.file_index]
+        stream = self._stream if read and self._back_first[job.file_index] else None
         for lo in range(0, len(useful), step):
             raise_if_stopped()  # a job of a slow disk is cut short, piece by piece
             hi = min(lo + step, len(useful))
-            if read:
+            if stream is not None:
+                self._read_streamed(job, useful, lo, hi, stream)
+            elif read:
                 self._files[job.file_index].read_into(useful[lo:hi], job.useful_start + lo)
             self._pieces(job, job.useful_start + previous, useful[previous:hi])
             previous = lo
+
+    def _read_streamed(
+        self, job: ReadJob, useful: memoryview, lo: int, hi: int, stream: PieceSink
+    ) -> None:
+        """Read ``useful[lo:hi]`` in reads of ``STREAM_BYTES``, each handed to ``stream``
+        right after it landed, while its bytes are still in the CPU's cache."""
+        file = self._files[job.file_index]
+        for at in range(lo, hi, STREAM_BYTES):
+            part = useful[at : min(at + STREAM_BYTES, hi)]
+            file.read_into(part, job.useful_start + at)
+            stream(job, job.useful_start + at, part)
 
     def _read_into(self, job: ReadJob, dest: memoryview) -> None:
         direct = self._direct[job.file_index]

@@ -478,3 +478,27 @@ def test_a_mapped_load_with_a_manifest_still_names_every_bad_value(
         load(model, mode)
     assert not isinstance(info.value, IntegrityError)
     assert [f.name for f in info.value.failures] == [t.name]
+
+
+def test_a_local_buffered_load_hashes_each_block_as_its_reads_land(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mode none: the reader hands each read to the hash as it lands (``stream``), so
+    only the blocks that span two jobs are hashed again whole, from memory."""
+    from aiogguf import front
+    from aiogguf.integrity import IntegrityChecker
+
+    monkeypatch.setattr(front, "usable_cores", lambda: 2)  # readers on every core
+    whole: list[int] = []
+    check_piece = IntegrityChecker.check_piece
+
+    def counted(checker: IntegrityChecker, file_index: int, at: int, data: Any) -> Any:
+        whole.append(at)
+        return check_piece(checker, file_index, at, data)
+
+    monkeypatch.setattr(IntegrityChecker, "check_piece", counted)
+    loaded = load(model, "none", readers=2)
+    blocks = len(hash_model_sync(model, block_bytes=BLOCK).files[0].blocks)
+    jobs = loaded.report.files[0].reads
+    assert loaded.report.blocks_hashed == blocks >= 2 * jobs > 0
+    assert len(whole) <= jobs  # at most one block across each job's end
