@@ -246,8 +246,16 @@ def _check_threads_during_reads(
     read_into = DataFile.read_into
     check_piece = Validation.check_piece
 
+    reads: list[int] = []
+
     def read(*args: Any, **kwargs: Any) -> Any:
         threads["read"].add(threading.current_thread().name)
+        reads.append(1)
+        if len(reads) > 1:
+            # Not before a check began: a reader that raced through every job first
+            # would leave no read to overlap it. Checks on the reader's own thread
+            # cannot begin meanwhile: the wait times out, and no read overlaps them.
+            checking.wait(2)
         if checking.is_set():
             read_during_check.set()
         return read_into(*args, **kwargs)
