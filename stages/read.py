@@ -66,8 +66,8 @@ __all__ = [
 # Bounded still, so that a stop reaches a reader of a slow disk within a second.
 CHECK_PIECE_BYTES = 64 << 20
 # With a stream (a manifest's block hashes), a local file's buffered piece lands in reads
-# this large, each hashed right after it landed, while it is in the core's own cache: a
-# hash of bytes read back from memory costs about twice as much.
+# this large, each hashed right after it landed, while it is in the core's own cache
+# rather than read back from memory (docs/performance.md has the figures).
 STREAM_BYTES = 1 << 20
 
 
