@@ -243,7 +243,9 @@ class Front:
         # Big-endian bytes are swapped as they land.
         swapped = needs_swap(index.byte_order)
         threads = resources.lend(disks.total_readers, "aiogguf-reader")
-        spare_core = disks.total_readers < usable_cores()
+        # Checks apart only where the check threads outnumber the readers and a core is
+        # left for them: there they keep up; many readers check in parallel themselves.
+        spare_core = disks.total_readers < min(usable_cores(), config.pipeline.validate_workers)
         workers = config.pipeline.validate_workers
         # With checks off nothing runs on check threads: the readers' stand in.
         check = config.load.check_tensors
@@ -297,8 +299,8 @@ class Front:
             # faults them in as it lands; a remote file's request would wait for the
             # backing, where its faults overlap the network's waits.
             back_first=[isinstance(f, DataFile) for f in files],
-            # Fewer readers than cores leave a core idle: it checks each landed job
-            # while its reader reads the next, instead of the reader checking in turn.
+            # A core the readers leave idle checks each landed job while its reader
+            # reads the next, instead of the reader checking in turn.
             apart=[isinstance(f, DataFile) and spare_core for f in files],
             # A manifest's blocks hashed as each read lands, in the core's cache.
             stream=integrity.stream

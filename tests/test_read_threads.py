@@ -288,8 +288,11 @@ def test_fewer_readers_than_cores_check_apart_while_the_reader_reads_on(
     assert {name.rsplit("-", 1)[0] for name in threads["read"]} == {"aiogguf-reader"}
 
 
-def test_readers_on_every_core_check_what_they_read_themselves(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("readers", "cores"), [(2, 2), (4, 64)])
+def test_readers_on_every_core_or_outnumbering_the_checks_check_what_they_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, readers: int, cores: int
 ) -> None:
-    threads, _ = _check_threads_during_reads(tmp_path, monkeypatch, 2, 2)
+    """Readers that take every core, or more readers than check threads (a big host's
+    default), check their own jobs: two check threads would not keep up with them."""
+    threads, _ = _check_threads_during_reads(tmp_path, monkeypatch, readers, cores)
     assert {name.rsplit("-", 1)[0] for name in threads["check"]} == {"aiogguf-reader"}
