@@ -245,8 +245,8 @@ class Front:
         threads = resources.lend(disks.total_readers, "aiogguf-reader")
         # Checks apart only where the check threads outnumber the readers and a core is
         # left for them: there they keep up; many readers check in parallel themselves.
-        spare_core = disks.total_readers < min(usable_cores(), config.pipeline.validate_workers)
         workers = config.pipeline.validate_workers
+        spare_core = disks.total_readers < min(usable_cores(), workers)
         # With checks off nothing runs on check threads: the readers' stand in.
         check = config.load.check_tensors
         check_threads = resources.lend(workers, "aiogguf-check") if check else threads
@@ -302,10 +302,14 @@ class Front:
             # A core the readers leave idle checks each landed job while its reader
             # reads the next, instead of the reader checking in turn.
             apart=[isinstance(f, DataFile) and spare_core for f in files],
-            # A manifest's blocks hashed as each read lands, in the core's cache.
-            stream=integrity.stream
-            if isinstance(integrity, IntegritySink) and not swapped
-            else None,
+            # A manifest's blocks hashed as each local read lands, in the core's cache
+            # (a remote file's reads are its requests, which stay whole).
+            stream=[
+                integrity.stream
+                if isinstance(integrity, IntegritySink) and not swapped and isinstance(f, DataFile)
+                else None
+                for f in files
+            ],
         )
         reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)
         # Where landed jobs go, attached before the first read starts.

@@ -220,9 +220,9 @@ class Reader:
     (``HostImage.back``) rather than faulted in one by one by the read itself.
     ``apart``: per file, whether its buffered reads are checked apart too, as
     ``O_DIRECT`` ones are (a core the readers leave free checks one job while the
-    reader reads the next). ``stream`` gets the buffered reads of the files backed
-    first (local ones) checked on the reader's thread in reads of ``STREAM_BYTES``,
-    each right after it landed, before the piece that holds it goes to ``pieces``."""
+    reader reads the next). ``stream``: per file, a sink that gets its buffered reads
+    checked on the reader's thread in reads of ``STREAM_BYTES``, each right after it
+    landed, before the piece that holds it goes to ``pieces`` (None: reads stay whole)."""
 
     def __init__(
         self,
@@ -238,13 +238,13 @@ class Reader:
         piece_bytes: Sequence[int] | None = None,
         back_first: Sequence[bool] | None = None,
         apart: Sequence[bool] | None = None,
-        stream: PieceSink | None = None,
+        stream: Sequence[PieceSink | None] | None = None,
     ) -> None:
         self._files = files
         self._piece_bytes = piece_bytes or [CHECK_PIECE_BYTES for _ in files]
         self._back_first = back_first or [False for _ in files]
         self._apart = apart or [False for _ in files]
-        self._stream = stream
+        self._stream = stream or [None for _ in files]
         self._images = images
         self._direct = direct
         self._clock = clock
@@ -355,7 +355,7 @@ class Reader:
         assert self._pieces is not None
         useful = dest[job.useful_start - job.file_offset : job.useful_end - job.file_offset]
         previous, step = 0, self._piece_bytes[job.file_index]
-        stream = self._stream if read and self._back_first[job.file_index] else None
+        stream = self._stream[job.file_index] if read else None
         for lo in range(0, len(useful), step):
             raise_if_stopped()  # a job of a slow disk is cut short, piece by piece
             hi = min(lo + step, len(useful))
