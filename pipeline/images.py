@@ -12,6 +12,7 @@ pieces (the integrity checks, once the reads are done).
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Final
 
@@ -27,6 +28,10 @@ __all__ = ["CHUNK_BYTES", "DeviceImage", "HostImage", "Image", "MappedImage", "t
 # ``tensor_chunks`` hands a tensor's bytes over in pieces this big: each stays in the
 # CPU's cache between its copy (from a device or the file) and its use.
 CHUNK_BYTES: Final = 1 << 20
+# ``HostImage.back`` backs an image's pages this many at a time: each call lets the GIL
+# go, and getting it back beside a server's busy thread waits up to a switch interval,
+# so one call per 256 MiB rather than per job (docs/performance.md, the convoy).
+BACK_BYTES: Final = 256 << 20
 
 
 class HostImage:
@@ -37,15 +42,26 @@ class HostImage:
     def __init__(self, layout: BufferLayout, buffer: HostBuffer) -> None:
         self.layout = layout
         self.buffer = buffer
+        self._claimed: set[int] = set()  # ``BACK_BYTES`` units backed or being backed
+        self._claim_lock = threading.Lock()
 
     def dest(self, job: ReadJob) -> memoryview:
         """Where ``job``'s bytes land."""
         return self.buffer.memoryview[job.buffer_offset : job.buffer_offset + job.nbytes]
 
     def back(self, job: ReadJob) -> None:
-        """Back ``job``'s pages with memory in one call, before its read lands there
-        (``HostBuffer.populate``)."""
-        self.buffer.populate(job.buffer_offset, job.buffer_offset + job.nbytes)
+        """Back the pages under ``job`` with memory before its read lands there
+        (``HostBuffer.populate``), a ``BACK_BYTES`` unit of the image at a time: the
+        first job to reach a unit backs all of it; a job whose unit another reader is
+        backing reads at once (its read faults in what is not backed yet)."""
+        first = job.buffer_offset // BACK_BYTES
+        last = (job.buffer_offset + max(job.nbytes, 1) - 1) // BACK_BYTES
+        with self._claim_lock:
+            mine = [unit for unit in range(first, last + 1) if unit not in self._claimed]
+            self._claimed.update(mine)
+        for unit in mine:
+            raise_if_stopped()
+            self.buffer.populate(unit * BACK_BYTES, (unit + 1) * BACK_BYTES)
 
     def tensor_bytes(self, slot: TensorSlot) -> memoryview:
         return self.buffer.memoryview[slot.buffer_offset : slot.buffer_offset + slot.nbytes]

@@ -115,7 +115,7 @@ def test_each_request_is_checked_before_the_next_is_sent(
 def test_local_jobs_are_backed_before_their_read_and_remote_ones_are_not(
     server: FileServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A local read lands in pages backed first (one call per job); a remote request is
+    """A local read lands in pages backed first (each job asks); a remote request is
     not held back for it."""
     from aiogguf.images import HostImage
 

@@ -1,0 +1,82 @@
+"""A host image's pages are backed a ``BACK_BYTES`` unit at a time, each unit once."""
+
+from __future__ import annotations
+
+import threading
+from typing import cast
+
+from aiogguf.images import BACK_BYTES, HostImage
+from aiogguf.io.buffers import HostBuffer
+from aiogguf.jobs import BufferLayout, ReadJob
+
+MiB = 1 << 20
+
+
+class _Recording:
+    """A buffer that records the ranges it is asked to back."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+
+    def populate(self, start: int, end: int) -> None:
+        with self._lock:
+            self.ranges.append((start, end))
+
+
+def _job(seq: int, offset: int, nbytes: int) -> ReadJob:
+    return ReadJob(seq, 0, 0, offset, nbytes, offset, offset, offset + nbytes)
+
+
+def _image() -> tuple[HostImage, _Recording]:
+    buffer = _Recording()
+    return HostImage(cast(BufferLayout, None), cast(HostBuffer, buffer)), buffer
+
+
+def test_each_unit_is_backed_once_by_the_first_job_that_reaches_it() -> None:
+    image, buffer = _image()
+    jobs = [_job(i, i * 64 * MiB, 64 * MiB) for i in range(9)]  # 576 MiB
+    for job in jobs:
+        image.back(job)
+    assert buffer.ranges == [
+        (0, BACK_BYTES),
+        (BACK_BYTES, 2 * BACK_BYTES),
+        (2 * BACK_BYTES, 3 * BACK_BYTES),
+    ]
+
+
+def test_a_job_across_units_backs_every_unit_it_reaches() -> None:
+    image, buffer = _image()
+    image.back(_job(0, BACK_BYTES - MiB, 2 * MiB))
+    assert buffer.ranges == [(0, BACK_BYTES), (BACK_BYTES, 2 * BACK_BYTES)]
+    image.back(_job(1, 0, MiB))
+    image.back(_job(2, 2 * BACK_BYTES - 1, 1))
+    assert len(buffer.ranges) == 2
+
+
+def test_readers_at_once_back_each_unit_once() -> None:
+    image, buffer = _image()
+    jobs = [_job(i, i * 16 * MiB, 16 * MiB) for i in range(64)]  # 4 units
+    barrier = threading.Barrier(8)
+
+    def reader(mine: list[ReadJob]) -> None:
+        barrier.wait()
+        for job in mine:
+            image.back(job)
+
+    threads = [threading.Thread(target=reader, args=(jobs[k::8],)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(buffer.ranges) == [(u * BACK_BYTES, (u + 1) * BACK_BYTES) for u in range(4)]
+
+
+def test_backing_a_real_buffer_keeps_what_landed_before() -> None:
+    with HostBuffer(8 * MiB) as buffer:
+        image = HostImage(cast(BufferLayout, None), buffer)
+        buffer.memoryview[5 * MiB] = 9
+        image.back(_job(0, 0, MiB))  # backs the unit, clipped to the buffer
+        image.back(_job(1, 4 * MiB, 4 * MiB))
+        assert buffer.memoryview[5 * MiB] == 9
+        assert int(buffer.as_array().sum()) == 9
