@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+from aiogguf.api import interrupt_run
 from aiogguf.cli.extras import MissingExtraError
 from aiogguf.errors import GGUFError
 
@@ -123,9 +124,20 @@ def _exit_promptly_on_interrupt(command: str) -> None:
         if not armed.is_set():
             armed.set()
             threading.Thread(target=watchdog, name="aiogguf-interrupt", daemon=True).start()
-        raise KeyboardInterrupt
+        interrupt_main_thread()
 
     signal.signal(signal.SIGINT, on_sigint)
+
+
+def interrupt_main_thread() -> None:
+    """What Ctrl-C does once a command runs (the SIGINT handler calls this on the main
+    thread): cancel the command's event loop run, which unwinds and raises
+    ``KeyboardInterrupt`` (``aiogguf.api.interrupt_run``), or, while no loop runs, raise
+    ``KeyboardInterrupt`` here. Raised inside a running loop, it could land between a
+    task's creating a coroutine and scheduling it, and the interpreter would warn, as it
+    ends, of a coroutine never awaited."""
+    if not interrupt_run():
+        raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
