@@ -271,17 +271,6 @@ def run(fn: Any, *args: Any, name: str = "a blocking call") -> Any:
             "one: inside a loop use the async API (`async with aiogguf.load(...)`, "
             "`await aiogguf.inspect(...)`), or call it from another thread"
         )
-    on_main_thread = threading.current_thread() is threading.main_thread()
-
-    async def root() -> Any:
-        if not on_main_thread:
-            return await fn(*args)
-        _main_run.task = asyncio.current_task()
-        try:
-            return await fn(*args)
-        finally:
-            _main_run.task = None
-
     options: dict[str, Any] = {}
     try:
         import uvloop  # noqa: F401
@@ -289,8 +278,16 @@ def run(fn: Any, *args: Any, name: str = "a blocking call") -> Any:
         pass
     else:
         options["use_uvloop"] = True
-    if not on_main_thread:
-        return anyio.run(root, backend_options=options)
+    if threading.current_thread() is not threading.main_thread():
+        return anyio.run(fn, *args, backend_options=options)
+
+    async def root() -> Any:
+        _main_run.task = asyncio.current_task()
+        try:
+            return await fn(*args)
+        finally:
+            _main_run.task = None
+
     _main_run.interrupted = False
     try:
         result = anyio.run(root, backend_options=options)

@@ -2,7 +2,7 @@
 SIGINT handler calls) cancels the run, every task it started runs its cleanup, and the
 run raises ``KeyboardInterrupt``. Raised where the handler ran, the interrupt could land
 between a task's creating a coroutine and scheduling it: the interpreter then warned, as
-it ended, of a coroutine never awaited (``aiogguf load`` at 560 ms, CI of stop 32)."""
+it ended, of a coroutine never awaited."""
 
 from __future__ import annotations
 
