@@ -263,11 +263,17 @@ class _Load:
         when ``transfer`` returns)."""
         reader, progress = self.reading.reader, self.reading.progress
         async with ready:
+            # Each buffer awaited once, not each job: a wait on a set event is still a
+            # trip through the loop, and a load has dozens of jobs per buffer.
+            buffers: dict[int, DeviceBuffer] = {}
             targets: list[tuple[ReadJob, DeviceBuffer]] = []
             for job in jobs:
-                image = await self.allocation.ready(job.buffer_index)
-                assert isinstance(image, DeviceImage)
-                targets.append((job, image.buffer))
+                buffer = buffers.get(job.buffer_index)
+                if buffer is None:
+                    image = await self.allocation.ready(job.buffer_index)
+                    assert isinstance(image, DeviceImage)
+                    buffer = buffers[job.buffer_index] = image.buffer
+                targets.append((job, buffer))
 
             def landed(job: ReadJob) -> None:
                 now = self.hub.elapsed()

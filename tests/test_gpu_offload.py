@@ -38,6 +38,7 @@ from aiogguf.io.devices.cupy_backend import (
 )
 from aiogguf.io.devices.sim import SimCopyStream
 from aiogguf.io.ggml_types import GGML_TYPES
+from aiogguf.stages.allocate import Allocation
 from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model
 
 KiB = 1024
@@ -261,6 +262,29 @@ def test_second_load_pins_no_memory(rig: Rig, model: SynthModel, fresh_pool: Any
     assert entry.pinned_bytes_allocated == 0
     assert entry.bytes_copied >= model.tensor_bytes // 2
     assert entry.copies >= entry.bytes_copied // SLOT_BYTES
+
+
+def test_transfers_wait_for_each_device_buffer_once(
+    rig: Rig, model: SynthModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The transfers wait for a device buffer's allocation once, not once per job: a wait
+    on an event already set is still a trip through the event loop, and a load has
+    dozens of jobs per buffer."""
+    waits: list[int] = []
+    ready = Allocation.ready
+
+    async def counted(self: Allocation, k: int) -> Any:
+        waits.append(k)
+        return await ready(self, k)
+
+    monkeypatch.setattr(Allocation, "ready", counted)
+    overrides = {**rig.overrides, **STAGING, "mode": "none"}
+    with aiogguf.load_sync(model.path, **overrides) as loaded:
+        copies = uploads_of(loaded, rig).copies
+        assert_exact(loaded, model)
+    assert copies >= 8 * len(waits)  # many jobs per buffer: the case the test is about
+    assert sorted(waits) == sorted(set(waits))  # each buffer once
+    assert waits  # and the device buffers were waited for
 
 
 def test_second_load_allocates_and_pins_nothing(
