@@ -310,6 +310,8 @@ class Front:
                 else None
                 for f in files
             ],
+            # A host tensor's check finished by the thread that checked its last bytes.
+            checked=validation.job_checked if validation.by_pieces else None,
         )
         reads = HostReads(reader, clock=clock, threads=threads, check_threads=check_threads)
         # Where landed jobs go, attached before the first read starts.

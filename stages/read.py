@@ -222,7 +222,9 @@ class Reader:
     ``O_DIRECT`` ones are (a core the readers leave free checks one job while the
     reader reads the next). ``stream``: per file, a sink that gets its buffered reads
     checked on the reader's thread in reads of ``STREAM_BYTES``, each right after it
-    landed, before the piece that holds it goes to ``pieces`` (None: reads stay whole)."""
+    landed, before the piece that holds it goes to ``pieces`` (None: reads stay whole).
+    ``checked``: told each host job whose every piece went to ``pieces``, on the thread
+    that checked it, once the last ``pieces`` call for it has returned."""
 
     def __init__(
         self,
@@ -239,8 +241,10 @@ class Reader:
         back_first: Sequence[bool] | None = None,
         apart: Sequence[bool] | None = None,
         stream: Sequence[PieceSink | None] | None = None,
+        checked: Callable[[ReadJob], None] | None = None,
     ) -> None:
         self._files = files
+        self._checked = checked
         self._piece_bytes = piece_bytes or [CHECK_PIECE_BYTES for _ in files]
         self._back_first = back_first or [False for _ in files]
         self._apart = apart or [False for _ in files]
@@ -307,6 +311,7 @@ class Reader:
             image.back(job)
         if self._pieces is not None and not self.checks_apart(job.file_index):
             self._check_pieces(job, dest, read=True)
+            self._host_job_checked(job)
             return
         self._read_into(job, dest)
         if self._swap is not None:
@@ -315,12 +320,18 @@ class Reader:
                 self._file_check(job)
         if self._pieces is not None and not self.checks_apart(job.file_index):
             self._check_pieces(job, dest, read=False)
+            self._host_job_checked(job)
 
     def check_landed(self, job: ReadJob) -> None:
         """Blocking: check a landed host job of a file checked apart."""
         image = self._images[job.buffer_index]
         assert isinstance(image, HostImage)
         self._check_pieces(job, image.dest(job), read=False)
+        self._host_job_checked(job)
+
+    def _host_job_checked(self, job: ReadJob) -> None:
+        if self._checked is not None:
+            self._checked(job)
 
     def checks_apart(self, file_index: int) -> bool:
         """Whether the file's jobs are checked on the check threads, after the read."""

@@ -287,13 +287,15 @@ class Validation:
     Tensors read by ``preadv``/``O_DIRECT`` into host memory (modes ``none``,
     ``direct``) and every device tensor (its pieces pass through a staging slot in every
     mode) are checked piece by piece as they land: the read and transfer threads call
-    ``check_piece``, and ``tensors_ready`` then checks the few units that straddled two
-    jobs. Every other tensor (mapped, or with bytes swapped after the read) is checked
-    whole by ``tensors_ready``, on the check threads, while the load goes on; a mapped
-    one through reads of its file (``FileBytes`` says why), unless a manifest's hashing
-    reads that file anyway (``mapped_pieces``): then it hands its reads to
-    ``check_piece``. ``failures`` lists every bad
-    tensor in index order; ``times`` is the stage's work, both ways together.
+    ``check_piece``. The few units that straddled two jobs are checked once the tensor
+    is complete: for a host tensor by the thread that checked its last job
+    (``job_checked``), for a device tensor by ``tensors_ready`` on a check thread, once
+    its copies have completed. Every other tensor (mapped, or with bytes swapped after
+    the read) is checked whole by ``tensors_ready``, on the check threads, while the
+    load goes on; a mapped one through reads of its file (``FileBytes`` says why),
+    unless a manifest's hashing reads that file anyway (``mapped_pieces``): then it
+    hands its reads to ``check_piece``. ``failures`` lists every bad tensor in index
+    order; ``times`` is the stage's work, both ways together.
 
     Usage: ``async with Validation(...) as v:`` around the tasks that call it; leaving
     the block waits for every check started.
@@ -355,6 +357,15 @@ class Validation:
             for name in layout.plan.tensors
         }
         self._piece_failures: list[TensorFailure] = []
+        # Host tensors checked by pieces: bytes whose job has not been checked yet, and
+        # whether each one finished on a reader thread (``job_checked``) passed. Written
+        # under ``_landing``; the loop reads ``_finished`` only for tensors whose last
+        # job's landing it has been told of, which comes after the write.
+        self._landing = threading.Lock()
+        self._unchecked = {
+            name: size for name, size in spans.sizes().items() if name in self._pieces
+        }
+        self._finished: dict[str, bool] = {}
         # Whether some tensor is checked whole (the collector's task group is entered
         # only then: a load checked piece by piece has no use for it).
         self._whole = enabled and any(
@@ -401,20 +412,59 @@ class Validation:
             check.check_piece(data[lo - file_offset : hi - file_offset], lo - check.offset)
         self._meter.add(began, clock(), nbytes=len(data))
 
+    def job_checked(self, job: ReadJob) -> None:
+        """Blocking, on the thread that checked the last piece of host job ``job``:
+        finish the check of each tensor whose bytes all lie in jobs checked by now.
+
+        The thread that checks a tensor's last bytes finishes it there, in the core's
+        cache, instead of the loop sending it to a check thread and awaiting the call:
+        that round trip, once per batch of landed jobs, cost the loop a wake-up and two
+        hand-offs of the GIL, each of which can wait a switch interval behind a busy
+        thread. Every ``check_piece`` call for ``job`` must have returned."""
+        done: list[PieceCheck] = []
+        with self._landing:
+            for lo, hi, name in self._spans.overlapping(
+                job.buffer_index, job.file_index, job.useful_start, job.useful_end
+            ):
+                left = self._unchecked.get(name)
+                if left is None:
+                    continue  # checked whole, or on a device
+                left -= hi - lo
+                self._unchecked[name] = left
+                if not left:
+                    done.append(self._pieces[name])
+        if not done:
+            return
+        failures = self._finish_all(done)
+        bad = {f.name for f in failures}
+        with self._landing:
+            self._piece_failures.extend(failures)
+            for check in done:
+                self._finished[check.name] = check.name not in bad
+
     async def tensors_ready(self, names: Sequence[str]) -> None:
         """Every byte of each tensor of ``names`` has landed: finish its check, or start
-        one. The piece-checked ones are finished in one call on a check thread (a call
+        one. A piece-checked tensor's reader thread has finished it (``job_checked``);
+        the others (device tensors) are finished in one call on a check thread (a call
         per tensor would make the loop's round trips the check's cost); whole-tensor
         checks wait only while too many are in flight."""
-        finishing = [check for name in names if (check := self._pieces.get(name)) is not None]
+        finished = self._finished
+        finishing = [
+            check
+            for name in names
+            if (check := self._pieces.get(name)) is not None and name not in finished
+        ]
         if finishing:
             # Their pieces were checked as they landed: only the units that straddled
             # two jobs are left.
             failures = await self._threads.run_sync(self._finish_all, finishing)
-            self._piece_failures.extend(failures)
+            with self._landing:
+                self._piece_failures.extend(failures)
             if self._passed is not None:
                 bad = {f.name for f in failures}
                 self._passed([c.name for c in finishing if c.name not in bad])
+        if self._passed is not None and (passed := [name for name in names if finished.get(name)]):
+            self._passed(passed)
         if not self.enabled:
             if self._passed is not None:
                 self._passed(names)

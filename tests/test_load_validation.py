@@ -8,17 +8,24 @@ conversions, independently of the validator's bit masks.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from corrupt import expected_bad
 
 import aiogguf
+from aiogguf.checks import PieceCheck
 from aiogguf.cli import main
-from aiogguf.errors import TensorValidationError
+from aiogguf.errors import TensorFailure, TensorValidationError
 from aiogguf.io.ggml_types import GGML_TYPES
+from aiogguf.jobs import ReadJob
+from aiogguf.stages.validate import Validation
 from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model
 
 
@@ -180,3 +187,77 @@ def test_cli_load_with_checks_fails(damaged: Damaged, capsys: pytest.CaptureFixt
     assert err.startswith("aiogguf load: ")
     for name in damaged.expected:
         assert name in err
+
+
+# --- host tensors finished by the thread that checked their last bytes ---------------------
+
+
+# Host loads in jobs of 64 KiB: a tensor's blocks are cut at the jobs' edges.
+SMALL_JOBS: dict[str, Any] = {"mode": "none", "n_gpu_layers": 0, "chunk_size": "64KiB"}
+
+
+def _every_block_bad(tmp_path: Path) -> tuple[SynthModel, str, int]:
+    """A model whose biggest Q8_0 tensor is 0xFF from end to end: every block's scale is
+    a NaN, those cut by a job's edge too (checked only once both jobs have landed)."""
+    args = {"size_bytes": "3MiB", "types": "all-types", "include_q2_0": False, "seed": 4}
+    clean = write_synthetic_model(tmp_path / "clean.gguf", **args)  # type: ignore[arg-type]
+    q80 = max(clean.tensors_of_type("Q8_0"), key=lambda t: t.nbytes)
+    fill = Corruption(q80.name, "ff_fill", 0, length=q80.nbytes)
+    bad = write_synthetic_model(tmp_path / "bad.gguf", corruptions=[fill], **args)  # type: ignore[arg-type]
+    first, count = expected_bad(
+        _file_bytes(bad.path, q80.file_offset, q80.nbytes), GGML_TYPES[q80.type_id]
+    )
+    assert (first, count) == (0, q80.nbytes // 34)
+    return bad, q80.name, count
+
+
+@pytest.mark.parametrize("readers", [1, 2, 3])
+def test_units_cut_by_jobs_are_checked_once_both_jobs_landed(
+    tmp_path: Path, readers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs of 64 KiB cut the tensor's 34-byte blocks at their edges, and one to three
+    readers land them in any order. Every block is counted once; each host tensor's check
+    is finished inside ``Validation.job_checked``, on the thread that checked its last
+    bytes (a reader, or a check thread where reads are checked apart), not by a call the
+    loop sends to a check thread."""
+    bad, name, count = _every_block_bad(tmp_path)
+    inside = threading.local()
+    finished: list[tuple[str, bool]] = []
+    job_checked, finish_all = Validation.job_checked, Validation._finish_all
+
+    def checked(self: Validation, job: ReadJob) -> None:
+        inside.on = True
+        try:
+            job_checked(self, job)
+        finally:
+            inside.on = False
+
+    def finishing(self: Validation, checks: Sequence[PieceCheck]) -> list[TensorFailure]:
+        finished.extend((c.name, getattr(inside, "on", False)) for c in checks)
+        return finish_all(self, checks)
+
+    monkeypatch.setattr(Validation, "job_checked", checked)
+    monkeypatch.setattr(Validation, "_finish_all", finishing)
+    settings = {**SMALL_JOBS, "readers": readers}
+    with pytest.raises(TensorValidationError) as info, aiogguf.load_sync(bad.path, **settings):
+        pytest.fail("a model with a bad tensor must not be returned")
+    got = {f.name: (f.first_index, f.count) for f in info.value.failures}
+    assert got == {name: (0, count)}
+    assert sorted(n for n, _ in finished) == sorted(t.name for t in bad.tensors)
+    assert all(on for _, on in finished), [n for n, on in finished if not on]
+
+
+def test_streamed_host_tensors_finished_by_readers_come_once_each(tmp_path: Path) -> None:
+    """``tensors_as_ready`` hands on each good host tensor once, after its check finished
+    on the thread that checked its last bytes, and never the bad one."""
+    bad, name, _ = _every_block_bad(tmp_path)
+    seen: list[str] = []
+
+    async def main() -> None:
+        settings = {**SMALL_JOBS, "readers": 2}
+        async with aiogguf.load(bad.path, keep_invalid=True, **settings).tensors_as_ready() as it:
+            async for got, _array in it:
+                seen.append(got)
+
+    anyio.run(main)
+    assert sorted(seen) == sorted(t.name for t in bad.tensors if t.name != name)
