@@ -21,6 +21,10 @@ no bytes (``keep_bytes=false``), and the host load (``n_gpu_layers=0``, mode ``n
 each with checks on (the default) and off. Targets (issue 23): checks on <= 20 ms/GB (a
 ceiling of 50 GB/s), checks off <= 6 ms/GB.
 
+``--rounds N``: every case N times, in fresh processes, each round in another order
+(rotated), and the median round of each case reported (with every round's figure): on a
+shared VM one round of a case moves by half between runs.
+
 ``--convoy``: a warm host ``none`` load alone, with a pure-Python busy thread beside it
 at CPython's default switch interval (5 ms), and with the same busy loop in another
 process (the control: it takes a core as the thread does, but not the GIL), alternated,
@@ -28,7 +32,7 @@ in one fresh process per checks setting; beside the thread the load must take at
 its time alone.
 
     python bench/gil_budget.py [--size 1GiB] [--loads 3] [--rate 1000] [--dir DIR]
-                               [--cases host_none,...] [--json PATH]
+                               [--cases host_none,...] [--rounds 1] [--json PATH]
     python bench/gil_budget.py --convoy [--size 2GiB] [--runs 3] [--json PATH]
     python bench/gil_budget.py --quick   # 32 MiB, one load: a dry run
 
@@ -383,6 +387,21 @@ def convoy(path: Path, overrides: Mapping[str, Any], *, runs: int) -> dict[str, 
     }
 
 
+def median_rounds(name: str, rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One case over its rounds: its median round (the lower of two, for an even count)
+    with every round's figure beside it (``rounds_ms_per_gb``, in the order run); an
+    error if any round failed."""
+    failed = [r["error"] for r in rounds if "error" in r]
+    if failed:
+        return {"case": name, "overrides": dict(rounds[0]["overrides"]), "error": failed[0]}
+    figures = [r["gil_ms_per_gb"] for r in rounds]
+    middle = statistics.median_low(figures)
+    chosen = dict(rounds[figures.index(middle)])
+    chosen["rounds_ms_per_gb"] = figures
+    chosen["rounds_front_ms_per_load"] = [r["front_ms_per_load"] for r in rounds]
+    return chosen
+
+
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -407,6 +426,15 @@ def print_table(result: Mapping[str, Any]) -> None:
                 f"{c['target_ms_per_gb']:>8.0f}  {'yes' if c['met'] else 'NO ':<4}"
                 f"  ({_num(c['front_ms_per_load'])}; {_num(c['rest_ms_per_gb'])})"
             )
+        if any("rounds_ms_per_gb" in c for c in cases):
+            _say(
+                f"\nthe median of {len(cases[0].get('rounds_ms_per_gb', [0]))} rounds; "
+                "every round, GIL ms/GB (front, ms per load):"
+            )
+            for c in cases:
+                if "rounds_ms_per_gb" in c:
+                    pairs = zip(c["rounds_ms_per_gb"], c["rounds_front_ms_per_load"], strict=True)
+                    _say(f"  {c['case']:<24}" + ", ".join(f"{g:.1f} ({f:.1f})" for g, f in pairs))
         for c in cases:
             if "error" in c:
                 continue
@@ -448,6 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=1000, help="py-spy samples per second")
     parser.add_argument("--dir", default="/var/tmp/aiogguf-gil", help="where the model is kept")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="each case this many times, rotated; the median"
+    )
     parser.add_argument("--convoy", action="store_true", help="the busy-thread benchmark")
     parser.add_argument("--runs", type=int, default=3, help="--convoy: loads each way")
     parser.add_argument("--quick", action="store_true", help="32 MiB, one load per case")
@@ -505,25 +536,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["rate"] = rate = args.rate
         result["loads"] = loads
         result["excluded"] = EXCLUDED
-        result["cases"] = []
-        for name in args.cases.split(","):
-            overrides = {"mode": "none", **CASES[name]}
-            if overrides["n_gpu_layers"]:
-                overrides["sim_gpus"] = [spec]
-            _say(f"{name} ...")
-            c = measure_case(
-                name,
-                path,
-                overrides,
-                loads=loads,
-                rate=rate,
-                spy=spy,
-                keep_raw=args.keep_raw,
-                load_nice=args.load_nice,
+        names = args.cases.split(",")
+        unknown = [name for name in names if name not in CASES]
+        if unknown or args.rounds < 1:
+            _say(
+                f"gil_budget: unknown cases {unknown} (known: {', '.join(CASES)})"
+                if unknown
+                else "gil_budget: --rounds must be at least 1"
             )
-            result["cases"].append(c)
+            return 2
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for r in range(args.rounds):
+            # Each round in another order: a case is not always the one after the same.
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                overrides = {"mode": "none", **CASES[name]}
+                if overrides["n_gpu_layers"]:
+                    overrides["sim_gpus"] = [spec]
+                _say(f"{name} ..." if args.rounds == 1 else f"round {r + 1}: {name} ...")
+                rounds[name].append(
+                    measure_case(
+                        name,
+                        path,
+                        overrides,
+                        loads=loads,
+                        rate=rate,
+                        spy=spy,
+                        keep_raw=args.keep_raw,
+                        load_nice=args.load_nice,
+                    )
+                )
+        result["rounds"] = args.rounds
+        result["cases"] = [
+            runs[0] if args.rounds == 1 else median_rounds(name, runs)
+            for name, runs in rounds.items()
+        ]
+        for c in result["cases"]:
             if "error" in c:
-                errors.append(f"{name}: {c['error']}")
+                errors.append(f"{c['case']}: {c['error']}")
     result["load_average_after"] = os.getloadavg()
     result["errors"] = errors
     print_table(result)

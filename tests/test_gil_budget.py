@@ -119,3 +119,42 @@ def test_quick_convoy_reports_each_way_of_loading(tmp_path: Path) -> None:
         assert c["switch_s"] == pytest.approx(0.005)  # CPython's default, left alone
         assert c["met"] == (c["ratio"] <= 3.0)
     assert "so the GIL's part is" in proc.stderr
+
+
+def _round(gil_ms: float, front_ms: float) -> dict[str, Any]:
+    return {"case": "c", "overrides": {}, "gil_ms_per_gb": gil_ms, "front_ms_per_load": front_ms}
+
+
+def test_rounds_report_the_median_round_with_every_figure() -> None:
+    gil = _module()
+    rounds = [_round(9.0, 1.0), _round(5.0, 2.0), _round(7.0, 3.0)]
+    median = gil.median_rounds("c", rounds)
+    # The median round whole (its front too), not a mix of rounds.
+    assert (median["gil_ms_per_gb"], median["front_ms_per_load"]) == (7.0, 3.0)
+    assert median["rounds_ms_per_gb"] == [9.0, 5.0, 7.0]
+    assert median["rounds_front_ms_per_load"] == [1.0, 2.0, 3.0]
+    assert gil.median_rounds("c", rounds[:2])["gil_ms_per_gb"] == 5.0  # the lower of two
+    failed = gil.median_rounds("c", [*rounds, {"case": "c", "overrides": {}, "error": "E: x"}])
+    assert failed["error"] == "E: x"
+    assert "gil_ms_per_gb" not in failed
+
+
+@pytest.mark.slow
+def test_quick_rounds_rotate_the_cases(tmp_path: Path) -> None:
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists() and shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed (the dev and bench extras have it)")
+    cases = "host_none_checks_on,host_none_checks_off"
+    proc, result = _quick_run(tmp_path, "--rounds", "2", "--cases", cases)
+    started = [line for line in proc.stderr.splitlines() if line.startswith("round ")]
+    assert started == [
+        "round 1: host_none_checks_on ...",
+        "round 1: host_none_checks_off ...",
+        "round 2: host_none_checks_off ...",
+        "round 2: host_none_checks_on ...",
+    ]
+    assert result["rounds"] == 2
+    for case in result["cases"]:
+        assert len(case["rounds_ms_per_gb"]) == 2
+        assert case["gil_ms_per_gb"] == min(case["rounds_ms_per_gb"])  # the lower median
+    assert "the median of 2 rounds" in proc.stderr
