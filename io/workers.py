@@ -69,9 +69,10 @@ LOAD_NICE = 5
 # A pooled thread with nothing to do for this long ends.
 IDLE_S = 60.0
 # How long a progress report (``call_soon(..., lazy=True)``) may wait for the loop's next
-# wake-up before it asks for one itself: at most 50 wake-ups a second for reports, where
-# a load on a fast machine lands a job every millisecond or so.
-LAZY_S = 0.02
+# wake-up before it asks for one itself: at most 20 wake-ups a second for reports, where
+# a load on a fast machine lands a job every millisecond or so. The progress events a
+# report feeds go out at most every 50 ms (``ProgressHub``) anyway.
+LAZY_S = 0.05
 # What a pooled thread is called while no load holds it (not "aiogguf-…": a thread
 # named so is doing a load's work).
 IDLE_NAME = "idle aiogguf thread"
