@@ -428,7 +428,7 @@ def print_table(result: Mapping[str, Any]) -> None:
             )
         if any("rounds_ms_per_gb" in c for c in cases):
             _say(
-                f"\nthe median of {len(cases[0].get('rounds_ms_per_gb', [0]))} rounds; "
+                f"\nthe median of {result['rounds']} rounds; "
                 "every round, GIL ms/GB (front, ms per load):"
             )
             for c in cases:
