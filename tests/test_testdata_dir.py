@@ -18,7 +18,7 @@ ONE_REFERENCE_TEST = "tests/test_inspect_cli.py::test_readable_summary"
 Finished = tuple[int, str, str]  # exit status, stdout, stderr
 
 
-def _start_pytest(env_update: dict[str, str]) -> subprocess.Popen[str]:
+def _start_pytest(env_update: dict[str, str], basetemp: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("AIOGGUF_TESTDATA", "CI")}
     env.update(env_update)
     return subprocess.Popen(
@@ -32,6 +32,10 @@ def _start_pytest(env_update: dict[str, str]) -> subprocess.Popen[str]:
             "-p",
             "no:hypothesispytest",
             "-rs",
+            # A folder of its own: children that share pytest's numbered temporary
+            # folders clean up each other's while scanning them, and the scan's
+            # abandoned iterator is a warning that fails the child.
+            f"--basetemp={basetemp}",
             ONE_REFERENCE_TEST,
         ],
         cwd=ROOT,
@@ -67,7 +71,10 @@ def children(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
         elsewhere.symlink_to(REFERENCE_DIR, target_is_directory=True)
         folders["elsewhere"] = elsewhere
         envs["elsewhere"] = {"AIOGGUF_TESTDATA": str(elsewhere)}
-    started = {name: _start_pytest(env) for name, env in envs.items()}
+    started = {
+        name: _start_pytest(env, tmp_path_factory.mktemp(f"child-{name}"))
+        for name, env in envs.items()
+    }
     return {name: (folders[name], _finish(proc)) for name, proc in started.items()}
 
 
