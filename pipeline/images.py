@@ -32,8 +32,6 @@ CHUNK_BYTES: Final = 1 << 20
 # go, and getting it back beside a server's busy thread waits up to a switch interval,
 # so one call per 256 MiB rather than per job (docs/performance.md, the convoy).
 BACK_BYTES: Final = 256 << 20
-# How often a reader waiting for a unit another reader backs looks for its stop.
-STOP_POLL_S: Final = 0.1
 
 
 class HostImage:
@@ -44,9 +42,8 @@ class HostImage:
     def __init__(self, layout: BufferLayout, buffer: HostBuffer) -> None:
         self.layout = layout
         self.buffer = buffer
-        # ``BACK_BYTES`` units claimed by a thread; each event is set once the unit is
-        # backed (or its backer gave up: then reads fault its pages in).
-        self._backing: dict[int, threading.Event] = {}
+        self._claimed: set[int] = set()  # ``BACK_BYTES`` units backed or being backed
+        self._backed: set[int] = set()  # of those, the ones whose backing has returned
         self._claim_lock = threading.Lock()
 
     def dest(self, job: ReadJob) -> memoryview:
@@ -57,43 +54,31 @@ class HostImage:
         """Back the pages under ``job`` with memory before its read lands there
         (``HostBuffer.populate``), a ``BACK_BYTES`` unit of the image at a time: the
         first job to reach a unit backs all of it. A job whose unit another reader is
-        still backing backs the next unit nobody has claimed, then waits for its own.
+        still backing backs its own pages in that unit (what the other has backed
+        already costs it a look at the page table), rather than wait for it.
 
-        It never reads into pages that are not backed yet: such a read faults each page
-        in inside one long kernel call, and on a kernel without preemption a reader
+        A read never lands in pages that are not backed yet: it would fault each page
+        in inside one long system call, and on a kernel without preemption a reader
         there keeps its core from every other thread, the event loop's included, for
         the whole call (tens of ms for a 64 MiB piece)."""
-        first = job.buffer_offset // BACK_BYTES
-        last = (job.buffer_offset + max(job.nbytes, 1) - 1) // BACK_BYTES
+        start, end = job.buffer_offset, job.buffer_offset + max(job.nbytes, 1)
+        first, last = start // BACK_BYTES, (end - 1) // BACK_BYTES
         with self._claim_lock:
-            mine = [unit for unit in range(first, last + 1) if unit not in self._backing]
-            theirs = [
-                self._backing[unit]
+            mine = [unit for unit in range(first, last + 1) if unit not in self._claimed]
+            self._claimed.update(mine)
+            busy = [
+                unit
                 for unit in range(first, last + 1)
-                if unit in self._backing and not self._backing[unit].is_set()
+                if unit not in mine and unit not in self._backed
             ]
-            if theirs:
-                mine.extend(self._unclaimed_after(last))
-            for unit in mine:
-                self._backing[unit] = threading.Event()
-        try:
-            for unit in mine:
-                raise_if_stopped()
-                self.buffer.populate(unit * BACK_BYTES, (unit + 1) * BACK_BYTES)
-                self._backing[unit].set()
-        finally:
-            for unit in mine:  # stopped or failed: its waiters read, faulting pages in
-                self._backing[unit].set()
-        for backed in theirs:
-            while not backed.wait(STOP_POLL_S):
-                raise_if_stopped()
-
-    def _unclaimed_after(self, unit: int) -> list[int]:
-        """The first unit after ``unit`` that no thread has claimed, if the image has
-        one (the claim lock held)."""
-        units = -(-self.buffer.nbytes // BACK_BYTES)
-        after = next((u for u in range(unit + 1, units) if u not in self._backing), None)
-        return [] if after is None else [after]
+        for unit in mine:
+            raise_if_stopped()
+            self.buffer.populate(unit * BACK_BYTES, (unit + 1) * BACK_BYTES)
+            self._backed.add(unit)  # atomic, as is every set add
+        if busy:
+            raise_if_stopped()
+            lo = max(start, busy[0] * BACK_BYTES)
+            self.buffer.populate(lo, min(end, (busy[-1] + 1) * BACK_BYTES))
 
     def tensor_bytes(self, slot: TensorSlot) -> memoryview:
         return self.buffer.memoryview[slot.buffer_offset : slot.buffer_offset + slot.nbytes]

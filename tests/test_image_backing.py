@@ -108,71 +108,29 @@ def test_backing_a_real_buffer_keeps_what_landed_before() -> None:
         assert int(buffer.as_array().sum()) == 9
 
 
-def test_a_job_whose_unit_is_being_backed_backs_the_next_unit_then_waits() -> None:
+def test_a_job_whose_unit_another_reader_is_backing_backs_its_own_pages() -> None:
     buffer = _Held(3 * BACK_BYTES)
     image, _ = _image(buffer)
     first = _start(image.back, _job(0, 0, 64 * MiB))
     assert buffer.holding.wait(10)
-    second = _start(image.back, _job(1, 64 * MiB, 64 * MiB))
-    second.join(0.3)
-    # It backed the unit after (its next jobs' pages), and did not go on to read into
-    # pages that are not backed yet.
-    assert (BACK_BYTES, 2 * BACK_BYTES) in buffer.ranges
-    assert second.is_alive()
+    # Not a read into pages that are not backed yet, nor a wait for the other reader.
+    image.back(_job(1, 64 * MiB, 64 * MiB))
+    assert buffer.ranges == [(0, BACK_BYTES), (64 * MiB, 128 * MiB)]
+    # Across the unit being backed and the next: the next whole, its own part of the other.
+    image.back(_job(2, BACK_BYTES - 32 * MiB, 64 * MiB))
+    assert buffer.ranges[2:] == [(BACK_BYTES, 2 * BACK_BYTES), (BACK_BYTES - 32 * MiB, BACK_BYTES)]
     buffer.go.set()
     first.join(10)
-    second.join(10)
-    assert not second.is_alive()
-    # The last unit: one look ahead per wait, and the next job finds its unit backed.
-    image.back(_job(2, 2 * BACK_BYTES, 64 * MiB))
-    assert sorted(buffer.ranges) == [(u * BACK_BYTES, (u + 1) * BACK_BYTES) for u in range(3)]
+    assert not first.is_alive()
+    count = len(buffer.ranges)
+    image.back(_job(3, 128 * MiB, 64 * MiB))  # its unit is backed now
+    assert len(buffer.ranges) == count
 
 
-def test_the_last_unit_has_none_after_it_to_back() -> None:
-    buffer = _Held(BACK_BYTES)
-    image, _ = _image(buffer)
-    first = _start(image.back, _job(0, 0, 64 * MiB))
-    assert buffer.holding.wait(10)
-    second = _start(image.back, _job(1, 64 * MiB, 64 * MiB))
-    second.join(0.2)
-    assert buffer.ranges == [(0, BACK_BYTES)]
-    buffer.go.set()
-    for thread in (first, second):
-        thread.join(10)
-        assert not thread.is_alive()
-
-
-def test_a_wait_for_another_readers_unit_stops_with_the_load() -> None:
-    buffer = _Held(2 * BACK_BYTES)
-    image, _ = _image(buffer)
-    first = _start(image.back, _job(0, 0, 64 * MiB))
-    assert buffer.holding.wait(10)
-    stop = threading.Event()
-    raised: list[BaseException] = []
-
-    def waiter() -> None:
-        try:
-            StopLink(stop.is_set).run(lambda: image.back(_job(1, 64 * MiB, 64 * MiB)))
-        except BaseException as exc:
-            raised.append(exc)
-
-    second = _start(waiter)
-    second.join(0.2)
-    assert second.is_alive()
-    stop.set()
-    second.join(1.0)  # within a second of the stop
-    assert not second.is_alive()
-    assert len(raised) == 1
-    assert isinstance(raised[0], Stopped)
-    buffer.go.set()
-    first.join(10)
-
-
-def test_a_backer_that_stops_lets_the_others_read() -> None:
+def test_a_unit_whose_backer_stopped_is_backed_job_by_job() -> None:
     image, buffer = _image()
     with pytest.raises(Stopped):
         StopLink(lambda: True).run(lambda: image.back(_job(0, 0, 64 * MiB)))
     assert buffer.ranges == []
-    done = _start(image.back, _job(1, 64 * MiB, 64 * MiB))
-    done.join(10)
-    assert not done.is_alive()  # its reads fault the unit in: nobody will back it now
+    image.back(_job(1, 64 * MiB, 64 * MiB))
+    assert buffer.ranges == [(64 * MiB, 128 * MiB)]
