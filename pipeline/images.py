@@ -50,35 +50,26 @@ class HostImage:
         """Where ``job``'s bytes land."""
         return self.buffer.memoryview[job.buffer_offset : job.buffer_offset + job.nbytes]
 
-    def back(self, job: ReadJob) -> None:
+    def back(self, job: ReadJob) -> bool:
         """Back the pages under ``job`` with memory before its read lands there
         (``HostBuffer.populate``), a ``BACK_BYTES`` unit of the image at a time: the
-        first job to reach a unit backs all of it. A job whose unit another reader is
-        still backing backs its own pages in that unit (what the other has backed
-        already costs it a look at the page table), rather than wait for it.
-
-        A read never lands in pages that are not backed yet: it would fault each page
-        in inside one long system call, and on a kernel without preemption a reader
-        there keeps its core from every other thread, the event loop's included, for
-        the whole call (tens of ms for a 64 MiB piece)."""
-        start, end = job.buffer_offset, job.buffer_offset + max(job.nbytes, 1)
-        first, last = start // BACK_BYTES, (end - 1) // BACK_BYTES
+        first job to reach a unit backs all of it. Whether every page under ``job`` is
+        backed now: not when another reader is still backing one of its units, and then
+        the job's read faults in the pages it lands on (the caller reads in short calls:
+        ``Reader``)."""
+        first = job.buffer_offset // BACK_BYTES
+        last = (job.buffer_offset + max(job.nbytes, 1) - 1) // BACK_BYTES
         with self._claim_lock:
             mine = [unit for unit in range(first, last + 1) if unit not in self._claimed]
             self._claimed.update(mine)
-            busy = [
-                unit
-                for unit in range(first, last + 1)
-                if unit not in mine and unit not in self._backed
-            ]
+            busy = any(
+                unit not in mine and unit not in self._backed for unit in range(first, last + 1)
+            )
         for unit in mine:
             raise_if_stopped()
             self.buffer.populate(unit * BACK_BYTES, (unit + 1) * BACK_BYTES)
             self._backed.add(unit)  # atomic, as is every set add
-        if busy:
-            raise_if_stopped()
-            lo = max(start, busy[0] * BACK_BYTES)
-            self.buffer.populate(lo, min(end, (busy[-1] + 1) * BACK_BYTES))
+        return not busy
 
     def tensor_bytes(self, slot: TensorSlot) -> memoryview:
         return self.buffer.memoryview[slot.buffer_offset : slot.buffer_offset + slot.nbytes]

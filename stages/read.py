@@ -69,6 +69,11 @@ CHECK_PIECE_BYTES = 64 << 20
 # this large, each hashed right after it landed, while it is in the core's own cache
 # rather than read back from memory (docs/performance.md has the figures).
 STREAM_BYTES = 1 << 20
+# A read into pages not backed yet (a unit of its image that another reader is still
+# backing) faults each page in inside the call, and on a kernel without preemption a
+# thread keeps its core for the whole call: the event loop, where the readers fill the
+# cores, waits that long for one. Such a read goes in calls this large (a few ms each).
+FAULTING_CALL_BYTES = 8 << 20
 
 
 def open_data_files(
@@ -307,13 +312,13 @@ class Reader:
             return
         assert isinstance(image, HostImage)
         dest = image.dest(job)
-        if self._back_first[job.file_index]:
-            image.back(job)
+        backed = not self._back_first[job.file_index] or image.back(job)
+        call = None if backed else FAULTING_CALL_BYTES
         if self._pieces is not None and not self.checks_apart(job.file_index):
-            self._check_pieces(job, dest, read=True)
+            self._check_pieces(job, dest, read=True, call=call)
             self._host_job_checked(job)
             return
-        self._read_into(job, dest)
+        self._read_into(job, dest, call=call)
         if self._swap is not None:
             self._swap(job, dest)
             if self._file_check is not None:
@@ -354,7 +359,9 @@ class Reader:
             self.lock_refusal = result.problem
         return result.ok
 
-    def _check_pieces(self, job: ReadJob, dest: memoryview, read: bool) -> None:
+    def _check_pieces(
+        self, job: ReadJob, dest: memoryview, read: bool, *, call: int | None = None
+    ) -> None:
         """Check ``job`` in ``dest`` (its ``nbytes`` from ``job.file_offset``) piece by
         piece: bounded, and each piece on the thread that read it, right after it is
         read (``read``: buffered reads of the job, piece by piece) or as it is (landed).
@@ -373,7 +380,7 @@ class Reader:
             if stream is not None:
                 self._read_streamed(job, useful, lo, hi, stream)
             elif read:
-                self._files[job.file_index].read_into(useful[lo:hi], job.useful_start + lo)
+                self._read_calls(job.file_index, useful[lo:hi], job.useful_start + lo, call)
             self._pieces(job, job.useful_start + previous, useful[previous:hi])
             previous = lo
 
@@ -388,7 +395,7 @@ class Reader:
             file.read_into(part, job.useful_start + at)
             stream(job, job.useful_start + at, part)
 
-    def _read_into(self, job: ReadJob, dest: memoryview) -> None:
+    def _read_into(self, job: ReadJob, dest: memoryview, *, call: int | None = None) -> None:
         direct = self._direct[job.file_index]
         if direct is not None:
             direct.read_direct_into(dest, job.file_offset, job.nbytes, need_end=job.useful_end)
@@ -396,7 +403,16 @@ class Reader:
             # Only the useful bytes: in a direct load whose file fell back to buffered
             # reads the job still spans the aligned slot, which may pass the file's end.
             lo, hi = job.useful_start - job.file_offset, job.useful_end - job.file_offset
-            self._files[job.file_index].read_into(dest[lo:hi], job.useful_start)
+            self._read_calls(job.file_index, dest[lo:hi], job.useful_start, call)
+
+    def _read_calls(self, file_index: int, view: memoryview, offset: int, call: int | None) -> None:
+        """Fill ``view`` from ``offset`` of the file: in its source's own calls, or
+        (``call``, a ``DataFile``'s) in read calls of at most ``call`` bytes."""
+        source = self._files[file_index]
+        if call is not None and isinstance(source, DataFile):
+            source.read_into(view, offset, max_call=call)  # one pass through its lock
+        else:
+            source.read_into(view, offset)
 
     def fill_slot(self, job: ReadJob, slot: memoryview) -> None:
         """Read ``job`` into a staging slot (``slot`` is ``job.nbytes`` long), in the

@@ -3,15 +3,21 @@ no read lands in a unit before it is backed."""
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
+from test_load_bytes import assert_same_bytes
 
+import aiogguf
 from aiogguf.images import BACK_BYTES, HostImage
 from aiogguf.io.buffers import HostBuffer
 from aiogguf.io.workers import StopLink, Stopped
 from aiogguf.jobs import BufferLayout, ReadJob
+from aiogguf.stages.read import FAULTING_CALL_BYTES
+from aiogguf.testing.synth import write_synthetic_model
 
 MiB = 1 << 20
 
@@ -108,29 +114,55 @@ def test_backing_a_real_buffer_keeps_what_landed_before() -> None:
         assert int(buffer.as_array().sum()) == 9
 
 
-def test_a_job_whose_unit_another_reader_is_backing_backs_its_own_pages() -> None:
+def test_a_job_whose_unit_another_reader_is_backing_is_told_its_pages_are_not_backed() -> None:
     buffer = _Held(3 * BACK_BYTES)
     image, _ = _image(buffer)
     first = _start(image.back, _job(0, 0, 64 * MiB))
     assert buffer.holding.wait(10)
-    # Not a read into pages that are not backed yet, nor a wait for the other reader.
-    image.back(_job(1, 64 * MiB, 64 * MiB))
-    assert buffer.ranges == [(0, BACK_BYTES), (64 * MiB, 128 * MiB)]
-    # Across the unit being backed and the next: the next whole, its own part of the other.
-    image.back(_job(2, BACK_BYTES - 32 * MiB, 64 * MiB))
-    assert buffer.ranges[2:] == [(BACK_BYTES, 2 * BACK_BYTES), (BACK_BYTES - 32 * MiB, BACK_BYTES)]
+    # No wait for the other reader: its read faults its pages in (in short calls).
+    assert image.back(_job(1, 64 * MiB, 64 * MiB)) is False
+    assert buffer.ranges == [(0, BACK_BYTES)]
+    # Across the unit being backed and the next: the next is backed, the job is not.
+    assert image.back(_job(2, BACK_BYTES - 32 * MiB, 64 * MiB)) is False
+    assert buffer.ranges == [(0, BACK_BYTES), (BACK_BYTES, 2 * BACK_BYTES)]
     buffer.go.set()
     first.join(10)
     assert not first.is_alive()
-    count = len(buffer.ranges)
-    image.back(_job(3, 128 * MiB, 64 * MiB))  # its unit is backed now
-    assert len(buffer.ranges) == count
+    assert image.back(_job(3, 128 * MiB, 64 * MiB)) is True  # its unit is backed now
+    assert image.back(_job(4, 2 * BACK_BYTES, MiB)) is True  # backed by this call
+    assert len(buffer.ranges) == 3
 
 
-def test_a_unit_whose_backer_stopped_is_backed_job_by_job() -> None:
+def test_a_unit_whose_backer_stopped_is_never_backed() -> None:
     image, buffer = _image()
     with pytest.raises(Stopped):
         StopLink(lambda: True).run(lambda: image.back(_job(0, 0, 64 * MiB)))
+    assert image.back(_job(1, 64 * MiB, 64 * MiB)) is False
     assert buffer.ranges == []
-    image.back(_job(1, 64 * MiB, 64 * MiB))
-    assert buffer.ranges == [(64 * MiB, 128 * MiB)]
+
+
+@pytest.mark.parametrize("check_tensors", [False, True])
+@pytest.mark.parametrize("backed", [False, True])
+def test_a_read_into_pages_not_backed_goes_in_short_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, check_tensors: bool, backed: bool
+) -> None:
+    """Every job of the load finds its unit still being backed (``backed`` False): each
+    read call that lands in the image is at most ``FAULTING_CALL_BYTES``, and every byte
+    still lands. Backed, a job is read in calls as large as it is."""
+    model = write_synthetic_model(tmp_path / "m.gguf", size_bytes=48 * MiB, seed=3)
+    calls: list[int] = []
+    preadv = os.preadv
+
+    def read(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        if threading.current_thread().name.startswith("aiogguf-reader"):
+            calls.append(sum(memoryview(b).nbytes for b in buffers))
+        return preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", read)
+    monkeypatch.setattr(HostImage, "back", lambda self, job: backed)
+    with aiogguf.load_sync(
+        model.path, mode="none", n_gpu_layers=0, check_tensors=check_tensors, readers=1
+    ) as loaded:
+        assert_same_bytes(loaded, [model.path])
+    assert sum(calls) >= loaded.report.nbytes
+    assert (max(calls) <= FAULTING_CALL_BYTES) is not backed
