@@ -222,7 +222,9 @@ class Reader:
     on the thread that landed it. ``piece_bytes``: per file, the most a checked piece
     holds (default ``CHECK_PIECE_BYTES``). ``back_first``: per file, whether a job's
     pages in a host image are backed with memory in one call before its read
-    (``HostImage.back``) rather than faulted in one by one by the read itself.
+    (``HostImage.back``) rather than faulted in one by one by the read itself (a job
+    whose pages another reader is still backing is read in calls of at most
+    ``FAULTING_CALL_BYTES``).
     ``apart``: per file, whether its buffered reads are checked apart too, as
     ``O_DIRECT`` ones are (a core the readers leave free checks one job while the
     reader reads the next). ``stream``: per file, a sink that gets its buffered reads

@@ -1,10 +1,11 @@
-"""A host image's pages are backed a ``BACK_BYTES`` unit at a time, each unit once, and
-no read lands in a unit before it is backed."""
+"""A host image's pages are backed a ``BACK_BYTES`` unit at a time, each unit once; a
+read into a unit another reader is still backing goes in short calls."""
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,8 +26,7 @@ MiB = 1 << 20
 class _Recording:
     """A buffer that records the ranges it is asked to back."""
 
-    def __init__(self, nbytes: int = 64 * BACK_BYTES) -> None:
-        self.nbytes = nbytes
+    def __init__(self) -> None:
         self.ranges: list[tuple[int, int]] = []
         self._lock = threading.Lock()
 
@@ -38,8 +38,8 @@ class _Recording:
 class _Held(_Recording):
     """Backing the first unit waits until ``go`` is set."""
 
-    def __init__(self, nbytes: int) -> None:
-        super().__init__(nbytes)
+    def __init__(self) -> None:
+        super().__init__()
         self.holding = threading.Event()
         self.go = threading.Event()
 
@@ -59,8 +59,8 @@ def _image(buffer: _Recording | None = None) -> tuple[HostImage, _Recording]:
     return HostImage(cast(BufferLayout, None), cast(HostBuffer, buffer)), buffer
 
 
-def _start(fn: object, *args: object) -> threading.Thread:
-    thread = threading.Thread(target=fn, args=args, daemon=True)  # type: ignore[arg-type]
+def _start(fn: Callable[..., object], *args: object) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
     thread.start()
     return thread
 
@@ -115,7 +115,7 @@ def test_backing_a_real_buffer_keeps_what_landed_before() -> None:
 
 
 def test_a_job_whose_unit_another_reader_is_backing_is_told_its_pages_are_not_backed() -> None:
-    buffer = _Held(3 * BACK_BYTES)
+    buffer = _Held()
     image, _ = _image(buffer)
     first = _start(image.back, _job(0, 0, 64 * MiB))
     assert buffer.holding.wait(10)
