@@ -1,8 +1,9 @@
-"""No class in the package's pipeline/, stages/ or io/ grows past ``MAX_LINES`` lines,
-and no module past ``MAX_MODULE_LINES``: a class or module that long does more than one
-job (the engine's ``_Load`` once merged validation paths, swapped bytes and assembled
-the report; validate.py once held the checks library and the stage). The header parser
-is exempt: its length is the format's."""
+"""A backstop, not a budget: no class in the package's pipeline/, stages/ or io/ grows past
+``MAX_LINES`` lines, and no module past ``MAX_MODULE_LINES``. What keeps a module small is
+that it does the one thing its name says; a class or module this long has stopped doing
+so (the engine's ``_Load`` once merged validation paths, swapped bytes and assembled the
+report). The limits are set well above today's sizes so that nobody moves a method just
+to stay under them. The header parser is exempt: its length is the format's."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("pipeline", "stages", "io")
-MAX_LINES = 250
-MAX_MODULE_LINES = 800
+MAX_LINES = 400
+MAX_MODULE_LINES = 1000
 EXEMPT = {("stages/parse.py", "_HeaderParser")}
 
 
