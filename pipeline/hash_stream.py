@@ -28,7 +28,7 @@ from typing import Final
 
 import xxhash
 
-from aiogguf.io.files import DataFile
+from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import Stopped, raise_if_stopped
 from aiogguf.llama_hash import LlamaDigests, LlamaHasher, merge_llama
 from aiogguf.manifest import FileHashes, TensorHash, block_digest
@@ -136,7 +136,7 @@ class FilePass:
 
     def __init__(
         self,
-        data: DataFile,
+        data: ByteSource,
         layout: FileLayout,
         wanted: Wanted,
         report: Callable[[int], None] | None = None,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import anyio
 
 from aiogguf.api import run
+from aiogguf.config import Config
 from aiogguf.errors import IntegrityError, ManifestError, TensorFailure
 from aiogguf.hash_stream import FileLayout, FilePass, FileResult, Wanted
 from aiogguf.headers import open_index
@@ -30,7 +31,9 @@ from aiogguf.integrity import (
     match_manifest,
 )
 from aiogguf.io.files import open_file
+from aiogguf.io.http_source import is_url, redact_url
 from aiogguf.io.opener import FileOpener, OpenFiles
+from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import LoadThreads
 from aiogguf.llama_hash import (
     ALGORITHMS,
@@ -49,6 +52,13 @@ from aiogguf.manifest import (
     read_manifest_text,
 )
 from aiogguf.records import WeightIndex
+from aiogguf.remote import (
+    RemoteModel,
+    file_name,
+    is_remote,
+    open_remote_file,
+    open_remote_model,
+)
 
 __all__ = [
     "HashProgress",
@@ -89,7 +99,7 @@ def _layouts(index: WeightIndex) -> list[FileLayout]:
         )
         layouts.append(
             FileLayout(
-                name=os.path.basename(parsed.path),
+                name=file_name(parsed.path),
                 size=parsed.file_size,
                 header_bytes=header_bytes_of(parsed),
                 data_end=data_end_of(parsed),
@@ -105,10 +115,11 @@ async def _hash_files(
     layouts: Sequence[FileLayout],
     wanted: Wanted,
     threads: LoadThreads,
-    files: OpenFiles,
+    files: OpenFiles | RemoteModel,
     progress: HashProgress | None,
 ) -> list[FileResult]:
-    """Each file in one pass (its lanes at once), one file after the other."""
+    """Each file in one pass (its lanes at once), one file after the other: opened
+    through ``files``, or a remote model's, open already (and closed by its owner)."""
     total = sum(layout.size for layout in layouts)
     done = 0
 
@@ -122,16 +133,21 @@ async def _hash_files(
         threads.call_soon(on_loop, n, lazy=True)
 
     results: list[FileResult] = []
-    for path, layout in zip(paths, layouts, strict=True):
-        data = await threads.run_sync(lambda p=path: open_file(p, fd=files.open(p)))
+    for i, (path, layout) in enumerate(zip(paths, layouts, strict=True)):
+        data: ByteSource
+        if isinstance(files, RemoteModel):
+            data = files.files[i]
+        else:
+            data = await threads.run_sync(lambda p=path: open_file(p, fd=files.open(p)))
         try:
             # Its buffers are tens of MiB to fill with zeros: not on the loop's thread.
             one = await threads.run_sync(FilePass, data, layout, wanted, report)
             await _run_lanes(threads, one)
             await threads.run_sync(data.check_unchanged)
         finally:
-            with anyio.CancelScope(shield=True):
-                await threads.run_sync(data.close)
+            if not isinstance(files, RemoteModel):
+                with anyio.CancelScope(shield=True):
+                    await threads.run_sync(data.close)
         results.append(await threads.run_sync(one.result))
     return results
 
@@ -160,17 +176,32 @@ async def _indexed(
 ) -> tuple[WeightIndex, list[FileResult]]:
     """Index the model, ``check`` the index, hash every file."""
     files = OpenFiles(opener)
+    remote: RemoteModel | None = None
     try:
         async with LoadThreads(LANES, name="aiogguf-hash") as threads:
-            index = await open_index(path, threads=threads, files=files)
+            fspath = os.fspath(path)
+            if is_remote(fspath):
+                go = functools.partial(open_remote_model, fspath, Config(), opener, whole=True)
+                remote = await threads.run_sync(go)
+            if remote is not None and remote.index is not None:
+                index = remote.index
+            else:
+                where = remote.local if remote is not None and remote.local else path
+                index = await open_index(where, threads=threads, files=files)
             if check is not None:
                 await threads.run_sync(check, index)
             layouts = _layouts(index)
             paths = [f.path for f in index.files]
-            return index, await _hash_files(paths, layouts, wanted, threads, files, progress)
+            source = remote if remote is not None and remote.files else files
+            results = await _hash_files(paths, layouts, wanted, threads, source, progress)
+            if remote is not None:
+                await threads.run_sync(remote.finish)  # a hub file: its digest, the cache
+            return index, results
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(files.close)
+            if remote is not None:
+                await anyio.to_thread.run_sync(remote.close)
 
 
 def _manifest(block_bytes: int, results: Sequence[FileResult]) -> Manifest:
@@ -249,7 +280,7 @@ async def verify_model(
     if not isinstance(manifest, Manifest | LlamaManifest):
         manifest_path = os.fspath(manifest)
         manifest = await anyio.to_thread.run_sync(read_any_manifest, manifest_path)
-    where = os.fspath(path)
+    where = _shown(os.fspath(path))
     if isinstance(manifest, Manifest):
         expected = manifest
         wanted = Wanted(sha256=True, blocks=True, block_bytes=manifest.block_bytes)
@@ -275,7 +306,7 @@ async def verify_model(
         wanted = Wanted(sha256=False, blocks=False, llama=llama.algorithms)
 
         def match(idx: WeightIndex) -> None:
-            names = [os.path.basename(f.path) for f in idx.files]
+            names = [file_name(f.path) for f in idx.files]
             tensor_files = {t.name: names[t.file_index] for t in idx.tensors}
             match_llama(llama, tensor_files, names, manifest_path)
 
@@ -297,6 +328,11 @@ async def verify_model(
         against = f"llama-gguf-hash manifest ({', '.join(sorted(manifest.algorithms))})"
     nbytes = sum(r.file.size for r in results) or sum(f.file_size for f in index.files)
     return VerifyReport(len(results), nbytes, time.perf_counter() - started, against)
+
+
+def _shown(path: str) -> str:
+    """``path`` for messages: a URL without its credentials or query."""
+    return redact_url(path) if is_url(path) else path
 
 
 def _sha256_hex(text: str) -> str:
@@ -322,18 +358,34 @@ async def verify_sha256(
     started = time.perf_counter()
     fspath = os.fspath(path)
     files = OpenFiles(opener)
+    remote: RemoteModel | None = None
     try:
         async with LoadThreads(2, name="aiogguf-hash") as threads:
-            size = await threads.run_sync(lambda: os.fstat(files.open(fspath)).st_size)
-            layout = FileLayout(os.path.basename(fspath), size, 0, 0, ())
+            source: OpenFiles | RemoteModel = files
+            where = fspath
+            if is_remote(fspath):
+                go = functools.partial(open_remote_file, fspath, Config(), opener)
+                remote = await threads.run_sync(go)
+                where = remote.local or fspath
+                source = remote if remote.files else files
+            if isinstance(source, RemoteModel):
+                size = source.files[0].size_bytes
+            else:
+                size = await threads.run_sync(lambda: os.fstat(files.open(where)).st_size)
+            layout = FileLayout(file_name(fspath), size, 0, 0, ())
             wanted = Wanted(sha256=True, blocks=False)
-            (result,) = await _hash_files([fspath], [layout], wanted, threads, files, progress)
+            (result,) = await _hash_files([where], [layout], wanted, threads, source, progress)
+            if remote is not None:
+                await threads.run_sync(remote.finish)
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(files.close)
+            if remote is not None:
+                await anyio.to_thread.run_sync(remote.close)
     got = result.file.sha256.hex()
     if not hmac.compare_digest(got, expected):
-        raise IntegrityError((), fspath, summary=f"sha256 is {got}, expected {expected}")
+        summary = f"sha256 is {got}, expected {expected}"
+        raise IntegrityError((), _shown(fspath), summary=summary)
     return VerifyReport(1, size, time.perf_counter() - started, "sha256")
 
 

@@ -28,9 +28,11 @@ load reads the hub's cache never: its opener opens no local file).
 from __future__ import annotations
 
 import functools
+import os
 import threading
+import urllib.parse
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from aiogguf.config import Config
@@ -54,11 +56,15 @@ from aiogguf.stages.parse import SPLIT_MAX_COUNT, is_split, read_header_from, sp
 from aiogguf.stages.read import CHECK_PIECE_BYTES, Disks
 
 __all__ = [
+    "RemoteModel",
     "RemoteOpener",
     "RemoteRoute",
+    "file_name",
     "finish_remote",
     "is_remote",
     "open_remote",
+    "open_remote_file",
+    "open_remote_model",
     "read_remote_model",
     "remote_config",
     "remote_disks",
@@ -168,14 +174,7 @@ def open_remote(
     pinned to the commit the hub resolved it to, or ``found`` when it was; the file must
     have the size the hub gave). ``policy``: the addresses it may connect to
     (``RemoteOptions.address_policy``)."""
-    pipeline = config.pipeline
-    options = RemoteOptions(
-        retries=pipeline.remote_retries,
-        stall_s=pipeline.remote_timeout,
-        request_bytes=pipeline.remote_request_size,
-        address_policy=policy,
-        head_bytes=head_bytes,
-    )
+    options = _remote_options(config, policy, head_bytes)
     if not is_hub_name(url):
         return HttpSource(url, options), url
     found = found or resolve_hub_file(url)
@@ -195,6 +194,18 @@ def open_remote(
             found.name, None, f"the hub says {found.size} bytes, its file has {source.size_bytes}"
         )
     return source, pinned
+
+
+def _remote_options(config: Config, policy: AddressPolicy | None, head_bytes: int) -> RemoteOptions:
+    """How ``config`` reads a remote file (``open_remote``'s arguments)."""
+    pipeline = config.pipeline
+    return RemoteOptions(
+        retries=pipeline.remote_retries,
+        stall_s=pipeline.remote_timeout,
+        request_bytes=pipeline.remote_request_size,
+        address_policy=policy,
+        head_bytes=head_bytes,
+    )
 
 
 def read_remote_model(
@@ -384,3 +395,126 @@ def finish_remote(files: Sequence[object]) -> None:
     for f in files:
         if isinstance(f, HubSource):
             f.finish()
+
+
+# --- a look at a remote model, or a hash of it ------------------------------------------
+
+
+@dataclass(slots=True)
+class RemoteModel:
+    """A remote name opened for a look at its headers or a hash of every byte: either
+    ``local``, the hub cache's file to read instead (nothing open), or its ``files`` in
+    split order with their ``index``. ``config``: the route's (mode ``auto`` is ``none``
+    for a URL). ``close`` it, on a thread (a hub file records what its cache holds)."""
+
+    config: Config
+    local: str | None = None
+    files: list[HttpSource] = field(default_factory=list)
+    index: WeightIndex | None = None
+
+    def finish(self) -> None:
+        """Blocking, once every byte was read: each hub file's digest checked against
+        the hub's (``IntegrityError``) and its cache entry committed."""
+        finish_remote(self.files)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+def open_remote_model(
+    path: str, config: Config, opener: FileOpener | None, *, whole: bool = False
+) -> RemoteModel:
+    """Blocking: the remote model ``path`` (a URL or ``hf://`` name; a split set by its
+    first split) opened and its headers parsed and indexed, or the hub cache's file.
+
+    A look (``whole`` False) reads only the headers' ranges: the first request's
+    ``HEAD_BYTES``, more only for a larger header; its files are plain ``HttpSource``s
+    (no digest, nothing written to the hub's cache). A hash (``whole``: every byte will
+    be read, in any order) opens them as a load does: an ``hf://`` file is checked
+    against the hub's sha256 at ``finish`` and written to the hub's cache.
+
+    Raises what ``route_remote`` and ``read_remote_model`` raise."""
+    route = route_remote(path, config, opener)
+    if route.remote is None:
+        return RemoteModel(route.config, local=route.path)
+    name = route.remote
+    model = RemoteModel(route.config)
+    try:
+        if whole:
+            _, model.index = name.read_model(route.path, route.config, model.files.append)
+            _expect_whole(model.files)
+        else:
+            looking = name.opener or _LookOpener(name.hub)
+            _, model.index = read_remote_model(
+                route.path, route.config, model.files.append, None, looking
+            )
+    except BaseException:
+        model.close()
+        raise
+    return model
+
+
+def open_remote_file(path: str, config: Config, opener: FileOpener | None) -> RemoteModel:
+    """Blocking: the remote file ``path`` opened to be read whole, a GGUF or not (no
+    header parsed, ``index`` None), as ``open_remote_model`` with ``whole`` opens it; or
+    the hub cache's file."""
+    route = route_remote(path, config, opener)
+    if route.remote is None:
+        return RemoteModel(route.config, local=route.path)
+    name = route.remote
+    if name.opener is not None:
+        source, _ = name.opener.open_remote(route.path, route.config)
+    else:
+        source, _ = open_remote(route.path, route.config, name.hub)
+    model = RemoteModel(route.config, files=[source])
+    _expect_whole(model.files)
+    return model
+
+
+def file_name(path: str) -> str:
+    """The name a manifest gives the file ``path`` (a local path, a URL or an ``hf://``
+    name): its last part, without a URL's escapes or an ``hf://`` name's revision."""
+    if is_hub_name(path):
+        return os.path.basename(parse_hub_name(path).filename)
+    if is_url(path):
+        return os.path.basename(urllib.parse.unquote(urllib.parse.urlsplit(path).path))
+    return os.path.basename(path)
+
+
+def _expect_whole(files: Sequence[HttpSource]) -> None:
+    """Each hub file will have every byte read: its digest fetches nothing itself."""
+    for f in files:
+        if isinstance(f, HubSource):
+            f.expect([(0, f.size_bytes)])
+
+
+@dataclass(frozen=True, slots=True)
+class _LookOpener:
+    """Opens a look's remote files: an ``hf://`` name resolved by the hub (the first
+    file's resolution ``found``, when made) and read at its commit, with the hub's size,
+    but as a plain ``HttpSource``: a look reads a header, not the bytes a digest needs,
+    and writes nothing to the hub's cache."""
+
+    found: HubFile | None
+
+    def open(self, path: str) -> int:
+        raise PathNotAllowedError(path)  # a remote look opens no local file
+
+    def open_remote(self, name: str, config: Config) -> tuple[HttpSource, str]:
+        found = self.found if self.found is not None and self.found.name == name else None
+        if not is_hub_name(name):
+            return open_remote(name, config)
+        found = found or resolve_hub_file(name)
+        options = _remote_options(config, None, HEAD_BYTES)
+        if found.token:
+            options = replace(options, headers={"Authorization": f"Bearer {found.token}"})
+        source = HttpSource(found.url, options, name=found.name)
+        if found.size is not None and source.size_bytes != found.size:
+            source.close()
+            raise LoadError(
+                found.name,
+                None,
+                f"the hub says {found.size} bytes, its file has {source.size_bytes}",
+            )
+        return source, f"hf://{found.repo_id}/{found.filename}@{found.commit}"

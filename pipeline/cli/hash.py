@@ -1,7 +1,9 @@
 """``aiogguf hash PATH [-o MANIFEST] [--format aiogguf|llama]``: hash a model once and
 write its manifest (format §8): aiogguf's JSON beside the model by default
 (``MODEL.gguf.manifest.json``; one for every shard of a split set), or llama.cpp's
-``llama-gguf-hash`` text (``MODEL.gguf.gguf-hash.txt``). ``-o -`` writes to stdout."""
+``llama-gguf-hash`` text (``MODEL.gguf.gguf-hash.txt``). ``-o -`` writes to stdout. A URL
+or ``hf://`` name is read whole (an ``hf://`` file through the hub's cache, checked
+against the hub's sha256); its manifest goes in the current folder by default."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from aiogguf.cli.loading import byte_columns
 from aiogguf.hashing import hash_model_llama_sync, hash_model_sync
 from aiogguf.llama_hash import format_llama
 from aiogguf.manifest import SIDECAR_SUFFIX, manifest_json
+from aiogguf.remote import file_name, is_remote
 from aiogguf.units import format_bytes
 
 __all__ = ["add_arguments", "byte_progress", "run", "write_atomically"]
@@ -28,7 +31,9 @@ SUFFIXES = {"aiogguf": SIDECAR_SUFFIX, "llama": ".gguf-hash.txt"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="GGUF file (the first split of a split model)")
+    parser.add_argument(
+        "path", help="GGUF file, URL or hf:// name (the first split of a split model)"
+    )
     parser.add_argument(
         "-o",
         "--output",
@@ -75,9 +80,12 @@ def write_atomically(path: str, text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     to_stdout = args.output == "-"
     console = Console(stderr=True) if to_stdout else Console()
-    output = args.output or os.fspath(args.path) + SUFFIXES[args.format]
+    path = os.fspath(args.path)
+    # A remote model's manifest goes in the current folder, named after its file.
+    beside = file_name(path) if is_remote(path) else path
+    output = args.output or beside + SUFFIXES[args.format]
     started = time.perf_counter()
-    with byte_progress(console, os.path.basename(os.fspath(args.path))) as progress:
+    with byte_progress(console, file_name(path)) as progress:
         if args.format == "llama":
             digests = hash_model_llama_sync(args.path, progress=progress)
             text = format_llama(digests)

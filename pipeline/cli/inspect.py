@@ -1,7 +1,8 @@
 """``aiogguf inspect PATH [--json]``: a model's files, metadata and tensors.
 
 The readable form abbreviates long arrays and strings; ``--json`` prints one complete JSON
-object (shape in ``inspect_json``). Nothing but the headers is read.
+object (shape in ``inspect_json``). Nothing but the headers is read: of a URL or an
+``hf://`` name, the first request's megabyte, more only for a larger header.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ _PREVIEW_CHARS = 80
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="a .gguf file, or the first split of a split model")
+    parser.add_argument(
+        "path", help="a .gguf file, URL or hf:// name (the first split of a split model)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

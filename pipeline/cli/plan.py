@@ -1,4 +1,5 @@
-"""`aiogguf plan`: where every tensor would go, without allocating or reading anything."""
+"""`aiogguf plan`: where every tensor would go, without allocating or reading anything
+(of a URL or ``hf://`` name, only the ranges of its headers)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rich.table import Table
 from aiogguf.cli import EXIT_WARNED
 from aiogguf.cli.options import add_placement_options, config_from_args
 from aiogguf.dry_run import plan_sync
+from aiogguf.io.http_source import is_url, redact_url
 from aiogguf.records import Plan
 from aiogguf.units import format_bytes
 
@@ -19,7 +21,11 @@ __all__ = ["add_arguments", "plan_to_json", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="PATH", help="GGUF file (the first split of a split model)")
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="GGUF file, URL or hf:// name (the first split of a split model)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(
         "--strict", action="store_true", help="exit 3 if the plan has any warning (e.g. memory)"
@@ -32,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan_to_json(plan), indent=2))
     else:
-        _print_plan(plan, args.path)
+        shown = redact_url(args.path) if is_url(args.path) else args.path  # no credentials
+        _print_plan(plan, shown)
     if args.strict and plan.warnings:
         return EXIT_WARNED
     return 0

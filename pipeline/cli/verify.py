@@ -12,13 +12,16 @@ from rich.console import Console
 
 from aiogguf.cli.hash import byte_progress
 from aiogguf.hashing import verify_model_sync, verify_sha256_sync
+from aiogguf.remote import file_name
 from aiogguf.units import format_bytes
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="GGUF file (the first split of a split model)")
+    parser.add_argument(
+        "path", help="GGUF file, URL or hf:// name (the first split of a split model)"
+    )
     against = parser.add_mutually_exclusive_group(required=True)
     against.add_argument("--sha256", metavar="HEX", help="the file's sha256 (the hub's oid)")
     against.add_argument(
@@ -28,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    with byte_progress(console, os.path.basename(os.fspath(args.path))) as progress:
+    with byte_progress(console, file_name(os.fspath(args.path))) as progress:
         if args.sha256 is not None:
             report = verify_sha256_sync(args.path, args.sha256, progress=progress)
         else:
