@@ -1,15 +1,8 @@
 """The hub's own cache, written as an ``hf://`` load streams, and the whole file's digest
 checked as it does.
 
-**Layout.** The files are ``huggingface_hub``'s (read from its ``file_download.py``),
-so that ``hf_hub_download``, ``try_to_load_from_cache`` and ``hf cache`` find them:
-``HF_HUB_CACHE`` (else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``), then
-``models--OWNER--REPO/blobs/<etag>`` for the bytes, ``snapshots/<commit>/<file>`` a
-relative link to it, ``refs/<revision>`` the commit a branch or tag named, and the
-library's lock file ``.locks/models--OWNER--REPO/<etag>.lock`` (``flock``), taken while
-the blob is written. A file is read from the cache when its link exists
-(``find_cached``): by the commit the hub names now, or, when the hub cannot be asked,
-the one ``refs`` recorded, as the library itself does offline.
+**Layout.** ``huggingface_hub``'s own; where each file lives, how a cached one is found
+and how every name is reached without following a link: ``aiogguf._cache_fs``.
 
 **Writing.** Reader threads land ranges out of order; each is written at its offset to
 ``blobs/<etag>.aiogguf.incomplete`` (the library's ``.incomplete`` suffix, so that
@@ -20,8 +13,10 @@ the digest matched; the bytes the load does not read (the header's end, padding)
 fetched by the hashing thread.
 
 **Resuming.** Which ranges a partial file holds is recorded after its last byte (a
-trailer: magic, length, sha256 of a JSON list of ranges), every ``RECORD_S`` and when the
-load ends unfinished; a range is recorded only once its write returned. A later load
+trailer: magic, length, sha256 of a JSON list of ranges; two slots written in turn, so
+that a record torn by a kill leaves the one before), each time a piece is written and
+when the load ends unfinished; a range is recorded only once its write returned, and a
+read lands request by request, so a process killed keeps all it wrote. A later load
 trusts exactly those ranges (and reads them from the file instead of the network),
 but only under the kernel that wrote them (the record names its boot id): a process
 killed loses nothing of what it wrote (the page cache has it), a machine that lost
@@ -37,6 +32,9 @@ memory (``PARK_BYTES`` at most; a range past that is fetched again when the pref
 there). A mismatch is an ``IntegrityError`` naming the file and both digests, and
 nothing is committed. Every wait polls a stop (``POLL_S``); closing the source stops
 and joins the thread.
+
+**A full disk.** A write that fails ends the partial file: its name is removed at once
+(its space is free when the load closes it) and the load goes on without a cache.
 """
 
 from __future__ import annotations
@@ -47,17 +45,22 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import struct
 import threading
 import time
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aiogguf.errors import IntegrityError, LoadError
-from aiogguf.hub import HubFile, parse_hub_name
+from aiogguf._cache_fs import PARTIAL_SUFFIX as PARTIAL_SUFFIX
+from aiogguf._cache_fs import CacheEntry as CacheEntry
+from aiogguf._cache_fs import CacheFolder
+from aiogguf._cache_fs import cache_entry as cache_entry
+from aiogguf._cache_fs import find_cached as find_cached
+from aiogguf._cache_fs import hub_cache_dir as hub_cache_dir
+from aiogguf.errors import GGUFError, IntegrityError, LoadError
+from aiogguf.hub import COMMIT_HASH, SHA256_HEX
 from aiogguf.io.http_source import HttpSource, RemoteOptions
 from aiogguf.io.workers import raise_if_stopped
 
@@ -72,155 +75,15 @@ POLL_S = 0.25
 PIECE_BYTES = 4 << 20
 # Without a cache file: the most landed bytes kept for the hash ahead of its prefix.
 PARK_BYTES = 1 << 30
-# How often a partial file's record of its ranges is brought up to date.
+# Where a write is not known to survive a crash of the machine unless synced (no boot
+# id to tell a reboot by), how often a partial file's record is synced and written.
 RECORD_S = 5.0
-PARTIAL_SUFFIX = ".aiogguf.incomplete"
 _TRAILER_MAGIC = b"AIOGGPR1"
 _TRAILER = struct.Struct("<8sQ32s")
 _MAX_RECORD_BYTES = 1 << 20
-_COMMIT = re.compile(r"[0-9a-f]{40}")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def hub_cache_dir() -> str:
-    """The cache folder, as ``huggingface_hub.constants.HF_HUB_CACHE`` finds it (read at
-    each call: a process may set the variables after importing the library)."""
-    env = os.environ
-
-    def expand(path: str) -> str:
-        return os.path.expandvars(os.path.expanduser(path))
-
-    home = env.get("HF_HOME") or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "huggingface",
-    )
-    legacy = env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(expand(home), "hub")
-    return expand(env.get("HF_HUB_CACHE") or legacy)
-
-
-@dataclass(frozen=True, slots=True)
-class CacheEntry:
-    """Where one hub file at one commit lives in the cache (``etag``: its blob's name)."""
-
-    root: str
-    repo_id: str
-    filename: str
-    commit: str
-    revision: str
-    etag: str
-
-    @property
-    def storage(self) -> str:
-        return os.path.join(self.root, "models--" + self.repo_id.replace("/", "--"))
-
-    @property
-    def blob(self) -> str:
-        return os.path.join(self.storage, "blobs", self.etag)
-
-    @property
-    def partial(self) -> str:
-        return self.blob + PARTIAL_SUFFIX
-
-    @property
-    def pointer(self) -> str:
-        return os.path.join(self.storage, "snapshots", self.commit, *self.filename.split("/"))
-
-    @property
-    def lock(self) -> str:
-        name = "models--" + self.repo_id.replace("/", "--")
-        return os.path.join(self.root, ".locks", name, f"{self.etag}.lock")
-
-    def link(self) -> None:
-        """The snapshot's link to the blob (relative, as the library makes it), and the
-        revision's ref when it named a branch or tag."""
-        os.makedirs(os.path.dirname(self.pointer), exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.pointer)
-        os.symlink(os.path.relpath(self.blob, os.path.dirname(self.pointer)), self.pointer)
-        if self.revision != self.commit:
-            ref = os.path.join(self.storage, "refs", *self.revision.split("/"))
-            os.makedirs(os.path.dirname(ref), exist_ok=True)
-            with contextlib.suppress(OSError), open(ref) as f:
-                if f.read() == self.commit:
-                    return
-            tmp = f"{ref}.{os.getpid()}.{threading.get_ident()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(self.commit)
-            os.replace(tmp, ref)
-
-
-def cache_entry(found: HubFile) -> CacheEntry | None:
-    """The cache entry of a resolved hub file; None without a usable ETag."""
-    if not found.etag or not found.commit or "/" in found.etag or found.etag.startswith("."):
-        return None
-    revision = found.revision or "main"
-    return CacheEntry(
-        hub_cache_dir(), found.repo_id, found.filename, found.commit, revision, found.etag
-    )
-
-
-def find_cached(path: str, resolve: Callable[[str], HubFile]) -> tuple[str | None, HubFile | None]:
-    """``(local file, resolution)`` for the ``hf://`` name ``path``: the cached file
-    (every split of a split set named by its first) at the commit ``resolve(path)``
-    names; at a pinned commit, no question to the hub; when the hub cannot be asked (not
-    when it says no), the commit ``refs`` recorded. A blob already cached for another
-    commit is linked. Raises what ``resolve`` raises when nothing cached stands in."""
-    wanted = parse_hub_name(path)
-    root = hub_cache_dir()
-    storage = os.path.join(root, "models--" + wanted.repo_id.replace("/", "--"))
-    if wanted.revision and _COMMIT.fullmatch(wanted.revision):
-        local = _snapshot_file(storage, wanted.revision, wanted.filename)
-        if local is not None:
-            return local, None
-    try:
-        found = resolve(path)
-    except LoadError as exc:
-        if _hub_said_no(exc.__cause__):
-            raise
-        ref = os.path.join(storage, "refs", *(wanted.revision or "main").split("/"))
-        try:
-            with open(ref) as f:
-                commit = f.read().strip()
-        except OSError:
-            raise exc from exc.__cause__
-        local = None
-        if _COMMIT.fullmatch(commit):
-            local = _snapshot_file(storage, commit, wanted.filename)
-        if local is None:
-            raise
-        return local, None
-    local = _snapshot_file(storage, found.commit, found.filename)
-    entry = cache_entry(found)
-    if local is None and entry is not None and _split_count(found.filename) == 1:
-        with contextlib.suppress(OSError):
-            if os.stat(entry.blob).st_size == found.size:
-                entry.link()  # the same bytes at another commit
-                local = _snapshot_file(storage, found.commit, found.filename)
-    return local, found
-
-
-def _split_count(filename: str) -> int:
-    match = re.search(r"-(\d{5})-of-(\d{5})\.gguf$", filename)
-    return int(match.group(2)) if match else 1
-
-
-def _snapshot_file(storage: str, commit: str, filename: str) -> str | None:
-    """The cached file at ``commit``; for a first split, only when every split is there."""
-    count = _split_count(filename)
-    names = [filename]
-    if count > 1 and filename.endswith(f"-00001-of-{count:05d}.gguf"):
-        stem = filename[: -len(f"-00001-of-{count:05d}.gguf")]
-        names = [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
-    paths = [os.path.join(storage, "snapshots", commit, *n.split("/")) for n in names]
-    return paths[0] if all(os.path.isfile(p) for p in paths) else None
-
-
-def _hub_said_no(cause: BaseException | None) -> bool:
-    """Whether the hub answered (a 4xx: no such repository, revision or file, or no
-    access), as against not being reachable, which the cache may stand in for."""
-    response = getattr(cause, "response", None)
-    status = getattr(response, "status_code", None)
-    return isinstance(status, int) and 400 <= status < 500
+# The record's two slots after the file's end, written in turn: a record torn by a kill
+# leaves the other one whole.
+_SLOT_BYTES = _TRAILER.size + _MAX_RECORD_BYTES
 
 
 # --- the digest -------------------------------------------------------------------------
@@ -235,9 +98,9 @@ class Digest:
 
     @classmethod
     def of_etag(cls, etag: str | None) -> Digest | None:
-        if etag and _SHA256.fullmatch(etag):
+        if etag and SHA256_HEX.fullmatch(etag):
             return cls("sha256", etag)
-        if etag and _COMMIT.fullmatch(etag):
+        if etag and COMMIT_HASH.fullmatch(etag):
             return cls("git-sha1", etag)
         return None
 
@@ -349,13 +212,17 @@ class HubSource(HttpSource):
         if tap is None:
             super().read_into(view, offset)
             return
+        step = max(self.options.request_bytes, 1)
         for lo, hi, cached in tap.split(offset, offset + len(view)):
-            part = view[lo - offset : hi - offset]
             if cached:
-                tap.read_cached(part, lo)
-            else:
-                super().read_into(part, lo)
-                tap.landed(part, lo)
+                tap.read_cached(view[lo - offset : hi - offset], lo)
+                continue
+            # Request by request, as ``HttpSource`` asks: each lands (and is recorded)
+            # as it comes, so a load killed mid-read keeps all but its last requests.
+            for at in range(lo, hi, step):
+                part = view[at - offset : min(at + step, hi) - offset]
+                super().read_into(part, at)
+                tap.landed(part, at)
 
     def read_upto(self, offset: int, nbytes: int) -> bytes:
         """The header parse's reads come from the network (the first request's bytes, then
@@ -388,65 +255,96 @@ class HubSource(HttpSource):
 
 class _PartialFile:
     """A cache entry's partial file, its lock held: written at any offset, the ranges
-    it holds recorded after its end, renamed into place and linked once verified."""
+    it holds recorded after its end, renamed into place and linked once verified.
+    Every name is reached from the cache's folders' descriptors (``CacheFolder``)."""
 
-    def __init__(self, entry: CacheEntry, fd: int, lock_fd: int, size: int, digest: Digest):
+    def __init__(
+        self,
+        entry: CacheEntry,
+        fd: int,
+        lock_fd: int,
+        folders: tuple[CacheFolder, CacheFolder],
+        size: int,
+        digest: Digest,
+    ) -> None:
         self.entry, self._fd, self._lock_fd = entry, fd, lock_fd
+        self._storage, self._blobs = folders
         self._size, self._digest = size, digest
+        self._seq = 0  # the last record's number: the higher of the two slots wins
+        self.boot = _boot_id()
 
     @classmethod
     def open(cls, entry: CacheEntry, size: int, digest: Digest) -> _PartialFile | None:
         """Take the entry's lock and open its partial file; None without the lock
-        (another process writes it), or where the cache cannot be written."""
+        (another process writes it), or where the cache cannot be written. Raises
+        ``LoadError`` for a link planted in the cache."""
         try:
-            for folder in (entry.lock, entry.blob, entry.pointer):
-                os.makedirs(os.path.dirname(folder), exist_ok=True)
-            lock_fd = os.open(entry.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o664)
+            root = CacheFolder.open_root(entry.root, create=True)
         except OSError:
             return None
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.path.exists(entry.blob):
-                raise BlockingIOError  # committed meanwhile: nothing to write
-            fd = os.open(entry.partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except OSError:
-            os.close(lock_fd)
-            return None
-        with contextlib.suppress(OSError):  # as the library does: for backup tools
-            tag = os.path.join(entry.root, "CACHEDIR.TAG")
-            if not os.path.exists(tag):
-                with open(tag, "w") as f:
-                    f.write("Signature: 8a477f597d28d172789f06886806bc55\n")
-        return cls(entry, fd, lock_fd, size, digest)
+        with root, contextlib.ExitStack() as held:
+            try:
+                with root.folder([".locks", entry.folder_name], create=True) as locks:
+                    lock_fd = locks.open_file(entry.lock_name, os.O_RDWR | os.O_CREAT, 0o664)
+                held.callback(os.close, lock_fd)
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                storage = held.enter_context(root.folder([entry.folder_name], create=True))
+                blobs = held.enter_context(storage.folder(["blobs"], create=True))
+                if blobs.lstat(entry.etag) is not None:
+                    return None  # committed meanwhile: nothing to write
+                try:
+                    fd = blobs.open_file(entry.partial_name, os.O_RDWR, only_link=True)
+                except FileNotFoundError:
+                    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+                    fd = blobs.open_file(entry.partial_name, flags, 0o666)
+                held.callback(os.close, fd)
+            except OSError:
+                return None
+            with contextlib.suppress(OSError):  # as the library does: for backup tools
+                tag = root.open_file("CACHEDIR.TAG", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                try:
+                    os.write(tag, b"Signature: 8a477f597d28d172789f06886806bc55\n")
+                finally:
+                    os.close(tag)
+            held.pop_all()
+        return cls(entry, fd, lock_fd, (storage, blobs), size, digest)
 
     def resumable(self) -> list[tuple[int, int]]:
         """The ranges the file's record vouches for; none (and the file emptied) when
         it has no record that checks out."""
-        pairs = self._read_record()
-        if pairs is None:
+        best: tuple[int, list[tuple[int, int]]] | None = None
+        for slot in (0, 1):
+            found = self._read_record(slot)
+            if found is not None and (best is None or found[0] > best[0]):
+                best = found
+        if best is None:
             os.ftruncate(self._fd, 0)
             return []
-        return pairs
+        self._seq = best[0]
+        return best[1]
 
-    def _read_record(self) -> list[tuple[int, int]] | None:
+    def _read_record(self, slot: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """``(number, ranges)`` of the record in ``slot``, if it checks out."""
+        at = self._size + slot * _SLOT_BYTES
         try:
-            head = os.pread(self._fd, _TRAILER.size, self._size)
+            head = os.pread(self._fd, _TRAILER.size, at)
             magic, length, check = _TRAILER.unpack(head)
             if magic != _TRAILER_MAGIC or length > _MAX_RECORD_BYTES:
                 return None
-            payload = os.pread(self._fd, length, self._size + _TRAILER.size)
+            payload = os.pread(self._fd, length, at + _TRAILER.size)
             if len(payload) != length or hashlib.sha256(payload).digest() != check:
                 return None
             record = json.loads(payload)
             pairs = [(int(lo), int(hi)) for lo, hi in record["ranges"]]
+            number = int(record.get("seq", 0))
         except (OSError, struct.error, ValueError, KeyError, TypeError):
             return None
-        expected = {"size": self._size, "digest": self._digest.hexdigest, "boot": _boot_id()}
+        expected = {"size": self._size, "digest": self._digest.hexdigest, "boot": self.boot}
         if any(record.get(key) != value for key, value in expected.items()):
             return None
         if any(not 0 <= lo < hi <= self._size for lo, hi in pairs):
             return None
-        return pairs
+        return number, pairs
 
     def write(self, view: builtins.memoryview, offset: int) -> None:
         _pwrite_all(self._fd, view, offset)
@@ -455,31 +353,39 @@ class _PartialFile:
         _pread_all(self._fd, view, offset, name)
 
     def record(self, pairs: list[tuple[int, int]]) -> None:
-        """Record ``pairs`` (written before) after the file's end, for this boot."""
-        boot = _boot_id()
-        if not boot:  # no boot id to tell a reboot by: the data made durable first
+        """Record ``pairs`` (written before) after the file's end, for this boot, in the
+        slot the last record did not use."""
+        if not self.boot:  # no boot id to tell a reboot by: the data made durable first
             os.fdatasync(self._fd)
-        record = {"size": self._size, "digest": self._digest.hexdigest, "boot": boot}
-        payload = json.dumps({**record, "ranges": pairs}).encode()
+        record = {"size": self._size, "digest": self._digest.hexdigest, "boot": self.boot}
+        payload = json.dumps({**record, "seq": self._seq + 1, "ranges": pairs}).encode()
+        if len(payload) > _MAX_RECORD_BYTES:
+            return  # the last record stands: it vouches for less, all of it true
+        self._seq += 1
         head = _TRAILER.pack(_TRAILER_MAGIC, len(payload), hashlib.sha256(payload).digest())
-        _pwrite_all(self._fd, builtins.memoryview(head + payload), self._size)
+        at = self._size + (self._seq % 2) * _SLOT_BYTES
+        _pwrite_all(self._fd, builtins.memoryview(head + payload), at)
 
     def commit(self) -> None:
-        """The verified file renamed into place and linked: complete, or absent."""
-        os.ftruncate(self._fd, self._size)  # the record goes
-        os.replace(self.entry.partial, self.entry.blob)
-        self.entry.link()
+        """The verified file renamed into place and linked: complete, or absent. Raises
+        ``OSError``, or ``LoadError`` for a link planted in the snapshot's way."""
+        os.ftruncate(self._fd, self._size)  # the records go
+        self._blobs.replace(self.entry.partial_name, self.entry.etag)
+        self.entry.link(self._storage)
 
     def remove(self) -> None:
+        """The partial file's name removed (its space is free once it is closed)."""
         with contextlib.suppress(OSError):
-            os.remove(self.entry.partial)
+            self._blobs.remove(self.entry.partial_name)
 
     def close(self) -> None:
-        """Close the file, and release the lock with its descriptor."""
+        """Close the file and the folders, and release the lock with its descriptor."""
         for fd in (self._fd, self._lock_fd):
             if fd >= 0:
                 os.close(fd)
         self._fd = self._lock_fd = -1
+        self._blobs.close()
+        self._storage.close()
 
 
 class _Tap:
@@ -499,10 +405,17 @@ class _Tap:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._verified = self._committed = False
+        self._record_lock = threading.Lock()  # one record written at a time, the newest last
+        self._recorded = time.monotonic()
         self._file = _PartialFile.open(entry, self._size, digest) if entry else None
         self._writing = self._file is not None  # False after a write failed
         try:
-            for lo, hi in self._file.resumable() if self._file is not None else ():
+            try:
+                resumed = self._file.resumable() if self._file is not None else []
+            except OSError:
+                resumed = []
+                self._write_failed()
+            for lo, hi in resumed:
                 self._written.add(lo, hi)
                 self._landed.add(lo, hi)
             self.resumed = self._written.total()
@@ -548,13 +461,10 @@ class _Tap:
                     raise_if_stopped()
                     hi = min(lo + PIECE_BYTES, end)
                     self._file.write(view[lo - offset : hi - offset], lo)
-                    with self._cond:
-                        self._written.add(lo, hi)
-                        self._landed.add(lo, hi)
-                        self._cond.notify_all()
+                    self._wrote(lo, hi)
                 return
             except OSError:
-                self._writing = False  # a full disk: the load goes on without a cache
+                self._write_failed()  # a full disk: the load goes on without a cache
         with self._cond:
             at = self._hashed
             keep = end > at and (offset <= at or self._parked_bytes + len(view) <= PARK_BYTES)
@@ -579,7 +489,6 @@ class _Tap:
         try:
             hasher = self._digest.start(self._size)
             scratch = builtins.memoryview(bytearray(PIECE_BYTES))
-            recorded = time.monotonic()
             while self._hashed < self._size:
                 if self._stop.is_set():
                     return
@@ -590,9 +499,6 @@ class _Tap:
                 with self._cond:
                     self._hashed += len(piece)
                     self._drop_parked()
-                if self._writing and time.monotonic() - recorded > RECORD_S:
-                    self._record()
-                    recorded = time.monotonic()
             got = hasher.hexdigest()
             if got != self._digest.hexdigest:
                 raise IntegrityError(
@@ -631,10 +537,11 @@ class _Tap:
             return view
         self._source.fetch(view, at)
         if self._writing and self._file is not None:
-            with contextlib.suppress(OSError):
+            try:
                 self._file.write(view, at)
-                with self._cond:
-                    self._written.add(at, end)
+                self._wrote(at, end)
+            except OSError:
+                self._write_failed()
         with self._cond:
             self._landed.add(at, end)
         return view
@@ -659,15 +566,45 @@ class _Tap:
     def _commit(self) -> None:
         if self._file is None or not self._writing or not self._verified or self._committed:
             return
+        with self._cond:
+            whole = self._written.total() == self._size
+        if not whole:  # every byte hashed was written; this holds, unless a bug
+            return
         self._committed = True
         with contextlib.suppress(OSError):  # the cache is an extra: the load stands
             self._file.commit()
 
-    def _record(self) -> None:
-        assert self._file is not None
+    # -- the partial file's record -----------------------------------------------------
+
+    def _wrote(self, lo: int, hi: int) -> None:
+        """``[lo, hi)`` is in the partial file: trusted from now on, and recorded at
+        once, so that a process killed the next moment loses none of it (where a record
+        needs a sync first, no boot id, every ``RECORD_S``)."""
         with self._cond:
-            pairs = self._written.pairs()
-        self._file.record(pairs)
+            self._written.add(lo, hi)
+            self._landed.add(lo, hi)
+            self._cond.notify_all()
+        assert self._file is not None
+        if self._file.boot or time.monotonic() - self._recorded > RECORD_S:
+            self._record()
+
+    def _record(self) -> None:
+        """Raises ``OSError``: the record could not be written."""
+        assert self._file is not None
+        with self._record_lock:
+            with self._cond:
+                pairs = self._written.pairs()
+            self._file.record(pairs)
+            self._recorded = time.monotonic()
+
+    def _write_failed(self) -> None:
+        """A write to the partial file failed (a full disk, a quota): the load goes on
+        without it, and its name goes at once, so that the next load does not find the
+        disk full of it (its space is free once the load closes it; until then, the
+        ranges it holds are still read from it)."""
+        self._writing = False
+        if self._file is not None:
+            self._file.remove()
 
     def close(self) -> None:
         """Stop and join the hashing thread (the source's connections are closed first,
@@ -682,12 +619,17 @@ class _Tap:
             return
         try:
             if self._verified:
-                self._commit()
+                # Not raised from here: the load is over, and a link refused is not
+                # followed (``finish`` raised it, when the load got that far).
+                with contextlib.suppress(GGUFError):
+                    self._commit()
             elif isinstance(self._error, IntegrityError):
                 file.remove()
             elif self._writing:
-                with contextlib.suppress(OSError):
+                try:
                     self._record()
+                except OSError:
+                    self._write_failed()
         finally:
             file.close()
             self._parked.clear()

@@ -157,13 +157,16 @@ class HubServer(FileServer):
     (HEAD and GET), for the files of ``cdn`` (``files``: ``"OWNER/REPO/FILE"`` → name
     there): it answers as the hub does for a file kept in large-file storage, a redirect
     to the CDN carrying the commit, the linked ETag (the file's sha256, or ``etags[name]``)
-    and the size. Knows the revisions ``main`` and ``COMMIT``."""
+    and the size. Knows the revisions ``main`` and ``COMMIT`` (any, with
+    ``any_revision``), and names ``commit`` as theirs (a hostile hub: another one)."""
 
     def __init__(self, cdn: FileServer, files: dict[str, str]) -> None:
         super().__init__(cdn.root)
         self.cdn = cdn
         self.files = files
         self.etags: dict[str, str] = {}
+        self.commit = COMMIT
+        self.any_revision = False
         self._digests: dict[tuple[str, int, int], tuple[int, str]] = {}
 
     def _routes(self, app: web.Application) -> None:
@@ -172,7 +175,7 @@ class HubServer(FileServer):
     async def _resolve(self, request: web.Request) -> web.StreamResponse:
         self.faults.headers.append({"path": request.path, **request.headers})
         m = request.match_info
-        if m["rev"] not in ("main", COMMIT):
+        if m["rev"] not in ("main", COMMIT) and not self.any_revision:
             return web.Response(
                 status=404,
                 headers={"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"},
@@ -185,7 +188,7 @@ class HubServer(FileServer):
             )
         size, etag = self._digest(self.cdn.root / name)
         headers = {
-            "X-Repo-Commit": COMMIT,
+            "X-Repo-Commit": self.commit,
             "X-Linked-Etag": f'"{self.etags.get(name) or etag}"',
             "X-Linked-Size": str(size),
             "ETag": '"pointer"',

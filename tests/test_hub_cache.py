@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -79,14 +80,33 @@ def _data_bytes(cdn: FileServer) -> int:
     return total
 
 
-def _recorded(size: int) -> list[list[int]]:
-    """The ranges the partial file's record vouches for (its trailer, after ``size``)."""
+# The partial file's records: two slots after the file's end, written in turn.
+SLOT_BYTES = 48 + (1 << 20)
+
+
+def _records(size: int) -> dict[int, dict[str, Any]]:
+    """The partial file's records that check out, by their offset."""
     (partial,) = Path(hub_cache_dir()).glob(f"*/blobs/*{PARTIAL_SUFFIX}")
+    found = {}
     with open(partial, "rb") as f:
-        f.seek(size)
-        magic, length, _ = struct.unpack("<8sQ32s", f.read(48))
-        assert magic == b"AIOGGPR1"
-        ranges: list[list[int]] = json.loads(f.read(length))["ranges"]
+        for at in (size, size + SLOT_BYTES):
+            f.seek(at)
+            head = f.read(48)
+            if len(head) < 48:
+                continue
+            magic, length, check = struct.unpack("<8sQ32s", head)
+            payload = f.read(length) if magic == b"AIOGGPR1" else b""
+            if payload and hashlib.sha256(payload).digest() == check:
+                found[at] = json.loads(payload)
+    return found
+
+
+def _recorded(size: int) -> list[list[int]]:
+    """The ranges the partial file's newest record vouches for."""
+    records = _records(size)
+    assert records, "no record after the partial file's end"
+    newest = max(records.values(), key=lambda r: int(r.get("seq", 0)))
+    ranges: list[list[int]] = newest["ranges"]
     return ranges
 
 
@@ -365,15 +385,13 @@ def test_a_record_written_before_a_reboot_is_not_trusted(hub: HubServer, cdn: Fi
     size = len(_source(cdn))
     assert _recorded(size)
     (partial,) = Path(hub_cache_dir()).glob(f"*/blobs/*{PARTIAL_SUFFIX}")
-    with open(partial, "r+b") as f:  # the same record, as another boot wrote it
-        f.seek(size)
-        _, length, _ = struct.unpack("<8sQ32s", f.read(48))
-        record = json.loads(f.read(length))
-        record["boot"] = "another-boot"
-        payload = json.dumps(record).encode()
-        f.seek(size)
-        f.write(struct.pack("<8sQ32s", b"AIOGGPR1", len(payload), hashlib.sha256(payload).digest()))
-        f.write(payload)
+    with open(partial, "r+b") as f:  # the same records, as another boot wrote them
+        for at, record in _records(size).items():
+            record["boot"] = "another-boot"
+            payload = json.dumps(record).encode()
+            check = hashlib.sha256(payload).digest()
+            f.seek(at)
+            f.write(struct.pack("<8sQ32s", b"AIOGGPR1", len(payload), check) + payload)
     cdn.faults.__init__()  # type: ignore[misc]
     with aiogguf.load_sync(NAME, **SMALL):
         pass

@@ -50,6 +50,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.remote": 4,
     "aiogguf.hub": 1,
     "aiogguf.hub_cache": 1,
+    "aiogguf._cache_fs": 1,
     "aiogguf.api": 5,
     "aiogguf.dry_run": 5,
     "aiogguf.compat": 6,

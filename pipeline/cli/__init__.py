@@ -127,6 +127,9 @@ def _exit_promptly_on_interrupt(command: str) -> None:
         interrupt_main_thread()
 
     signal.signal(signal.SIGINT, on_sigint)
+    if command != "serve":  # which stops on SIGTERM by itself, with status 0
+        # SIGTERM as Ctrl-C: the command unwinds (a download records what it wrote).
+        signal.signal(signal.SIGTERM, on_sigint)
 
 
 def interrupt_main_thread() -> None:
