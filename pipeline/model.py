@@ -164,7 +164,8 @@ class Model:
         another load. ``mode="none"`` or ``"direct"`` gives tensors in memory of the
         process's own from the start.
 
-        Raises ``LoadError`` for a mapped tensor where the kernel refused a copy-on-write
+        Raises ``ModuleNotFoundError`` (saying how to install it) without torch;
+        ``LoadError`` for a mapped tensor where the kernel refused a copy-on-write
         mapping (its pages are then the file's, read-only, and a write would end the
         process).
         """

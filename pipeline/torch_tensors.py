@@ -30,13 +30,27 @@ if TYPE_CHECKING:
 __all__ = ["to_torch"]
 
 
+_TORCH_INSTALL = "pip install 'aiogguf[torch]'"
+
+
 def to_torch(array: Any, entry: TensorEntry) -> torch.Tensor:
     """``array`` (``Model.tensors[entry.name]``: numpy or CuPy, in aiogguf's shape) as a
     torch tensor over the same memory, with ggml's dtype and gguf-py's shape.
 
     Torch tensors are always writable: ``array`` should be writable memory (for a mapped
-    model, its copy-on-write pages: ``tensor_array(..., private=True)``)."""
-    import torch
+    model, its copy-on-write pages: ``tensor_array(..., private=True)``).
+
+    Raises ``ModuleNotFoundError`` saying how to install torch where it is missing."""
+    try:
+        import torch
+    except ModuleNotFoundError as exc:
+        # Only torch itself: a module missing inside torch is a broken install, not an
+        # extra left out.
+        if exc.name != "torch":
+            raise
+        raise ModuleNotFoundError(
+            f"torch tensors need torch, which is not installed: {_TORCH_INSTALL}", name="torch"
+        ) from exc
 
     if entry.type.element_dtype is None:
         # (..., ne1, n_blocks, block_bytes) -> (..., ne1, row_bytes): a view, no copy.

@@ -227,3 +227,18 @@ def test_lock_without_mlock2_locks_a_copy(tmp_path: Path, monkeypatch: pytest.Mo
         assert used == {"Anonymous": 4 * PAGE_BYTES, "Locked": 4 * PAGE_BYTES}
         assert bytes(mapping.view(0, 4 * PAGE_BYTES)) == b"\1" * (4 * PAGE_BYTES)
     assert path.read_bytes() == b"\1" * (4 * PAGE_BYTES)
+
+
+def test_torch_without_torch_says_how_to_install(
+    model: SynthModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without torch, ``torch()`` and ``torch_tensors()`` raise ``ModuleNotFoundError``
+    naming the extra to install, as gguf's and aiohttp's absence does (before: Python's
+    bare "No module named 'torch'")."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # what an absent torch raises
+    name = target(model).name
+    with aiogguf.load_sync(model.path, mode="none", n_gpu_layers=0) as loaded:
+        for call in (lambda: loaded.torch(name), loaded.torch_tensors):
+            with pytest.raises(ModuleNotFoundError, match=r"pip install 'aiogguf\[torch\]'") as e:
+                call()
+            assert e.value.name == "torch"
