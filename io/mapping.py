@@ -100,6 +100,13 @@ POPULATE_CALL_BYTES = 64 << 20
 # errno values with which mlock reports "over RLIMIT_MEMLOCK / not allowed to lock".
 _MLOCK_LIMIT_ERRNOS = frozenset({errno.ENOMEM, errno.EPERM, errno.EAGAIN})
 
+# Why ``FileMapping.private_view`` refuses a mapping that is not copy-on-write.
+_READ_ONLY = (
+    "mapped read-only: the kernel refused a copy-on-write mapping (ENOMEM: "
+    "vm.overcommit_memory=2 charges one in full, or RLIMIT_DATA), and a write into a "
+    'read-only page ends the process; load with mode="none" for writable memory'
+)
+
 # mmap(2)'s MAP_NORESERVE (<asm/mman.h>); Python's mmap module exports it from 3.13 only.
 # Where the architecture is unknown it is 0: the mapping is then charged, and one the
 # kernel refuses is mapped read-only (``_map_range``).
@@ -345,14 +352,7 @@ class FileMapping(Closeable):
         """
         view = self._slice(file_offset, nbytes)
         if not self.copy_on_write:
-            raise LoadError(
-                self.path,
-                file_offset,
-                "mapped read-only: the kernel refused a copy-on-write mapping (ENOMEM: "
-                "vm.overcommit_memory=2 charges one in full, or RLIMIT_DATA), and a write "
-                'into a read-only page ends the process; load with mode="none" for '
-                "writable memory",
-            )
+            raise LoadError(self.path, file_offset, _READ_ONLY)
         return view
 
     def _slice(self, file_offset: int, nbytes: int) -> builtins.memoryview:
@@ -456,20 +456,9 @@ class FileMapping(Closeable):
         if requested == 0:
             return LockResult(True, 0, self.locked_bytes, memlock_limit())
         pin = self._pin()
-        read_in = False  # whether the pages still have to be read in (locked on fault)
         try:
             address = self.address + start - self.map_start
-            if on_fault or self.copy_on_write:
-                read_in = not on_fault
-                try:
-                    _libc.mlock2(address, requested, _libc.MLOCK_ONFAULT)
-                except OSError as exc:
-                    if on_fault or exc.errno not in (errno.ENOSYS, errno.EINVAL):
-                        raise
-                    read_in = False
-                    _libc.mlock(address, requested)
-            else:
-                _libc.mlock(address, requested)
+            read_in = _lock_pages(address, requested, on_fault, private=self.copy_on_write)
         except OSError as exc:
             if on_fault and exc.errno in (errno.ENOSYS, errno.EINVAL):
                 raise
@@ -548,6 +537,25 @@ def _map_range(
     finally:
         os.close(fd)  # the mapping keeps the file alive (and mmap holds its own dup)
     return mapping, map_start, map_end, private
+
+
+def _lock_pages(address: int, nbytes: int, on_fault: bool, *, private: bool) -> bool:
+    """Lock ``nbytes`` at ``address``; whether the pages are still to be read in (they
+    were locked on fault). A private mapping is locked on fault even when the caller
+    wants the pages read in: a plain ``mlock`` would copy them all (the module's
+    docstring); it does so only where the system cannot lock on fault. Raises
+    ``OSError`` as ``mlock``/``mlock2`` do."""
+    if not (on_fault or private):
+        _libc.mlock(address, nbytes)
+        return False
+    try:
+        _libc.mlock2(address, nbytes, _libc.MLOCK_ONFAULT)
+    except OSError as exc:
+        if on_fault or exc.errno not in (errno.ENOSYS, errno.EINVAL):
+            raise
+        _libc.mlock(address, nbytes)  # locks a copy of every page
+        return False
+    return not on_fault
 
 
 def _lock_refusal(path: str, requested: int, already: int, limit: int | None, exc: OSError) -> str:
