@@ -9,6 +9,32 @@ calls ``touch``/``lock``/``advise`` one chunk or one tensor at a time from worke
 Calls that may take long (``touch``, ``lock``, ``advise``) go through ctypes, which
 releases the GIL; ``mmap.madvise`` would hold it and stall the event loop.
 
+Copy-on-write
+-------------
+Every mapping is private and writable (``MAP_PRIVATE``, ``PROT_READ | PROT_WRITE``): its
+clean pages are the page cache's own, shared with every other mapping and reader of the
+file, but a page written through it becomes the process's own copy, and the file never
+changes. A write through any view (torch has no read-only tensor) then lands in that
+copy instead of ending the process with SIGSEGV, as a write into a ``PROT_READ`` page
+does. ``view`` still hands out read-only memoryviews (``writable=False``);
+``private_view`` hands out writable ones, for consumers that need writable memory.
+
+Three things follow from the mapping being private and writable:
+
+- It reserves nothing (``MAP_NORESERVE``): a private writable mapping is otherwise
+  charged in full against the commit limit, and the kernel refuses one larger than RAM
+  plus swap (a model bigger than RAM maps, as with ``MAP_SHARED``). A written page is
+  then taken when it is written. Where the kernel refuses it anyway (ENOMEM: strict
+  overcommit, ``vm.overcommit_memory=2``, ignores ``MAP_NORESERVE``; ``RLIMIT_DATA``),
+  the range is mapped shared and read-only instead: ``copy_on_write`` says which, and
+  ``private_view`` refuses.
+- ``lock`` does not use a plain ``mlock`` where it can help it: the kernel populates a
+  locked private writable range by breaking copy-on-write, copying every page into
+  memory of the process's own. It locks on fault (``mlock2(MLOCK_ONFAULT)``) and reads
+  the pages in: they stay the page cache's, locked, until written.
+- ``madvise(MADV_DONTNEED)`` drops the pages written, not only clean ones (the engine
+  never asks for it).
+
 Closing while views are alive
 -----------------------------
 ``close()`` first unlocks everything this mapping locked, then unmaps. If memoryviews or
@@ -30,6 +56,7 @@ import errno
 import functools
 import mmap
 import os
+import platform
 import resource
 import threading
 import weakref
@@ -72,6 +99,24 @@ POPULATE_CALL_BYTES = 64 << 20
 
 # errno values with which mlock reports "over RLIMIT_MEMLOCK / not allowed to lock".
 _MLOCK_LIMIT_ERRNOS = frozenset({errno.ENOMEM, errno.EPERM, errno.EAGAIN})
+
+# Why ``FileMapping.private_view`` refuses a mapping that is not copy-on-write.
+_READ_ONLY = (
+    "mapped read-only: the kernel refused a copy-on-write mapping (ENOMEM: "
+    "vm.overcommit_memory=2 charges one in full, or RLIMIT_DATA), and a write into a "
+    'read-only page ends the process; load with mode="none" for writable memory'
+)
+
+# mmap(2)'s MAP_NORESERVE (<asm/mman.h>); Python's mmap module exports it from 3.13 only.
+# Where the architecture is unknown it is 0: the mapping is then charged, and one the
+# kernel refuses is mapped read-only (``_map_range``).
+_MAP_NORESERVE: int = getattr(mmap, "MAP_NORESERVE", 0) or {
+    "x86_64": 0x4000,
+    "aarch64": 0x4000,
+    "riscv64": 0x4000,
+    "s390x": 0x4000,
+    "ppc64le": 0x40,
+}.get(platform.machine(), 0)
 
 
 class MapAdvice(enum.Enum):
@@ -153,13 +198,17 @@ def open_mapping(
     """Map the file range ``[file_start, file_end)`` of ``source`` (a path or an open
     ``DataFile``, whose descriptor is then reused; the mapping outlives neither's need).
 
-    ``writable=False``: shared, read-only (``PROT_READ``), zero-copy from the page cache.
-    ``writable=True``: private copy-on-write, for in-place byte swapping of big-endian
-    files; the file never changes. ``populate=True`` reads the whole range in before
-    returning (the effect of ``MAP_POPULATE``, done as ``touch()``: Python's ``mmap()``
-    holds the GIL through a ``MAP_POPULATE``, for as long as the whole range takes to read,
-    which would stall the event loop; ``touch`` releases it). It blocks for the whole range: the
-    engine uses it only for small ranges, and ``touch`` in chunks otherwise.
+    The mapping is private copy-on-write either way (the module's docstring), zero-copy
+    from the page cache until a page is written; the file never changes.
+    ``writable=False``: ``view`` gives read-only memoryviews (and the mapping falls back
+    to a shared read-only one where the kernel refuses a copy-on-write one);
+    ``writable=True``: writable ones, for in-place byte swapping of big-endian files
+    (the mapping is then reserved in full: every page will be written).
+    ``populate=True`` reads the whole range in before returning (the effect of
+    ``MAP_POPULATE``, done as ``touch()``: Python's ``mmap()`` holds the GIL through a
+    ``MAP_POPULATE``, for as long as the whole range takes to read, which would stall the
+    event loop; ``touch`` releases it). It blocks for the whole range: the engine uses it
+    only for small ranges, and ``touch`` in chunks otherwise.
 
     Raises ``LoadError`` if the file cannot be opened or mapped or the range lies outside
     it; ``ValueError`` for an empty or reversed range.
@@ -189,9 +238,12 @@ class FileMapping(Closeable):
         self.writable = writable
         self._lock = threading.Lock()
         self._locked: list[tuple[int, int]] = []  # merged, sorted file-offset intervals
-        mapping, map_start, map_end = _map_range(
+        mapping, map_start, map_end, private = _map_range(
             source, self.path, file_start, file_end, writable=writable
         )
+        # False only where the kernel refused a private writable mapping: the pages are
+        # then the file's, read-only, and a write through any view is SIGSEGV.
+        self.copy_on_write: bool = private
         self.map_start: int = map_start
         self.map_end: int = map_end
         self._mmap: mmap.mmap | None = mapping
@@ -286,6 +338,24 @@ class FileMapping(Closeable):
         Raises ``ValueError`` if the bytes are not inside the mapping,
         ``ClosedResourceError`` after close.
         """
+        view = self._slice(file_offset, nbytes)
+        return view if self.writable else view.toreadonly()
+
+    def private_view(self, file_offset: int, nbytes: int) -> builtins.memoryview:
+        """A writable memoryview of ``nbytes`` at ``file_offset``: a page written through
+        it becomes the process's own copy, the file and every other mapping of it keep
+        their bytes.
+
+        Raises ``LoadError`` where the mapping is read-only (``copy_on_write`` False: the
+        kernel refused a private writable one), ``ValueError`` if the bytes are not
+        inside the mapping, ``ClosedResourceError`` after close.
+        """
+        view = self._slice(file_offset, nbytes)
+        if not self.copy_on_write:
+            raise LoadError(self.path, file_offset, _READ_ONLY)
+        return view
+
+    def _slice(self, file_offset: int, nbytes: int) -> builtins.memoryview:
         base = self._view
         if base is None:
             raise ClosedResourceError(repr(self))
@@ -372,6 +442,11 @@ class FileMapping(Closeable):
         threads does not wait on it. Raises ``OSError`` (``ENOSYS``, ``EINVAL``) where
         the kernel or the C library cannot lock on fault; the caller locks as it reads.
 
+        A copy-on-write mapping is locked on fault even without ``on_fault``, then read
+        in: a plain ``mlock`` would copy every page (the module's docstring). Only where
+        the system cannot lock on fault does it take the plain ``mlock`` and its copy:
+        the range is then locked in memory of the process's own, as mode ``none``'s is.
+
         Locking the same pages twice is harmless and counted once. A refusal by the kernel
         (``RLIMIT_MEMLOCK``) is not raised: the result has ``ok=False`` and a ``problem``
         ready for a warning. Raises ``LoadError`` for any other failure.
@@ -383,10 +458,7 @@ class FileMapping(Closeable):
         pin = self._pin()
         try:
             address = self.address + start - self.map_start
-            if on_fault:
-                _libc.mlock2(address, requested, _libc.MLOCK_ONFAULT)
-            else:
-                _libc.mlock(address, requested)
+            read_in = _lock_pages(address, requested, on_fault, private=self.copy_on_write)
         except OSError as exc:
             if on_fault and exc.errno in (errno.ENOSYS, errno.EINVAL):
                 raise
@@ -400,6 +472,9 @@ class FileMapping(Closeable):
         with self._lock:
             self._locked = merge_range(self._locked, start, end)
             total = sum(e - s for s, e in self._locked)
+        if read_in:
+            # Locked on fault: reading the pages in locks them, as mlock would have.
+            self.touch(file_start, file_end)
         return LockResult(True, requested, total, memlock_limit())
 
     def is_locked(self, file_start: int, file_end: int) -> bool:
@@ -417,9 +492,11 @@ def _map_range(
     file_end: int,
     *,
     writable: bool,
-) -> tuple[mmap.mmap, int, int]:
+) -> tuple[mmap.mmap, int, int, bool]:
     """Blocking: ``[file_start, file_end)`` of ``path`` mapped, whole pages from an
-    allocation-granularity boundary; the mapping and the file offsets it spans."""
+    allocation-granularity boundary; the mapping, the file offsets it spans, and whether
+    it is private (copy-on-write; else shared and read-only, where the kernel refused a
+    private one and ``writable`` is False)."""
     if isinstance(source, DataFile):
         # Our own duplicate: the DataFile may be closed while the mapping lives on.
         with os_errors(path, None, "cannot duplicate descriptor"):
@@ -438,14 +515,47 @@ def _map_range(
         # Rounded up to a page, but never past EOF: Python's mmap refuses a length
         # beyond the file (touching such pages would be SIGBUS anyway).
         map_end = min(align_up(file_end, PAGE_BYTES), size)
-        flags = mmap.MAP_PRIVATE if writable else mmap.MAP_SHARED
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         nbytes = map_end - map_start
-        with os_errors(path, map_start, f"mmap of {nbytes} bytes failed"):
+        # A byte-swapped range is written whole: reserved, so that a short memory fails
+        # here rather than in the swap's page faults.
+        flags = mmap.MAP_PRIVATE | (0 if writable else _MAP_NORESERVE)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        doing = f"mmap of {nbytes} bytes failed"
+        try:
             mapping = mmap.mmap(fd, nbytes, flags=flags, prot=prot, offset=map_start)
+            private = True
+        except OSError as exc:
+            if writable or exc.errno != errno.ENOMEM:
+                raise from_os_error(exc, path, map_start, doing) from exc
+            # The kernel charged the private mapping and refused it: a shared read-only
+            # one is charged nothing, and serves every read-only view.
+            with os_errors(path, map_start, doing):
+                mapping = mmap.mmap(
+                    fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=map_start
+                )
+            private = False
     finally:
         os.close(fd)  # the mapping keeps the file alive (and mmap holds its own dup)
-    return mapping, map_start, map_end
+    return mapping, map_start, map_end, private
+
+
+def _lock_pages(address: int, nbytes: int, on_fault: bool, *, private: bool) -> bool:
+    """Lock ``nbytes`` at ``address``; whether the pages are still to be read in (they
+    were locked on fault). A private mapping is locked on fault even when the caller
+    wants the pages read in: a plain ``mlock`` would copy them all (the module's
+    docstring); it does so only where the system cannot lock on fault. Raises
+    ``OSError`` as ``mlock``/``mlock2`` do."""
+    if not (on_fault or private):
+        _libc.mlock(address, nbytes)
+        return False
+    try:
+        _libc.mlock2(address, nbytes, _libc.MLOCK_ONFAULT)
+    except OSError as exc:
+        if on_fault or exc.errno not in (errno.ENOSYS, errno.EINVAL):
+            raise
+        _libc.mlock(address, nbytes)  # locks a copy of every page
+        return False
+    return not on_fault
 
 
 def _lock_refusal(path: str, requested: int, already: int, limit: int | None, exc: OSError) -> str:

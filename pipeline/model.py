@@ -44,15 +44,25 @@ def array_shape(entry: TensorEntry) -> tuple[int, ...]:
     return (*outer, dims[0] // t.block_elems, t.block_bytes)
 
 
-def tensor_array(image: Image, slot: TensorSlot, entry: TensorEntry) -> Any:
+def tensor_array(
+    image: Image, slot: TensorSlot, entry: TensorEntry, *, private: bool = False
+) -> Any:
     """The tensor's array over ``image``, where its bytes lie (no copy): numpy for host
-    memory, the device's array type otherwise, shaped as ``array_shape`` says."""
+    memory, the device's array type otherwise, shaped as ``array_shape`` says.
+
+    A mapped image's array is read-only; with ``private`` it is writable, over the
+    mapping's copy-on-write pages (a write stays in the process: ``FileMapping``'s
+    ``private_view``, which raises ``LoadError`` where the mapping is read-only)."""
     dtype = entry.type.element_dtype or "u1"
     shape = array_shape(entry)
     if isinstance(image, DeviceImage):
         data = image.buffer.array(slot.buffer_offset, slot.nbytes)
         return data.view(image.buffer.xp.dtype(dtype)).reshape(shape)
-    raw = np.frombuffer(image.tensor_bytes(slot), dtype=np.uint8)
+    if private and isinstance(image, MappedImage):
+        mapping = image.mapping_at(slot.file_index, slot.file_offset)
+        raw = np.frombuffer(mapping.private_view(slot.file_offset, slot.nbytes), dtype=np.uint8)
+    else:
+        raw = np.frombuffer(image.tensor_bytes(slot), dtype=np.uint8)
     return raw.view(np.dtype(dtype)).reshape(shape)
 
 
@@ -79,13 +89,16 @@ class _Tensors(Mapping[str, Any]):
 class Model:
     """A loaded GGUF model. Close it (or leave its ``async with``) to free its memory.
 
-    Loaded with ``mode="mmap"`` or ``"mlock"``, the host tensors *are* the file: shared
-    mappings of its page cache. If the file is truncated (or rewritten) while such a
-    model is open, the next read of a page that is gone raises SIGBUS, which ends the
-    process; Python cannot catch it. A load notices a change while it runs (it fails
-    with ``LoadError``), but nothing can guard the model afterwards. When the files may
-    change under you (a server, a shared model directory), load with ``mode="none"`` or
-    ``"direct"``: the tensors are then copies in memory of the process's own.
+    Loaded with ``mode="mmap"`` or ``"mlock"``, the host tensors *are* the file: private
+    (copy-on-write) mappings of its page cache. Their numpy arrays and ``raw`` bytes are
+    read-only; their torch tensors are writable, and a page written through one becomes
+    the process's own copy (the file and other loads keep its bytes). If the file is
+    truncated (or rewritten) while such a model is open, the next read of a page that is
+    gone raises SIGBUS, which ends the process; Python cannot catch it. A load notices a
+    change while it runs (it fails with ``LoadError``), but nothing can guard the model
+    afterwards. When the files may change under you (a server, a shared model
+    directory), load with ``mode="none"`` or ``"direct"``: the tensors are then copies in
+    memory of the process's own.
     """
 
     def __init__(
@@ -134,9 +147,9 @@ class Model:
         assert image is not None
         return image, slot
 
-    def _array(self, name: str) -> Any:
+    def _array(self, name: str, *, private: bool = False) -> Any:
         image, slot = self._image(name)
-        return tensor_array(image, slot, self.index[name])
+        return tensor_array(image, slot, self.index[name], private=private)
 
     def torch(self, name: str) -> TorchTensor:
         """The tensor as a ``torch.Tensor`` sharing its memory (no copy), on its device
@@ -145,20 +158,27 @@ class Model:
         row_bytes)``, gguf-py's shape. Needs the ``torch`` extra; valid while the model
         is open.
 
-        Host tensors of the mapped modes (``mmap``, ``mlock``) are the file's read-only
-        pages (``writable`` says so): torch has no read-only tensor, and a write into one
-        ends the process with SIGSEGV. ``mode="none"`` or ``"direct"`` gives writable
-        tensors in the process's own memory.
+        Host tensors of the mapped modes (``mmap``, ``mlock``) are over the file's pages
+        mapped copy-on-write: writable (torch has no read-only tensor), and a page written
+        becomes the process's own copy, seen by this model's arrays, not by the file or
+        another load. ``mode="none"`` or ``"direct"`` gives tensors in memory of the
+        process's own from the start.
+
+        Raises ``ModuleNotFoundError`` (saying how to install it) without torch;
+        ``LoadError`` for a mapped tensor where the kernel refused a copy-on-write
+        mapping (its pages are then the file's, read-only, and a write would end the
+        process).
         """
         from aiogguf.torch_tensors import to_torch
 
-        return to_torch(self._array(name), self.index[name])
+        return to_torch(self._array(name, private=True), self.index[name])
 
     def torch_tensors(self) -> dict[str, TorchTensor]:
-        """Every tensor as ``torch(name)`` gives it, by name, in the order of ``tensors``."""
+        """Every tensor as ``torch(name)`` gives it, by name, in the order of ``tensors``;
+        raises as ``torch`` does."""
         from aiogguf.torch_tensors import to_torch
 
-        return {e.name: to_torch(self._array(e.name), e) for e in self.index.tensors}
+        return {e.name: to_torch(self._array(e.name, private=True), e) for e in self.index.tensors}
 
     def dequantize(self, name: str, dtype: npt.DTypeLike = np.float32) -> npt.NDArray[Any]:
         """The tensor's values as a new host numpy array of ``dtype``, in numpy's shape
@@ -171,13 +191,15 @@ class Model:
         return dequantize(self.raw(name), self.index[name], dtype)
 
     def writable(self, name: str) -> bool:
-        """Whether the tensor's memory may be written: False for host tensors of the
-        mapped modes (``mmap``, ``mlock``), which are the file's read-only pages."""
+        """Whether ``tensors[name]`` may be written: False for host tensors of the mapped
+        modes (``mmap``, ``mlock``), whose arrays are read-only views of the file's pages
+        (their ``torch`` tensors take writes, into the process's own copy)."""
         image, _ = self._image(name)
         return not isinstance(image, MappedImage)
 
     def raw(self, name: str) -> memoryview:
-        """The tensor's exact bytes in host memory (copied back from a device if needed)."""
+        """The tensor's exact bytes in host memory (copied back from a device if needed);
+        read-only for host tensors of the mapped modes."""
         image, slot = self._image(name)
         if isinstance(image, DeviceImage):
             return image.buffer.to_host(slot.buffer_offset, slot.nbytes)

@@ -249,7 +249,9 @@ def test_lock_over_the_limit_is_a_clear_result(
     def refuse(address: int, length: int) -> None:
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
+    # A copy-on-write mapping locks through mlock2 (mlock would copy its pages).
     monkeypatch.setattr(_libc, "mlock", refuse)
+    monkeypatch.setattr(_libc, "mlock2", lambda address, length, flags: refuse(address, length))
     monkeypatch.setattr(mapping_module, "memlock_limit", lambda: 64 * 1024)
     with open_mapping(data_file[0], 0, SIZE) as m:
         result = m.lock()
@@ -271,6 +273,7 @@ def test_lock_other_errors_are_load_errors(
         raise OSError(errno.EFAULT, "Bad address")
 
     monkeypatch.setattr(_libc, "mlock", broken)
+    monkeypatch.setattr(_libc, "mlock2", lambda address, length, flags: broken(address, length))
     with open_mapping(data_file[0], 0, 10) as m, pytest.raises(LoadError, match="mlock failed"):
         m.lock()
 
