@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from typing import Any
 
@@ -77,7 +77,7 @@ from aiogguf.io.workers import reserve_threads
 from aiogguf.jobs import ReadJob, SlotFill, StageTimes, TensorSlot
 from aiogguf.load_resources import LoadResources
 from aiogguf.model import Model, tensor_array
-from aiogguf.ready import ReadyTensors
+from aiogguf.ready import ArrayOf, ReadyTensors
 from aiogguf.records import WeightIndex
 from aiogguf.remote import finish_remote, is_remote, route_remote
 from aiogguf.report import LoadReport, build_report
@@ -370,15 +370,15 @@ async def _batches(stream: MemoryObjectReceiveStream[list[str]]) -> AsyncIterato
 
 def _arrays(
     index: WeightIndex, slots: Mapping[str, TensorSlot], images: Sequence[Image | None]
-) -> Callable[[str], Any]:
+) -> ArrayOf:
     """A loading tensor's array by name, over its image (which exists once its bytes
     have landed)."""
 
-    def array(name: str) -> Any:
+    def array(name: str, *, private: bool = False) -> Any:
         slot = slots[name]
         image = images[slot.buffer_index]
         assert image is not None, f"{name} is ready before its buffer exists"
-        return tensor_array(image, slot, index[name])
+        return tensor_array(image, slot, index[name], private=private)
 
     return array
 

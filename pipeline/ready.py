@@ -18,7 +18,7 @@ import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -35,7 +35,14 @@ else:
 
 __all__ = ["ReadyTensors", "TensorStream"]
 
-ArrayOf = Callable[[str], Any]
+
+class ArrayOf(Protocol):
+    """A ready tensor's array by name; ``private``: writable, over the process's own
+    copy-on-write pages where the tensor is mapped (what torch needs)."""
+
+    def __call__(self, name: str, *, private: bool = False) -> Any: ...
+
+
 """A ready tensor's array, by name (a view where its bytes lie)."""
 
 
@@ -85,11 +92,11 @@ class ReadyTensors:
         ``last`` (lazy tensors: mapped, never read), then the end."""
         held = weakref.ref(model)
 
-        def array(name: str) -> Any:
+        def array(name: str, *, private: bool = False) -> Any:
             alive = held()
             if alive is None:
                 raise ClosedResourceError(f"model of tensor {name!r} (collected)")
-            return alive.tensors[name]
+            return alive._array(name, private=private)
 
         self._array = array
         self._release([n for n in self._pending if n not in failed])
@@ -127,7 +134,7 @@ class ReadyTensors:
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 if torch:
                     assert self._entry is not None
-                    yield name, to_torch(array(name), self._entry(name))
+                    yield name, to_torch(array(name, private=True), self._entry(name))
                 else:
                     yield name, array(name)
                 continue

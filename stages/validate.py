@@ -52,18 +52,18 @@ CALL_BYTES = 64 * 1024 * 1024
 class FileBytes:
     """A tensor's bytes to check, read from its file rather than from memory mapping it.
 
-    Why: in modes ``mmap``/``mlock`` the tensors *are* shared mappings of the file. If
-    the file is truncated while a check scans such a mapping, the CPU's load from a page
-    that the truncation cut off raises SIGBUS, and the process dies (CPython cannot resume
-    after it). No test beforehand closes that gap: ``MADV_POPULATE_READ`` or an ``fstat``
-    says only that the pages were there a moment ago. ``preadv`` reads the same page
-    cache, so it sees the same bytes; a truncation turns into a short read there, that is
-    a ``LoadError`` naming the file and offset. The pieces land in a per-thread scratch
-    buffer of ``HOST_SLICE_BYTES`` that stays in the CPU cache, which measured as the
-    cheapest piece size (smaller ones pay per call, larger ones spill the cache). Read
-    leases (``F_SETLEASE``) were rejected: only the file's owner may take one, a writer
-    that already has the file open prevents it, and breaking it sends SIGIO, whose
-    default action also ends the process.
+    Why: in modes ``mmap``/``mlock`` the tensors *are* mappings of the file (private, but a
+    page nobody wrote is still the file's). If the file is truncated while a check scans
+    such a mapping, the CPU's load from a page that the truncation cut off raises SIGBUS,
+    and the process dies (CPython cannot resume after it). No test beforehand closes that
+    gap: ``MADV_POPULATE_READ`` or an ``fstat`` says only that the pages were there a moment
+    ago. ``preadv`` reads the same page cache, so it sees the same bytes; a truncation turns
+    into a short read there, that is a ``LoadError`` naming the file and offset. The pieces
+    land in a per-thread scratch buffer of ``HOST_SLICE_BYTES`` that stays in the CPU cache,
+    which measured as the cheapest piece size (smaller ones pay per call, larger ones spill
+    the cache). Read leases (``F_SETLEASE``) were rejected: only the file's owner may take
+    one, a writer that already has the file open prevents it, and breaking it sends SIGIO,
+    whose default action also ends the process.
     """
 
     file: ByteSource
