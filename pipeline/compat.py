@@ -9,22 +9,31 @@ bytes come from: the constructor loads every tensor with ``aiogguf.load_sync`` (
 reads, every tensor checked), where gguf-py maps the file and leaves each page to fault
 in when it is first touched. Needs the ``gguf`` extra (gguf-py's enums and tables).
 
+Its errors are gguf-py's kinds as well as aiogguf's: a malformed file raises
+``CompatFormatError`` (a ``GGUFFormatError`` and a ``ValueError``, as gguf-py's reader
+raises ``ValueError``), a file that cannot be opened a ``CompatOSError`` (a ``LoadError``
+and an ``OSError`` with its ``errno`` and ``filename``: ``CompatFileNotFoundError`` is a
+``FileNotFoundError``...), so code written for either reader catches them.
+
 Fields are made when first asked for: a vocabulary of 10^5 strings is 2·10^5 numpy
 arrays in gguf-py's layout, which a reader that only wants the tensors never pays.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import struct
 import sys
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
 from aiogguf.api import load_sync, run
+from aiogguf.errors import GGUFFormatError, LoadError, os_errors
 from aiogguf.io.byteswap import needs_swap
 from aiogguf.io.devices.cpu import CpuDevice
 from aiogguf.records import ParsedFile
@@ -33,6 +42,7 @@ from aiogguf.stages.parse import is_split, parse_file, split_paths
 try:
     from gguf.constants import (
         GGML_QUANT_SIZES,
+        GGUF_DEFAULT_ALIGNMENT,
         GGMLQuantizationType,
         GGUFEndian,
         GGUFValueType,
@@ -43,7 +53,65 @@ except ImportError as exc:  # pragma: no cover - the extra is part of every test
         "aiogguf.compat needs gguf-py: pip install 'aiogguf[gguf]' (or pip install gguf)"
     ) from exc
 
-__all__ = ["GGUFReader", "ReaderField", "ReaderTensor"]
+__all__ = [
+    "CompatFileNotFoundError",
+    "CompatFormatError",
+    "CompatIsADirectoryError",
+    "CompatOSError",
+    "CompatPermissionError",
+    "GGUFReader",
+    "ReaderField",
+    "ReaderTensor",
+]
+
+
+class CompatFormatError(GGUFFormatError, ValueError):
+    """A malformed file, as the compat reader raises it: aiogguf's ``GGUFFormatError``
+    (path, offset, field) and the ``ValueError`` gguf-py's reader raises."""
+
+
+class CompatOSError(LoadError, OSError):
+    """A file the compat reader cannot open or read: aiogguf's ``LoadError`` and an
+    ``OSError`` with the ``errno``, ``strerror`` and ``filename`` of the failure, as
+    gguf-py's reader raises it. ``str()`` is aiogguf's message (it names the path)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        offset: int | None,
+        problem: str,
+        os_errno: int | None,
+        strerror: str | None,
+    ) -> None:
+        super().__init__(path, offset, problem)
+        self.errno = os_errno
+        self.strerror = strerror
+        self.filename = self.path
+
+    def __str__(self) -> str:
+        # OSError's would be "[Errno 2] ...": keep the one wording of every LoadError.
+        return BaseException.__str__(self)
+
+
+class CompatFileNotFoundError(CompatOSError, FileNotFoundError):
+    """The file (or a shard of its split set) does not exist (``ENOENT``)."""
+
+
+class CompatPermissionError(CompatOSError, PermissionError):
+    """The file may not be read (``EACCES``, ``EPERM``)."""
+
+
+class CompatIsADirectoryError(CompatOSError, IsADirectoryError):
+    """The path names a directory (``EISDIR``)."""
+
+
+# errno → the OSError subclass Python itself raises for it; any other is CompatOSError.
+_OS_ERRORS: dict[int, type[CompatOSError]] = {
+    errno.ENOENT: CompatFileNotFoundError,
+    errno.EACCES: CompatPermissionError,
+    errno.EPERM: CompatPermissionError,
+    errno.EISDIR: CompatIsADirectoryError,
+}
 
 _SCALARS: dict[GGUFValueType, type[np.generic]] = {
     GGUFValueType.UINT8: np.uint8,
@@ -58,6 +126,8 @@ _SCALARS: dict[GGUFValueType, type[np.generic]] = {
     GGUFValueType.FLOAT64: np.float64,
     GGUFValueType.BOOL: np.bool_,
 }
+# Array items cut without a walk per item (_Header._flat_items).
+_FLAT_ITEMS = frozenset(int(t) for t in (*_SCALARS, GGUFValueType.STRING))
 # gguf-py's element types; every other type is its bytes, rows of blocks.
 _ELEMENTS: dict[GGMLQuantizationType, type[np.generic]] = {
     GGMLQuantizationType.F16: np.float16,
@@ -77,11 +147,17 @@ class _Header:
     def __init__(self, raw: npt.NDArray[np.uint8], byte_order: Literal["I", "S"]) -> None:
         self.raw = raw
         self.byte_order = byte_order
+        self._length = np.dtype(np.uint64).newbyteorder(byte_order)
+        host_little = sys.byteorder == "little"
+        self._unpack_length = struct.Struct("<Q" if host_little == (byte_order == "I") else ">Q")
 
     def get(self, offset: int, dtype: type[np.generic], count: int = 1) -> npt.NDArray[Any]:
         count = int(count)
         end = offset + np.dtype(dtype).itemsize * count
-        array = self.raw[offset:end].view(dtype)[:count]
+        return self.as_read(self.raw[offset:end].view(dtype)[:count])
+
+    def as_read(self, array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """``array`` with the file's byte order, as gguf-py's ``_get`` marks it."""
         return array.view(array.dtype.newbyteorder(self.byte_order))
 
     def string(self, offset: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
@@ -106,9 +182,15 @@ class _Header:
         length = self.get(offset + 4, np.uint64)
         at = offset + 12
         parts: list[npt.NDArray[Any]] = [item_type, length]
+        n = int(length[0])
+        if n and int(item_type[0]) in _FLAT_ITEMS:
+            # A vocabulary's 10^5 items: the same parts as the walk below, cut faster.
+            item = GGUFValueType(int(item_type[0]))
+            size, items, item_indices = self._flat_items(at, item, n)
+            return 12 + size, parts + items, [i + 2 for i in item_indices], [value_type, item]
         indices: list[int] = []
         types: list[GGUFValueType] = [value_type]
-        for i in range(int(length[0])):
+        for i in range(n):
             size, item_parts, item_indices, item_types = self.value_parts(at, int(item_type[0]))
             if i == 0:
                 types += item_types
@@ -116,6 +198,25 @@ class _Header:
             parts += item_parts
             at += size
         return at - offset, parts, indices, types
+
+    def _flat_items(
+        self, offset: int, item: GGUFValueType, n: int
+    ) -> tuple[int, list[npt.NDArray[Any]], list[int]]:
+        """(bytes, parts, data indices) of ``n`` strings or scalars of one type: one
+        1-element view per scalar, a length and a bytes view per string, as gguf-py's."""
+        scalar = _SCALARS.get(item)
+        if scalar is not None:
+            values = self.get(offset, scalar, n)
+            return int(values.nbytes), [values[i : i + 1] for i in range(n)], list(range(n))
+        raw, length, unpack = self.raw, self._length, self._unpack_length.unpack_from
+        buffer = raw.data
+        parts: list[npt.NDArray[Any]] = []
+        at = offset
+        for _ in range(n):
+            (size,) = unpack(buffer, at)
+            parts += (raw[at : at + 8].view(length), raw[at + 8 : at + 8 + size])
+            at += 8 + size
+        return at - offset, parts, list(range(1, 2 * n, 2))
 
     def kv_field(self, offset: int) -> ReaderField:
         key_length, key = self.string(offset)
@@ -192,9 +293,17 @@ class GGUFReader:
 
     A split shard is read as gguf-py reads it: its own metadata and tensors (aiogguf
     loads a split model whole, so every shard of it is loaded). Raises what
-    ``aiogguf.load_sync`` raises (``GGUFFormatError`` for a malformed file,
-    ``TensorValidationError`` for bad tensors).
+    ``aiogguf.load_sync`` raises, a malformed file as ``CompatFormatError`` (also a
+    ``ValueError``) and an ``OSError`` as ``CompatOSError`` (also an ``OSError``:
+    ``CompatFileNotFoundError`` for a missing file), ``TensorValidationError`` for bad
+    tensors.
     """
+
+    # gguf-py's class attributes: its scripts read them (gguf_dump.py tells a scalar
+    # field from the others with ``gguf_scalar_to_np``).
+    gguf_scalar_to_np: ClassVar[dict[GGUFValueType, type[np.generic]]] = dict(_SCALARS)
+    byte_order: Literal["I", "S"] = "I"
+    alignment: int = GGUF_DEFAULT_ALIGNMENT
 
     def __init__(
         self,
@@ -205,23 +314,33 @@ class GGUFReader:
         if mode not in ("r", "c"):
             raise ValueError(f"mode {mode!r}: aiogguf's reader loads a copy; use 'r' or 'c'")
         self.path = os.fspath(path)
+        try:
+            self._read(mode, load_options)
+        except GGUFFormatError as exc:
+            _reraise_format(exc)
+        except LoadError as exc:
+            _reraise_os(exc)
+
+    def _read(self, mode: Literal["r", "c"], load_options: dict[str, Any]) -> None:
         options: dict[str, Any] = {"mode": "mmap" if mode == "r" else "none", "n_gpu_layers": 0}
         options.update(load_options)
         # This file's own header (a shard's, for a split model): what gguf-py reads.
         parsed: ParsedFile = run(functools.partial(parse_file, self.path), name="compat.GGUFReader")
         swapped = needs_swap(parsed.byte_order)
-        self.byte_order: Literal["I", "S"] = "S" if swapped else "I"
-        self.alignment: int = parsed.alignment
+        self.byte_order = "S" if swapped else "I"
+        self.alignment = parsed.alignment
         self.data_offset: int = parsed.data_offset
         self.endianess = _endianness(swapped)
-        with open(self.path, "rb") as f:
+        with os_errors(self.path, 0, "cannot read the header"), open(self.path, "rb") as f:
             raw = np.frombuffer(f.read(parsed.data_offset), dtype=np.uint8)
         header = _Header(raw, self.byte_order)
         self.fields: Mapping[str, ReaderField] = _Fields(header, parsed)
         with load_sync(_model_path(parsed), devices=[CpuDevice()], **options) as model:
             # The arrays keep their memory (and the file's mappings) alive past the close.
             self.tensors: list[ReaderTensor] = [
-                _tensor(header, info.info_offset, parsed.data_offset, model.raw(info.name))
+                _tensor(
+                    header, info.info_offset, parsed.data_offset, model.raw(info.name), mode == "c"
+                )
                 for info in parsed.tensors
             ]
 
@@ -230,6 +349,30 @@ class GGUFReader:
 
     def get_tensor(self, idx: int) -> ReaderTensor:
         return self.tensors[idx]
+
+
+def _reraise_format(exc: GGUFFormatError) -> NoReturn:
+    """``exc`` again, as a ``CompatFormatError`` (its traceback and cause kept)."""
+    if isinstance(exc, CompatFormatError):
+        raise exc
+    error = CompatFormatError(exc.path, exc.offset, exc.field, exc.problem)
+    raise error.with_traceback(exc.__traceback__) from exc.__cause__
+
+
+def _reraise_os(exc: LoadError) -> NoReturn:
+    """``exc`` again, as the ``CompatOSError`` of its ``OSError`` (the ``__cause__``) if
+    it has one, or of a directory (refused before any ``OSError``); otherwise as is."""
+    cause = exc.__cause__
+    os_errno = strerror = None
+    if isinstance(cause, OSError):
+        os_errno, strerror = cause.errno, cause.strerror
+    elif exc.path is not None and os.path.isdir(exc.path):
+        os_errno, strerror = errno.EISDIR, os.strerror(errno.EISDIR)
+    if os_errno is None or isinstance(exc, CompatOSError):
+        raise exc
+    kind = _OS_ERRORS.get(os_errno, CompatOSError)
+    error = kind(exc.path, exc.offset, exc.problem, os_errno, strerror)
+    raise error.with_traceback(exc.__traceback__) from cause
 
 
 def _model_path(parsed: ParsedFile) -> str:
@@ -248,7 +391,9 @@ def _endianness(swapped: bool) -> GGUFEndian:
     return other if swapped else host
 
 
-def _tensor(header: _Header, info_offset: int, data_start: int, raw: memoryview) -> ReaderTensor:
+def _tensor(
+    header: _Header, info_offset: int, data_start: int, raw: memoryview, writeable: bool
+) -> ReaderTensor:
     field = header.tensor_field(info_offset)
     _, _, _, dims, raw_type, offset = field.parts
     ggml_type = GGMLQuantizationType(int(raw_type[0]))
@@ -259,7 +404,16 @@ def _tensor(header: _Header, info_offset: int, data_start: int, raw: memoryview)
     if dtype is None:
         dtype = np.uint8
         shape = (*shape[:-1], shape[-1] // block_elems * block_bytes)
-    data = np.frombuffer(raw, dtype=np.uint8).view(dtype).reshape(shape)
+    data = np.frombuffer(raw, dtype=np.uint8)
+    if header.byte_order == "S" and block_elems == 1 and block_bytes > 1:
+        # The load turned the elements of a file of the other byte order into this
+        # host's (it takes no other types from such a file); gguf-py hands over the
+        # file's own bytes, its dtype marked swapped, and its scripts rely on that
+        # (gguf_new_metadata.py writes them out as they are).
+        data = data.view(np.dtype(f"u{block_bytes}")).byteswap().view(np.uint8)
+    data = header.as_read(data.view(dtype)).reshape(shape)
+    # Mode "r" is read-only, as gguf-py's: so is a copy made above.
+    data.flags.writeable = writeable and data.flags.writeable
     return ReaderTensor(
         name=field.name,
         tensor_type=ggml_type,

@@ -10,19 +10,29 @@ every tensor's attributes and data (dtype, shape, bytes).
 
 from __future__ import annotations
 
+import os
+import re
+import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
 from conftest import REFERENCE_DIR
 
-from aiogguf.errors import TensorValidationError
+import aiogguf
+from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, TensorValidationError
 from aiogguf.testing.synth import Corruption, CorruptionKind, SynthModel, write_synthetic_model
 
 gguf = pytest.importorskip("gguf")
-from aiogguf.compat import GGUFReader  # noqa: E402 - needs gguf, as the skip says
+from helpers_gguf import write_gguf  # noqa: E402
+
+from aiogguf.compat import (  # noqa: E402 - needs gguf, as the skip says
+    CompatFormatError,
+    CompatOSError,
+    GGUFReader,
+)
 
 NAMES = sorted(p.name for p in REFERENCE_DIR.glob("*.gguf")) or ["<missing>"]
 READERS: dict[str, Callable[[Path], Any]] = {"gguf-py": gguf.GGUFReader, "aiogguf": GGUFReader}
@@ -179,3 +189,152 @@ def test_the_pipeline_checks_what_gguf_py_hands_over(tmp_path: Path) -> None:
     with pytest.raises(TensorValidationError, match=target):
         GGUFReader(bad.path)
     assert len(GGUFReader(bad.path, check_tensors=False).tensors) == clean.n_tensors
+
+
+def test_gguf_py_class_attributes() -> None:
+    """What gguf-py's scripts read from the class: ``gguf_dump.py`` tells a scalar field
+    from the others with ``gguf_scalar_to_np``, ``gguf_set_metadata.py`` converts the
+    new value with it."""
+    assert GGUFReader.gguf_scalar_to_np == gguf.GGUFReader.gguf_scalar_to_np
+    assert GGUFReader.gguf_scalar_to_np is not gguf.GGUFReader.gguf_scalar_to_np
+    assert (GGUFReader.byte_order, GGUFReader.alignment) == (
+        gguf.GGUFReader.byte_order,
+        gguf.GGUFReader.alignment,
+    )
+
+
+def _tiny(path: Path) -> Path:
+    return write_gguf(
+        path,
+        {"general.architecture": "llama", "llama.block_count": np.uint32(2)},
+        [("a.weight", np.ones((2, 32), np.float32)), ("b.weight", np.ones((2, 32), np.float32))],
+    )
+
+
+def _damaged(tmp_path: Path, edit: Callable[[bytes], bytes]) -> Path:
+    good = _tiny(tmp_path / "good.gguf").read_bytes()
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(edit(good))
+    return path
+
+
+def _after(marker: bytes, skip: int, new: bytes) -> Callable[[bytes], bytes]:
+    """An edit: ``new`` written ``skip`` bytes after the end of ``marker``."""
+
+    def edit(buf: bytes) -> bytes:
+        at = buf.index(marker) + len(marker) + skip
+        return buf[:at] + new + buf[at + len(new) :]
+
+    return edit
+
+
+# name → a malformed file made from a good one; gguf-py's reader raises ValueError for
+# each but "header cut short", where it raises IndexError (an index past its map).
+MALFORMED: dict[str, Callable[[bytes], bytes]] = {
+    "empty": lambda buf: b"",
+    "bad magic": lambda buf: b"GGUX" + buf[4:],
+    "version 9": lambda buf: buf[:4] + struct.pack("<I", 9) + buf[8:],
+    "header cut short": lambda buf: buf[:40],
+    "data cut short": lambda buf: buf[:-64],
+    "value type 77": _after(b"llama.block_count", 0, struct.pack("<I", 77)),
+    "tensor type 99": _after(b"b.weight", 4 + 16, struct.pack("<I", 99)),
+    "duplicate tensor": _after(b"a.weight", 4 + 16 + 4 + 8 + 8, b"a.weight"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_file_is_a_value_error(case: str, tmp_path: Path) -> None:
+    """What gguf-py raises (``ValueError``), and aiogguf's ``GGUFFormatError`` naming the
+    file: ``except ValueError`` written for gguf-py's reader catches ours."""
+    path = _damaged(tmp_path, MALFORMED[case])
+    with pytest.raises(IndexError if case == "header cut short" else ValueError):
+        gguf.GGUFReader(path)
+    with pytest.raises(ValueError, match=re.escape(str(path))) as caught:
+        GGUFReader(path)
+    assert isinstance(caught.value, GGUFFormatError)
+    assert isinstance(caught.value, CompatFormatError)
+    with pytest.raises(GGUFError):
+        GGUFReader(path)
+
+
+def _missing(tmp_path: Path) -> Path:
+    return tmp_path / "no-such.gguf"
+
+
+def _dangling(tmp_path: Path) -> Path:
+    link = tmp_path / "link.gguf"
+    link.symlink_to(tmp_path / "gone.gguf")
+    return link
+
+
+def _shard_of_missing(tmp_path: Path) -> Path:
+    return tmp_path / "no-such-dir" / "m.gguf"
+
+
+# name → (a path, what gguf-py and ours raise for it)
+UNOPENABLE: dict[str, tuple[Callable[[Path], Path], type[OSError]]] = {
+    "missing": (_missing, FileNotFoundError),
+    "dangling symlink": (_dangling, FileNotFoundError),
+    "missing folder": (_shard_of_missing, FileNotFoundError),
+    "a directory": (lambda tmp_path: tmp_path, IsADirectoryError),
+}
+
+
+@pytest.mark.parametrize("case", UNOPENABLE)
+def test_a_file_that_cannot_be_opened_is_an_os_error(case: str, tmp_path: Path) -> None:
+    """What gguf-py raises (``FileNotFoundError``, ``IsADirectoryError``, with its errno and
+    file name), and aiogguf's ``LoadError``: ``except FileNotFoundError`` / ``except
+    OSError`` written for gguf-py's reader catches ours."""
+    make, kind = UNOPENABLE[case]
+    path = make(tmp_path)
+    with pytest.raises(kind) as theirs:
+        gguf.GGUFReader(path)
+    with pytest.raises(kind) as ours:
+        GGUFReader(path)
+    error = ours.value
+    assert isinstance(error, LoadError)
+    assert isinstance(error, CompatOSError)
+    assert (error.errno, error.filename) == (theirs.value.errno, str(path))
+    assert error.strerror == theirs.value.strerror == os.strerror(error.errno)
+    assert str(error).startswith(f"{path}: ")  # aiogguf's message, naming the file
+    with pytest.raises(OSError, match=re.escape(str(path))):
+        GGUFReader(path)
+    with pytest.raises(GGUFError):
+        GGUFReader(path)
+
+
+def test_only_the_compat_reader_raises_them(tmp_path: Path) -> None:
+    """The rest of aiogguf raises its own errors, which are neither."""
+    bad = _damaged(tmp_path, MALFORMED["bad magic"])
+    with pytest.raises(GGUFFormatError) as format_error:
+        aiogguf.inspect_sync(bad)
+    assert not isinstance(format_error.value, ValueError)
+    with pytest.raises(LoadError) as load_error:
+        aiogguf.inspect_sync(tmp_path / "no-such.gguf")
+    assert not isinstance(load_error.value, OSError)
+
+
+def test_a_good_file_after_the_errors(tmp_path: Path) -> None:
+    # The conversions leave nothing behind: a good file reads as before.
+    path = _tiny(tmp_path / "good.gguf")
+    compare(GGUFReader(path), gguf.GGUFReader(path))
+
+
+@pytest.mark.parametrize("endian", ["little", "big"])
+def test_arrays_of_every_type(endian: Literal["little", "big"], tmp_path: Path) -> None:
+    """Arrays of each scalar type, of strings and of arrays, in both byte orders, cut into
+    the same parts as gguf-py's (a vocabulary's arrays are cut by a path of their own)."""
+    kv: dict[str, Any] = {"general.architecture": "llama"}
+    for scalar in set(gguf.GGUFReader.gguf_scalar_to_np.values()):
+        kv[f"array.{np.dtype(scalar).name}"] = [scalar(1), scalar(0), scalar(1)]
+    kv["array.string"] = ["x", "", "yz"]
+    kv["array.nested"] = ([[1, 2], [3]], gguf.GGUFValueType.ARRAY)
+    path = write_gguf(
+        tmp_path / "arrays.gguf", kv, [("w", np.ones((2, 32), np.float32))], endian=endian
+    )
+    ours = GGUFReader(path)
+    compare(ours, gguf.GGUFReader(path))
+    assert len([key for key in ours.fields if key.startswith("array.")]) == 13
+    assert ours.fields["array.string"].contents() == ["x", "", "yz"]
+    assert ours.fields["array.uint64"].contents() == [1, 0, 1]
+    assert ours.fields["array.bool"].contents() == [True, False, True]
