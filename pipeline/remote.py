@@ -162,12 +162,14 @@ def open_remote(
     *,
     policy: AddressPolicy | None = None,
     head_bytes: int = HEAD_BYTES,
+    on_open: Callable[[HttpSource], None] | None = None,
 ) -> tuple[HttpSource, str]:
     """Blocking: ``url`` opened (its first request: size, ETag and the first
     ``head_bytes``), and the name that opens the same version (for an ``hf://`` name:
     pinned to the commit the hub resolved it to, or ``found`` when it was; the file must
     have the size the hub gave). ``policy``: the addresses it may connect to
-    (``RemoteOptions.address_policy``)."""
+    (``RemoteOptions.address_policy``); ``on_open``: told of the source before its first
+    request (``RemoteOptions.on_open``)."""
     pipeline = config.pipeline
     options = RemoteOptions(
         retries=pipeline.remote_retries,
@@ -175,6 +177,8 @@ def open_remote(
         request_bytes=pipeline.remote_request_size,
         address_policy=policy,
         head_bytes=head_bytes,
+        min_rate=pipeline.remote_min_rate,
+        on_open=on_open,
     )
     if not is_hub_name(url):
         return HttpSource(url, options), url
