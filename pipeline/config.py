@@ -378,6 +378,9 @@ class ServerConfig(_Section):
 SERVER_MAX_MODELS = 64
 SERVER_MAX_SHARDS = 256  # gguf-split sets are tens of shards; each is a descriptor
 SERVER_REQUEST_TIMEOUT_S = 10.0
+# Remote loads whose files are being opened at once: each holds a thread while it waits
+# on another server, which may be slow on purpose.
+SERVER_MAX_REMOTE_ADMISSIONS = 8
 
 
 def server_max_loaded_bytes() -> int:
