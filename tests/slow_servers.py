@@ -2,8 +2,8 @@
 
 - ``DripServer``: answers ranged GETs of one file's bytes, the first ``fast`` requests at
   once and every later one (status line, headers and body) ``chunk`` bytes every
-  ``interval`` seconds; counts the connections it holds open (``open``), each ended as
-  soon as its client closes it.
+  ``interval`` seconds (over TLS, each piece a record of its own); counts the
+  connections it holds open (``open``), each ended as soon as its client closes it.
 - ``DelayProxy``: relays TCP to another port, starting ``delay_s`` after each connection
   is accepted (a server that far away: a TLS handshake then waits that long for its
   answer).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 import threading
 import time
 from typing import Self
@@ -23,9 +24,11 @@ _RANGE = re.compile(rb"\r\nrange: *bytes=(\d+)-(\d+)", re.IGNORECASE)
 
 
 class _LoopThread:
-    """An event loop on a daemon thread, and the server ``_serve`` makes on it."""
+    """An event loop on a daemon thread, and the server ``_serve`` makes on it (over TLS
+    with ``tls``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
         self.port = 0
         self.open = 0  # connections being served now
         self.connections = 0  # connections accepted so far
@@ -43,10 +46,11 @@ class _LoopThread:
         self.stop()
 
     def url(self, name: str = "m.gguf") -> str:
-        return f"http://127.0.0.1:{self.port}/{name}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}/{name}"
 
     async def _start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -97,9 +101,15 @@ class DripServer(_LoopThread):
     """Ranged GETs of ``data`` (any path), ETag ``"v1"``: see the module."""
 
     def __init__(
-        self, data: bytes, *, fast: int = 1, chunk: int = 1, interval: float = 0.1
+        self,
+        data: bytes,
+        *,
+        fast: int = 1,
+        chunk: int = 1,
+        interval: float = 0.1,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(tls)
         self.data = data
         self.fast = fast
         self.chunk = chunk

@@ -139,6 +139,28 @@ def test_a_cancelled_load_closes_the_servers_connections_within_a_second(model: 
         assert closed_s is not None, "the server still had connections 5 s after the end"
 
 
+def test_a_cancelled_https_load_of_a_drip_ends_at_once(
+    model: Path, tls_files: tuple[Path, ssl.SSLContext, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over TLS each dripped byte is a record of its own, which a read returns at once:
+    the stop is looked at all the same."""
+    _, context, cert = tls_files
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    with DripServer(model.read_bytes(), fast=1, chunk=1, interval=0.1, tls=context) as server:
+        load = _LoadThread(server.url(), 1.0, remote_in_flight=4, chunk_size="256KiB")
+        try:
+            ended = load.run(within_s=1.0 + 8.0)
+        finally:
+            server.stop()
+            load.join()
+    assert ended, "the cancelled load had not ended 8 s after the cancel"
+    assert load.cancelled, repr(load.error)
+    assert server.requests > 1
+    assert load.ended - load.began - 1.0 < 2.0
+    assert _load_threads() == []
+
+
 def test_a_trickle_fails_under_the_floor(model: Path) -> None:
     """2 B/s, never a second without a byte (so never a stall): the rate over
     ``remote_timeout`` is under ``remote_min_rate``, and each try fails, without the
