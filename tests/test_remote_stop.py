@@ -193,18 +193,18 @@ def test_a_trickle_fails_under_the_floor(model: Path) -> None:
 
 
 def test_a_source_reads_through_a_slow_but_steady_link(model: Path) -> None:
-    """Over the floor: a 2 KiB/s link (bytes every 0.05 s) is not refused by a floor of
-    1 KiB/s averaged over a second."""
+    """Over the floor: a 4 KiB/s link (200 bytes every 0.05 s) is not refused by a floor
+    of 1 KiB/s averaged over a second."""
     data = model.read_bytes()
-    with DripServer(data, fast=1, chunk=100, interval=0.05) as server:
+    with DripServer(data, fast=1, chunk=200, interval=0.05) as server:
         options = RemoteOptions(stall_s=1.0, min_rate=1024, retries=0, head_bytes=64)
         source = HttpSource(server.url(), options)
         try:
-            buf = bytearray(4000)  # with the headers: about 2.1 s of dripping
+            buf = bytearray(8000)  # with the headers: about 2 s of dripping
             source.read_into(buf, 1000)
         finally:
             source.close()
-    assert bytes(buf) == data[1000:5000]
+    assert bytes(buf) == data[1000:9000]
 
 
 # --- TLS through a server 0.4 s away ----------------------------------------------------
