@@ -22,12 +22,19 @@ load's reader threads, one keep-alive connection per thread, each ranged body re
 - **Addresses.** With an ``address_policy`` (a server's: ``aiogguf.io.remote_policy``),
   each host is resolved once per connection and only an address the policy accepts is
   connected to, by its number: what was checked is what is reached, after redirects too.
-- **Stopping.** Sockets wait ``POLL_S`` at a time and call ``raise_if_stopped`` between
-  waits and between pieces of a body, so a cancelled load ends its reads within about a
-  second even when a server stalls; ``stall_s`` without a byte is a timeout.
+- **Stopping.** No socket call waits more than ``POLL_S`` (the kernel's or Python's
+  timeout), and every return of a read calls ``raise_if_stopped``, whatever it brought:
+  a cancelled load ends its reads within about ``POLL_S`` whether a server stalls or
+  drips a byte every 0.1 s. ``close()``, from any thread, shuts every connection down.
+- **Pace.** ``stall_s`` without a byte is a timeout, and so is a connection whose reads
+  bring less than ``min_rate`` bytes a second, averaged over ``stall_s`` of waiting on
+  it: a trickle is retried as a stall is, but the bytes it brings earn no more tries,
+  so a server that drips ends the load in bounded time. The TLS handshake waits
+  ``stall_s`` too.
 - **Hostile servers.** Status line and headers are bounded by ``http.client`` (lines of
   64 KiB, 100 headers); ``Content-Range`` and ``Content-Length`` must match the range
-  asked for exactly.
+  asked for exactly, and a range must come without a ``Content-Encoding`` (the file's
+  own bytes, not their gzip).
 """
 
 from __future__ import annotations
@@ -63,11 +70,15 @@ if TYPE_CHECKING:
 AddressPolicy = Callable[[str, "IPAddress"], str | None]
 __all__ = ["AddressPolicy", "HttpSource", "RemoteOptions", "is_url", "redact_url"]
 
-# A socket waits this long at a time: between waits a stopped load is noticed.
+# A socket call waits this long at most: a stopped load is noticed at its return.
 POLL_S = 0.25
 # The most bytes one readinto asks for: a stop is noticed between pieces.
 PIECE_BYTES = 4 << 20
 MAX_REDIRECTS = 5
+# The default floor of a connection's rate, in bytes a second averaged over ``stall_s``
+# of waiting (``RemoteOptions.min_rate``): a link a thousand times slower than a slow
+# home line still passes, a server that drips a byte at a time does not.
+MIN_RATE = 1024
 # The first request's bytes: a header of a model with a large vocabulary fits (the
 # parse's growing reads are then answered from them), and a body this small costs
 # little more than the round trip any first request costs.
@@ -102,7 +113,12 @@ class RemoteOptions:
     host). ``request_bytes``: the most one ranged request asks for (a longer read is
     several, one after the other). ``address_policy(host, address)``: why an address
     the host resolved to may not be connected to, or None; None: any address.
-    ``head_bytes``: what the first request asks for (1: only the size and the ETag)."""
+    ``head_bytes``: what the first request asks for (1: only the size and the ETag).
+    ``min_rate``: bytes a second a connection's reads must bring, averaged over
+    ``stall_s`` of waiting on it, or the try times out (0: no floor; the default passes
+    a link of a few kilobytes a second). ``on_open(source)``: called as each source is
+    made, before its first request, so that another thread may ``close()`` it (a server
+    whose client went away) while that request waits."""
 
     retries: int = 4
     backoff_s: float = 0.25
@@ -111,6 +127,8 @@ class RemoteOptions:
     request_bytes: int = 16 << 20
     address_policy: AddressPolicy | None = None
     head_bytes: int = HEAD_BYTES
+    min_rate: int = MIN_RATE
+    on_open: Callable[[HttpSource], None] | None = None
 
 
 class AddressRefused(Exception):
@@ -125,32 +143,74 @@ class _Fault(Exception):
     """A response that another try may fix (a 5xx, a short body)."""
 
 
-def _polled_recv(recv: object, stall_s: float, *args: object) -> int:
-    waited = 0.0
+class _TooSlow(TimeoutError):
+    """A connection's reads brought less than the floor over a window."""
+
+
+class _Pace:
+    """The reads of one connection, timed: what a read brings and how long it waited.
+    ``spent``/``got``: waiting and bytes in the current window; ``silent``: waiting
+    since the last byte."""
+
+    __slots__ = ("got", "min_rate", "silent", "spent", "stall_s")
+
+    def __init__(self, stall_s: float, min_rate: int) -> None:
+        self.stall_s = stall_s
+        self.min_rate = min_rate
+        self.spent = self.silent = 0.0
+        self.got = 0
+
+    def count(self, waited: float, got: int) -> None:
+        """After a read that waited ``waited`` s and brought ``got`` bytes (-1: none, it
+        timed out): raises ``Stopped`` for a stopped load, ``TimeoutError`` after
+        ``stall_s`` without a byte, ``_TooSlow`` under the floor."""
+        raise_if_stopped()
+        self.spent += waited
+        if got > 0:
+            self.got += got
+            self.silent = 0.0
+        else:
+            self.silent += waited
+            if self.silent >= self.stall_s:
+                raise TimeoutError(f"no byte for {self.stall_s:g} s")
+        if self.spent >= self.stall_s:
+            if self.got < self.min_rate * self.spent:
+                raise _TooSlow(
+                    f"{self.got} bytes in {self.spent:.1f} s of waiting, under "
+                    f"remote_min_rate ({self.min_rate} B/s)"
+                )
+            self.spent, self.got = 0.0, 0
+
+
+def _polled_recv(pace: _Pace, recv: Callable[..., int], *args: object) -> int:
+    """``recv(*args)``, which waits ``POLL_S`` at most, until it brings bytes or the end;
+    ``pace`` looks at the stop, the silence and the rate after every return."""
+    clock = time.monotonic
     while True:
+        began = clock()
         try:
-            return recv(*args)  # type: ignore[operator,no-any-return]
+            got = recv(*args)
         except (TimeoutError, BlockingIOError):  # Python's timeout, or the kernel's
-            waited += POLL_S
-            if waited >= stall_s:
-                raise
-            raise_if_stopped()
+            got = -1
+        pace.count(clock() - began, got)
+        if got >= 0:
+            return got
 
 
 class _PollingSocket(socket.socket):
-    """A socket whose reads wait ``POLL_S`` at a time, checking for a stop between."""
+    """A socket whose reads wait ``POLL_S`` at a time, paced by ``pace``."""
 
-    stall_s = 30.0
+    pace: _Pace
 
     def recv_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> int:
-        return _polled_recv(super().recv_into, self.stall_s, buffer, nbytes, flags)
+        return _polled_recv(self.pace, super().recv_into, buffer, nbytes, flags)
 
 
 class _PollingSSLSocket(ssl.SSLSocket):
-    stall_s = 30.0
+    pace: _Pace
 
     def recv_into(self, buffer: Buffer, nbytes: int | None = None, flags: int = 0) -> int:
-        return _polled_recv(super().recv_into, self.stall_s, buffer, nbytes, flags)
+        return _polled_recv(self.pace, super().recv_into, buffer, nbytes, flags)
 
 
 _TLS_LOCK = threading.Lock()
@@ -191,17 +251,17 @@ def _allowed_addresses(host: str, port: int, policy: AddressPolicy) -> list[tupl
 def _connect(
     host: str,
     port: int,
-    stall_s: float,
+    options: RemoteOptions,
     tls: ssl.SSLContext | None,
-    policy: AddressPolicy | None = None,
 ) -> socket.socket:
+    stall_s, policy = options.stall_s, options.address_policy
     timeout = min(stall_s, 10.0)
     if policy is None:
         raw = _first_connection([(host, port)], timeout)
     else:
         raw = _first_connection(_allowed_addresses(host, port, policy), timeout)
     sock = _PollingSocket(fileno=raw.detach())
-    sock.stall_s = stall_s
+    sock.pace = _Pace(stall_s, options.min_rate)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if tls is None:
         # The kernel's timeouts, not Python's: a socket with a Python timeout polls
@@ -215,13 +275,32 @@ def _connect(
         return sock
     sock.settimeout(POLL_S)  # TLS reads its records through Python's timeout
     try:
-        wrapped = tls.wrap_socket(sock, server_hostname=host)
+        wrapped = tls.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
     except BaseException:
         sock.close()
         raise
     assert isinstance(wrapped, _PollingSSLSocket)
-    wrapped.stall_s = stall_s
+    wrapped.pace = _Pace(stall_s, options.min_rate)
+    try:
+        _handshake(wrapped, stall_s)
+    except BaseException:
+        wrapped.close()
+        raise
     return wrapped
+
+
+def _handshake(sock: ssl.SSLSocket, stall_s: float) -> None:
+    """The TLS handshake, waited for ``stall_s`` as a read is, ``POLL_S`` at a time (a
+    handshake that timed out resumes where it stopped), the stop looked at between."""
+    deadline = time.monotonic() + stall_s
+    while True:
+        try:
+            sock.do_handshake()
+            return
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no TLS handshake within {stall_s:g} s") from None
+            raise_if_stopped()
 
 
 def _first_connection(addresses: list[tuple[str, int]], timeout: float) -> socket.socket:
@@ -273,12 +352,11 @@ class _Connection(http.client.HTTPConnection):
     def __init__(self, scheme: str, host: str, port: int, options: RemoteOptions) -> None:
         super().__init__(host, port, timeout=POLL_S)
         self.key = (scheme, host, port)
-        self._stall_s = options.stall_s
-        self._policy = options.address_policy
+        self._options = options
 
     def connect(self) -> None:
         tls = _tls_context() if self.key[0] == "https" else None
-        self.sock = _connect(self.host, self.port, self._stall_s, tls, self._policy)
+        self.sock = _connect(self.host, self.port, self._options, tls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +407,8 @@ class HttpSource:
         self._closed = False
         self.etag: str | None = None
         self.size_bytes = -1
+        if self.options.on_open is not None:
+            self.options.on_open(self)
         try:
             self._learn()
         except BaseException:
@@ -405,7 +485,7 @@ class HttpSource:
                 attempt(done)
                 return
             except _Progress as progress:
-                if progress.done > done:
+                if progress.done > done and not isinstance(progress.cause, _TooSlow):
                     tries = 0  # bytes arrived: the budget of tries is per stall
                 done = progress.done
                 fault = progress.cause
@@ -517,6 +597,14 @@ class HttpSource:
                 start,
                 f"expected a partial response (206), got {status} {response.reason}",
             )
+        encoding = response.getheader("Content-Encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            raise LoadError(
+                self.path,
+                start,
+                f"the range came with Content-Encoding {encoding}, not as the file's own "
+                "bytes (it was asked for with Accept-Encoding: identity)",
+            )
         match = _CONTENT_RANGE.fullmatch(response.getheader("Content-Range", "").strip())
         if match is None:
             raise LoadError(self.path, start, "the response has no usable Content-Range")
@@ -538,6 +626,8 @@ class HttpSource:
             raise LoadError(self.path, start, "Content-Length does not match Content-Range")
 
     def _connection(self, where: _Target) -> _Connection:
+        if self._closed:  # a connection of this thread's would connect again
+            raise LoadError(self.path, None, "the source is closed")
         conn: _Connection | None = getattr(self._local, "conn", None)
         if conn is not None and conn.key == where.origin:
             return conn

@@ -244,11 +244,14 @@ class PipelineConfig(_Section):
     # thread and a keep-alive connection of its own (``remote_readers``, its former
     # name, is still read); the most bytes one request asks for; tries of a range after
     # a reset, a timeout, a short body or a 5xx, in a row, before the load fails;
-    # seconds without a byte before a request counts as timed out.
+    # seconds without a byte before a request counts as timed out; the bytes a second a
+    # connection must bring, averaged over remote_timeout, or it counts as timed out too
+    # (0: no floor).
     remote_in_flight: Int = Field(default=16, ge=1, le=MAX_THREADS)
     remote_request_size: PositiveSize = Field(default=16 * 1024**2, le=MAX_CHUNK_BYTES)
     remote_retries: Int = Field(default=4, ge=0, le=100)
     remote_timeout: Float = Field(default=30.0, gt=0.0, le=3600.0)
+    remote_min_rate: Size = Field(default=1024, le=1024**3)
 
     @model_validator(mode="before")
     @classmethod
@@ -375,6 +378,9 @@ class ServerConfig(_Section):
 SERVER_MAX_MODELS = 64
 SERVER_MAX_SHARDS = 256  # gguf-split sets are tens of shards; each is a descriptor
 SERVER_REQUEST_TIMEOUT_S = 10.0
+# Remote loads whose files are being opened at once: each holds a thread while it waits
+# on another server, which may be slow on purpose.
+SERVER_MAX_REMOTE_ADMISSIONS = 8
 
 
 def server_max_loaded_bytes() -> int:

@@ -168,13 +168,15 @@ def open_remote(
     *,
     policy: AddressPolicy | None = None,
     head_bytes: int = HEAD_BYTES,
+    on_open: Callable[[HttpSource], None] | None = None,
 ) -> tuple[HttpSource, str]:
     """Blocking: ``url`` opened (its first request: size, ETag and the first
     ``head_bytes``), and the name that opens the same version (for an ``hf://`` name:
     pinned to the commit the hub resolved it to, or ``found`` when it was; the file must
     have the size the hub gave). ``policy``: the addresses it may connect to
-    (``RemoteOptions.address_policy``)."""
-    options = _remote_options(config, policy, head_bytes)
+    (``RemoteOptions.address_policy``); ``on_open``: told of the source before its first
+    request (``RemoteOptions.on_open``)."""
+    options = _remote_options(config, policy, head_bytes, on_open)
     if not is_hub_name(url):
         return HttpSource(url, options), url
     found = found or resolve_hub_file(url)
@@ -196,7 +198,12 @@ def open_remote(
     return source, pinned
 
 
-def _remote_options(config: Config, policy: AddressPolicy | None, head_bytes: int) -> RemoteOptions:
+def _remote_options(
+    config: Config,
+    policy: AddressPolicy | None,
+    head_bytes: int,
+    on_open: Callable[[HttpSource], None] | None = None,
+) -> RemoteOptions:
     """How ``config`` reads a remote file (``open_remote``'s arguments)."""
     pipeline = config.pipeline
     return RemoteOptions(
@@ -205,6 +212,8 @@ def _remote_options(config: Config, policy: AddressPolicy | None, head_bytes: in
         request_bytes=pipeline.remote_request_size,
         address_policy=policy,
         head_bytes=head_bytes,
+        min_rate=pipeline.remote_min_rate,
+        on_open=on_open,
     )
 
 

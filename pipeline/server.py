@@ -48,7 +48,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -272,6 +272,9 @@ class LoaderRegistry:
         # A request's descriptor check and its opening of files, one request at a time:
         # two requests must not both count the same free descriptors.
         self.admission_lock: threading.Lock = threading.Lock()
+        # Remote loads whose files are being opened now (``policy.max_remote_admissions``);
+        # changed on the loop's thread only.
+        self.remote_admissions = 0
 
     @property
     def accepting(self) -> bool:
@@ -452,6 +455,8 @@ _REGISTRY = web.AppKey("aiogguf_registry", LoaderRegistry)
 
 # How long DELETE waits for a load to wind down before answering 202.
 _STOP_WAIT_S = 30.0
+# How often a request being admitted looks whether its client is still connected.
+_GONE_POLL_S = 0.1
 # An event stream with nothing to say (a load queued behind others) says this often
 # that it is alive.
 _KEEPALIVE_S = 15.0
@@ -477,9 +482,13 @@ async def _post_model(request: web.Request) -> web.Response:
     if not registry.accepting:
         return _error(503, "the server is shutting down")
     try:
-        parsed = await parse_request(request, registry)
+        parsed = await _while_connected(request, lambda: parse_request(request, registry))
     except RequestRefused as exc:
         return _error(exc.status, exc.reason)
+    if parsed is None or _gone(request):
+        if parsed is not None:
+            parsed.opener.close()
+        return _error(499, "the client closed its connection before the load was admitted")
     # No await between the limits' check in ``submit`` and the load taking its place.
     try:
         entry = registry.submit(parsed)
@@ -494,6 +503,39 @@ async def _post_model(request: web.Request) -> web.Response:
         status=201,
         headers={"Location": str(request.url.with_path(f"{request.path}/{entry.id}"))},
     )
+
+
+def _gone(request: web.Request) -> bool:
+    """Whether the request's client has closed its connection."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _while_connected(
+    request: web.Request, fn: Callable[[], Awaitable[LoadRequest]]
+) -> LoadRequest | None:
+    """``fn()``, or None once the request's client has closed its connection (looked at
+    every ``_GONE_POLL_S``), ``fn`` then cancelled: aiohttp goes on with a handler whose
+    client went away, and a remote admission would go on waiting on a server for no
+    one."""
+    outcome: list[LoadRequest] = []
+    error: Exception | None = None
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while not _gone(request):  # noqa: ASYNC110  (aiohttp has no event for it)
+            await anyio.sleep(_GONE_POLL_S)
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        try:
+            outcome.append(await fn())
+        except Exception as exc:  # raised below, outside the group: not wrapped in one
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return outcome[0] if outcome else None
 
 
 async def _list_models(request: web.Request) -> web.Response:

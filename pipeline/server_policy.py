@@ -25,6 +25,7 @@ from aiohttp import web
 from aiogguf.config import (
     FORMER_NAMES,
     SERVER_MAX_MODELS,
+    SERVER_MAX_REMOTE_ADMISSIONS,
     SERVER_MAX_SHARDS,
     SERVER_REQUEST_TIMEOUT_S,
     Config,
@@ -141,6 +142,8 @@ class ServerPolicy:
     of the descriptor limit, at most 512); loads never take the descriptors they need.
     ``remote``: the ``https://`` and ``hf://`` names clients may load, and the addresses
     those loads may connect to (``aiogguf.server_remote``; default: none).
+    ``max_remote_admissions``: remote loads whose files are being opened at once (each
+    holds a thread while it waits on another server; 503 beyond).
     """
 
     token: str | None = None
@@ -154,11 +157,16 @@ class ServerPolicy:
     request_timeout_s: float = SERVER_REQUEST_TIMEOUT_S
     max_connections: int | None = None
     remote: RemoteAccess = field(default_factory=RemoteAccess)
+    max_remote_admissions: int = SERVER_MAX_REMOTE_ADMISSIONS
 
     def __post_init__(self) -> None:
         unknown = self.modes - DEFAULT_MODES - OPT_IN_MODES
         if unknown:
             raise ValueError(f"unknown load mode(s) {sorted(unknown)} in the allowed modes")
+        if self.max_remote_admissions < 1:
+            raise ValueError(
+                f"max_remote_admissions must be >= 1, got {self.max_remote_admissions}"
+            )
         for name in ("max_models", "max_loaded_bytes", "max_connections"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -14,9 +14,10 @@ make the server reach its own network (server-side request forgery).
 does for local ones: each file's first request learns its size (every split of a set
 named by its first), so the server's byte budget counts what the load will hold before
 a byte of the model is read, and the load then reads those very sources, at the version
-(ETag, commit) that was counted. Such a load neither reads nor writes the hub's cache
-(``aiogguf.hub_cache``): its opener opens no local file, and a client must not fill the
-server's disk.
+(ETag, commit) that was counted. A request whose client goes away meanwhile closes
+them, the one being opened included, from the loop's thread: its request ends at once.
+Such a load neither reads nor writes the hub's cache (``aiogguf.hub_cache``): its opener
+opens no local file, and a client must not fill the server's disk.
 """
 
 from __future__ import annotations
@@ -164,14 +165,17 @@ class _Opened:
 
 
 class RemoteFiles:
-    """The files of one remote load, opened while its request is checked (blocking: on
-    the request's thread): ``size_bytes`` is what they hold. Given to the load as its
-    opener (``aiogguf.remote.RemoteOpener``): it hands over each source it opened, once,
-    and opens any other file the load names under the same rules. ``close()`` closes
-    what it still holds.
+    """The files of one remote load, opened while its request is checked: made at once
+    (a split set past ``max_shards`` raises ``SplitError`` before anything is opened),
+    then ``open_all()`` (blocking: on the request's thread) makes each file's first request;
+    ``size_bytes`` is what they hold. Given to the load as its opener
+    (``aiogguf.remote.RemoteOpener``): it hands over each source it opened, once, and
+    opens any other file the load names under the same rules. ``close()``, from any
+    thread, closes what it still holds and what it is opening (a request in flight
+    ends at once: its client went away).
 
-    Raises ``PathNotAllowedError`` for a name ``access`` refuses or an address its
-    policy refuses; what ``open_remote`` raises (``LoadError``, ``SplitError``)."""
+    ``open_all()`` raises ``PathNotAllowedError`` for a name ``access`` refuses or an address
+    its policy refuses; what ``open_remote`` raises (``LoadError``, ``SplitError``)."""
 
     def __init__(self, access: RemoteAccess, path: str, config: Config, max_shards: int) -> None:
         self._access = access
@@ -181,20 +185,25 @@ class RemoteFiles:
         self.path = path
         self._lock = threading.Lock()
         self._held: dict[str, _Opened] = {}
+        self._opening: set[HttpSource] = set()  # made, first request under way
         self._closed = False
         self.size_bytes = 0
         self.files = 0
-        count = remote_file_count(path)
-        if count > max_shards:  # before anything is opened
+        self._count = remote_file_count(path)
+        if self._count > max_shards:  # before anything is opened
             raise SplitError(
                 _shown(path),
-                f"a split set of {count} shards; this server loads at most {max_shards}",
+                f"a split set of {self._count} shards; this server loads at most {max_shards}",
             )
+
+    def open_all(self) -> None:
+        """Blocking: every file's first request (each split of a set named by its first),
+        in turn. Closes what it opened on failure."""
         try:
-            first = self._open(path)
-            self._keep(path, first)
-            if count > 1:
-                for name in split_names(first.pinned, count, first.source.path):
+            first = self._open(self.path)
+            self._keep(self.path, first)
+            if self._count > 1:
+                for name in split_names(first.pinned, self._count, first.source.path):
                     self._keep(name, self._open(name))
         except BaseException:
             self.close()
@@ -202,7 +211,12 @@ class RemoteFiles:
 
     def _keep(self, name: str, opened: _Opened) -> None:
         with self._lock:
-            self._held[name] = opened
+            closed = self._closed
+            if not closed:
+                self._held[name] = opened
+        if closed:  # closed while it was being opened
+            opened.source.close()
+            raise LoadError(_shown(name), None, "the request's files are closed")
         self.size_bytes += opened.source.size_bytes
         self.files += 1
 
@@ -213,8 +227,25 @@ class RemoteFiles:
         policy = self._access.address_policy
         if is_hub_name(name):
             _check_hub_endpoint(policy)
-        # Only the size and the ETag: a request refused for its size reads no data.
-        source, pinned = open_remote(name, self._config, policy=policy, head_bytes=1)
+        made: list[HttpSource] = []
+
+        def track(source: HttpSource) -> None:
+            made.append(source)
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._opening.add(source)
+            if closed:
+                source.close()  # its first request then fails at once
+
+        try:
+            # Only the size and the ETag: a request refused for its size reads no data.
+            source, pinned = open_remote(
+                name, self._config, policy=policy, head_bytes=1, on_open=track
+            )
+        finally:
+            with self._lock:
+                self._opening.difference_update(made)
         return _Opened(source, pinned)
 
     # -- the load's opener ------------------------------------------------------------
@@ -235,12 +266,15 @@ class RemoteFiles:
         return opened.source, opened.pinned
 
     def close(self) -> None:
-        """Close the sources no load has taken; idempotent."""
+        """Close the sources no load has taken, and those being opened; idempotent."""
         with self._lock:
             self._closed = True
             held, self._held = self._held, {}
+            opening, self._opening = self._opening, set()
         for opened in held.values():
             opened.source.close()
+        for source in opening:
+            source.close()
 
 
 def _shown(name: str) -> str:

@@ -5,8 +5,10 @@ descriptors they need are there, its devices and its share of the budget."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,8 +85,32 @@ async def parse_request(request: web.Request, registry: LoaderRegistry) -> LoadR
         raise RequestRefused('\'config\' must be an object of config keys, like {"mode": "none"}')
     # Compiling a client's override patterns, opening the file and finding the devices
     # are blocking work: on a thread of the request's own, not on the loop.
-    async with LoadThreads(1, name="aiogguf-request") as threads:
-        return await _prepare_request(registry, path, overrides, threads)
+    with _remote_slot(registry, path):
+        async with LoadThreads(1, name="aiogguf-request") as threads:
+            return await _prepare_request(registry, path, overrides, threads)
+
+
+@contextlib.contextmanager
+def _remote_slot(registry: LoaderRegistry, path: str) -> Iterator[None]:
+    """For a remote ``path``, one of the ``policy.max_remote_admissions`` requests that
+    may be opening remote files at once (each holds a thread while it waits on another
+    server, which may be slow on purpose): ``RequestRefused`` (503) when none is free,
+    before the request takes a thread."""
+    if not is_remote(path):
+        yield
+        return
+    cap = registry.policy.max_remote_admissions
+    if registry.remote_admissions >= cap:
+        raise RequestRefused(
+            f"this server is opening {cap} remote models already, its limit "
+            "(max_remote_admissions); try again later",
+            status=503,
+        )
+    registry.remote_admissions += 1
+    try:
+        yield
+    finally:
+        registry.remote_admissions -= 1
 
 
 # Descriptors one load may hold at once, beyond those of the request's own files: a
@@ -137,23 +163,31 @@ def _open_files(registry: LoaderRegistry, paths: list[str]) -> PreOpened:
             raise RequestRefused(exception_line(exc)) from exc
 
 
-def _open_remote(registry: LoaderRegistry, path: str, config: Config) -> RemoteFiles:
-    """Open a remote load's files (blocking: on the request's thread), if the server
-    allows the name and the descriptors its connections need leave the reserve for
-    serving whole: each file's first request learns its size. ``RequestRefused``: 403
-    for a name or an address the server does not allow, 503 short of descriptors, 502
-    when the remote server fails, 400 for a bad name."""
+def _remote_files(registry: LoaderRegistry, path: str, config: Config) -> RemoteFiles:
+    """A remote load's files, not opened yet, if the server allows the name.
+    ``RequestRefused``: 403 for a name the server does not allow, 400 for a bad name or
+    a split set of more shards than it loads (before the descriptors so many would take
+    are counted)."""
     access = registry.policy.remote
     reason = access.refusal(path)
     if reason is not None:
         raise RequestRefused(f"{_shown(path)}: {reason}", status=403)
-    if is_hub_name(path):
-        try:
+    try:
+        if is_hub_name(path):
             parse_hub_name(path)
-        except LoadError as exc:
-            raise RequestRefused(exception_line(exc)) from exc
+        return RemoteFiles(access, path, config, registry.policy.max_shards)
+    except GGUFError as exc:  # a bad hub name, a split set too big
+        raise RequestRefused(exception_line(exc)) from exc
+
+
+def _open_remote(registry: LoaderRegistry, files: RemoteFiles, config: Config) -> None:
+    """Open a remote load's files (blocking: on the request's thread), if the descriptors
+    their connections need leave the reserve for serving whole: each file's first
+    request learns its size. ``RequestRefused``: 403 for an address the server does not
+    allow, 503 short of descriptors, 502 when the remote server fails, 400 for names
+    that cannot be made."""
     # A reader thread keeps a connection to each file it has read from.
-    need = config.pipeline.remote_in_flight * remote_file_count(path) + _FDS_PER_LOAD
+    need = config.pipeline.remote_in_flight * remote_file_count(files.path) + _FDS_PER_LOAD
     with registry.admission_lock:
         room = registry.descriptor_budget().room(registry.connection_count())
     if room is not None and need > room:
@@ -163,14 +197,28 @@ def _open_remote(registry: LoaderRegistry, path: str, config: Config) -> RemoteF
             status=503,
         )
     try:
-        return RemoteFiles(access, path, config, registry.policy.max_shards)
+        files.open_all()
     except PathNotAllowedError as exc:
         raise RequestRefused(exception_line(exc), status=403) from exc
     except LoadError as exc:
         # The remote side failed: refused, unknown to it, not ranged, the hub unreachable.
         raise RequestRefused(exception_line(exc), status=502) from exc
-    except GGUFError as exc:  # a split set too big, or whose names cannot be made
+    except GGUFError as exc:  # a split set whose names cannot be made
         raise RequestRefused(exception_line(exc)) from exc
+
+
+async def _admit_remote(
+    registry: LoaderRegistry, path: str, config: Config, threads: LoadThreads
+) -> RemoteFiles:
+    """A remote load's files, opened on ``threads``. Cancelled (its client went away),
+    the files are closed from here, which ends the request under way at once."""
+    files = _remote_files(registry, path, config)
+    try:
+        await threads.run_sync(_open_remote, registry, files, config, on_cancel=files.close)
+    except BaseException:
+        files.close()
+        raise
+    return files
 
 
 def _shown(path: str) -> str:
@@ -189,7 +237,7 @@ async def _prepare_request(
         # Its reader threads are the server's readers too.
         if config.pipeline.remote_in_flight > limiter.max_readers:
             config = config.with_settings({"remote_in_flight": limiter.max_readers})
-        opener = await threads.run_sync(_open_remote, registry, path, config)
+        opener = await _admit_remote(registry, path, config, threads)
         splits = opener.files
         per_file = config.pipeline.remote_in_flight
     else:

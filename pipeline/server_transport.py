@@ -50,9 +50,11 @@ logger: logging.Logger = logging.getLogger("aiogguf.server")
 # Descriptors the server uses besides connections and loads: the listening sockets,
 # epoll, the loop's wake-up pipe, stdio, logs, CUDA's own.
 _SERVER_OWN_FDS = 32
-# Connections the kernel hands over per accept wake-up (the listen backlog): they hold a
-# descriptor each until the guard has closed the ones over the cap.
-ACCEPT_BACKLOG = 64
+# The listen backlog: connections the kernel completes while the loop is busy (past it,
+# a connect's SYN is dropped and the client waits a second to send it again), and those
+# it hands over per accept wake-up, which hold a descriptor each until the guard has
+# closed the ones over the cap. (The kernel caps it at net.core.somaxconn.)
+ACCEPT_BACKLOG = 512
 
 
 def raise_descriptor_limit() -> int:
