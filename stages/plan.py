@@ -457,7 +457,7 @@ def _choose(
             if use_mmap:
                 warnings.add(
                     "tensor overrides to CPU are used with mmap: the data is copied out of "
-                    "the mapping; consider mode = 'none' for better performance"
+                    "the mapping; consider --no-mmap (mode = 'none') for better performance"
                 )
             return _select(cpu_list, tensor)
         if not _holds(target, tensor):
