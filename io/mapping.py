@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from aiogguf.errors import ClosedResourceError, LoadError, from_os_error, os_errors
+from aiogguf.errors import ClosedResourceError, LoadError, from_os_error, os_errors, shown_path
 from aiogguf.io import _libc
 from aiogguf.io.buffers import (
     PAGE_BYTES,
@@ -562,7 +562,7 @@ def _lock_refusal(path: str, requested: int, already: int, limit: int | None, ex
     """The warning for a lock the kernel refused (``RLIMIT_MEMLOCK``)."""
     limit_text = "unlimited" if limit is None else format_bytes(limit)
     return (
-        f"mlock of {path} needed {format_bytes(requested)} more "
+        f"mlock of {shown_path(path)} needed {format_bytes(requested)} more "
         f"({requested} bytes; {format_bytes(already)} already locked by this mapping), "
         f"RLIMIT_MEMLOCK is {limit_text}: raise it with `ulimit -l` or "
         f"LimitMEMLOCK= in the systemd unit ({exc.strerror})"

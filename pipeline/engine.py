@@ -64,7 +64,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.config import Config
-from aiogguf.errors import GGUFError, LoadError, LoadWarning, from_os_error
+from aiogguf.errors import GGUFError, LoadError, LoadWarning, from_os_error, shown_path
 from aiogguf.events import ProgressHub, Stage
 from aiogguf.front import Front, Layout, ReadSide
 from aiogguf.headers import open_index
@@ -204,7 +204,9 @@ class _Load:
             await resources.thread.run_sync(finish_remote, files)
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
-                self._warn(f"{f.path}: {f.direct_refusal}; the rest was read with mode 'none'")
+                self._warn(
+                    f"{shown_path(f.path)}: {f.direct_refusal}; the rest was read with mode 'none'"
+                )
         path = self.index.files[0].path
         found = None
         if reading.integrity is not None:

@@ -56,11 +56,28 @@ __all__ = [
     "TensorValidationError",
     "from_os_error",
     "os_errors",
+    "shown_path",
 ]
 
 
+def shown_path(path: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> str:
+    """``path`` as a message shows it: every character that is not printable (control
+    characters, line separators, the surrogates of undecodable bytes) escaped as
+    ``repr`` escapes it, without the quotes, so that a file's name can neither break a
+    message's line nor drive a terminal; the rest as is."""
+    return _shown(os.fsdecode(path))
+
+
+def _shown(text: str) -> str:
+    # The errors' message builders pass their other parts through this too: a problem
+    # names other files (a split's siblings) and a file's own strings (tensor names).
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _where(path: str | os.PathLike[str] | None) -> str:
-    return f"{os.fspath(path)}: " if path is not None else ""
+    return f"{shown_path(path)}: " if path is not None else ""
 
 
 class GGUFError(Exception):
@@ -82,7 +99,7 @@ class GGUFFormatError(GGUFError):
         self.field = field
         self.problem = problem
         at = f"at offset {offset}: " if offset is not None else ""
-        super().__init__(f"{_where(path)}{at}{field}: {problem}")
+        super().__init__(f"{_where(path)}{at}{_shown(field)}: {_shown(problem)}")
 
 
 class SplitError(GGUFError):
@@ -91,11 +108,14 @@ class SplitError(GGUFError):
     def __init__(self, path: str | os.PathLike[str] | None, problem: str) -> None:
         self.path: str | None = os.fspath(path) if path is not None else None
         self.problem = problem
-        super().__init__(f"{_where(path)}{problem}")
+        super().__init__(f"{_where(path)}{_shown(problem)}")
 
 
 class PlacementError(GGUFError):
     """The placement rules cannot be satisfied with these devices and settings."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_shown(message))  # it names tensors, whose names a file gives
 
 
 class ConfigError(GGUFError):
@@ -105,8 +125,8 @@ class ConfigError(GGUFError):
         self.key = key
         self.source = source
         self.problem = problem
-        where = f"{source}: " if source else ""
-        super().__init__(f"{where}{key}: {problem}")
+        where = f"{shown_path(source)}: " if source else ""
+        super().__init__(f"{where}{_shown(key)}: {_shown(problem)}")
 
 
 class LoadError(GGUFError):
@@ -119,7 +139,7 @@ class LoadError(GGUFError):
         self.offset = offset
         self.problem = problem
         at = f"at offset {offset}: " if offset is not None else ""
-        super().__init__(f"{_where(path)}{at}{problem}")
+        super().__init__(f"{_where(path)}{at}{_shown(problem)}")
 
 
 def from_os_error(
@@ -172,10 +192,11 @@ class TensorFailure:
     def __str__(self) -> str:
         if self.first_index is None and not self.count:
             # A whole-tensor failure (invalid type, bad size): no index, nothing counted.
-            return f"tensor '{self.name}' ({self.type_name}): {self.problem}"
+            return f"tensor '{_shown(self.name)}' ({self.type_name}): {self.problem}"
         at = f" (first at index {self.first_index}" if self.first_index is not None else " ("
         sep = ", " if self.first_index is not None else ""
-        return f"tensor '{self.name}' ({self.type_name}): {self.problem}{at}{sep}{self.count} bad)"
+        name = _shown(self.name)
+        return f"tensor '{name}' ({self.type_name}): {self.problem}{at}{sep}{self.count} bad)"
 
 
 class TensorValidationError(GGUFError):
@@ -199,7 +220,7 @@ class IntegrityError(TensorValidationError):
     ) -> None:
         """``summary``: the message, where no tensor is to blame (a whole file's sha256)."""
         super().__init__(failures, path)
-        self.args = (f"{_where(path)}{summary}" if summary else self._one_line(path),)
+        self.args = (f"{_where(path)}{_shown(summary)}" if summary else self._one_line(path),)
 
     def _one_line(self, path: str | None) -> str:
         # One line, whatever the count: a command prints it as is.
@@ -207,7 +228,7 @@ class IntegrityError(TensorValidationError):
         noun = "tensor differs" if n == 1 else "tensors differ"
         shown = "; ".join(str(f) for f in self.failures[:3])
         more = f"; and {n - 3} more" if n > 3 else ""
-        return f"{_where(path)}{n} {noun} from the manifest: {shown}{more}"
+        return f"{_where(path)}{n} {noun} from the manifest: {_shown(shown)}{more}"
 
 
 class ManifestError(GGUFError):
@@ -218,8 +239,8 @@ class ManifestError(GGUFError):
         self.path: str | None = os.fspath(path) if path is not None else None
         self.field = field
         self.problem = problem
-        where = f"{field}: " if field else ""
-        super().__init__(f"{_where(path)}{where}{problem}")
+        where = f"{_shown(field)}: " if field else ""
+        super().__init__(f"{_where(path)}{where}{_shown(problem)}")
 
 
 class ManifestMismatchError(ManifestError):

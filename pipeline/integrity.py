@@ -34,6 +34,7 @@ from aiogguf.manifest import (
     tensor_hasher,
 )
 from aiogguf.records import ParsedFile, WeightIndex
+from aiogguf.units import counted
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -107,7 +108,9 @@ def match_manifest(
         return ManifestMismatchError(manifest_path, "", f"not a manifest of this model: {why}")
 
     if len(manifest.files) != len(index.files):
-        raise refuse(f"it covers {len(manifest.files)} files, the model has {len(index.files)}")
+        raise refuse(
+            f"it covers {counted(len(manifest.files), 'file')}, the model has {len(index.files)}"
+        )
     for i, (want, parsed) in enumerate(zip(manifest.files, index.files, strict=True)):
         name = os.path.basename(parsed.path)
         have = (parsed.file_size, header_bytes_of(parsed), data_end_of(parsed))
@@ -121,7 +124,8 @@ def match_manifest(
                 raise refuse(f"{name} (file {i}) has {what} {got}, the manifest {expected}")
     if len(manifest.tensors) != len(index.tensors):
         raise refuse(
-            f"it lists {len(manifest.tensors)} tensors, the model has {len(index.tensors)}"
+            f"it lists {counted(len(manifest.tensors), 'tensor')}, "
+            f"the model has {len(index.tensors)}"
         )
     for t in manifest.tensors:
         if t.name not in index:

@@ -89,6 +89,7 @@ from aiogguf.server_transport import (
     descriptor_limit,
     raise_descriptor_limit,
 )
+from aiogguf.units import counted
 
 __all__ = [
     "LimiterStats",
@@ -346,7 +347,8 @@ class LoaderRegistry:
         models, nbytes = self.held()
         if policy.max_models is not None and models >= policy.max_models:
             raise RequestRefused(
-                f"this server holds {models} models, its limit; unload one first", status=429
+                f"this server holds {counted(models, 'model')}, its limit; unload one first",
+                status=429,
             )
         if (
             policy.max_loaded_bytes is not None

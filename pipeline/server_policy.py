@@ -216,7 +216,7 @@ def request_config(base: Config, overrides: Mapping[str, Any], policy: ServerPol
         raise RequestRefused(f"request config: {exc}") from exc
     if config.load.mode not in policy.modes and config.load.mode != base.load.mode:
         raise RequestRefused(
-            f"request config: mode {config.load.mode!r} is not allowed by this server "
+            f"request config: mode {config.load.mode} is not allowed by this server "
             f"(allowed: {', '.join(sorted(policy.modes | {base.load.mode}))})",
             status=403,
         )

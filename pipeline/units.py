@@ -1,10 +1,11 @@
-"""Byte sizes written the way people write them: ``"64MiB"``, ``"1.5 GB"``, ``4096``."""
+"""Byte sizes written the way people write them: ``"64MiB"``, ``"1.5 GB"``, ``4096``; and
+counts of things (``"1 tensor"``, ``"3 tensors"``)."""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_SIZE", "format_bytes", "format_size", "parse_size"]
+__all__ = ["MAX_SIZE", "counted", "format_bytes", "format_size", "parse_size"]
 
 # The largest size anything here takes: what an ``off_t`` holds. Beyond it a number is
 # a typo or an attack, and it would overflow the first C call that took it.
@@ -95,3 +96,9 @@ def format_bytes(n: int | float) -> str:
             return f"{size:.{digits}f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` in the form that agrees: ``1 file``, ``2 files``, ``0 files``
+    (``plural``: where adding an ``s`` is wrong, ``"tensors differ"``)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural if plural is not None else noun + 's'}"

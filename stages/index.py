@@ -14,6 +14,7 @@ from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.names import MAX_LAYERS, layer_number, layer_of
 from aiogguf.records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
+from aiogguf.units import counted
 
 __all__ = [
     "build_index",
@@ -101,7 +102,8 @@ def _check_split_set(files: Sequence[ParsedFile]) -> int | None:
             )
         return None
     if len(files) != count:
-        raise SplitError(first.path, f"split.count is {count} but {len(files)} files were given")
+        given = counted(len(files), "file was", "files were")
+        raise SplitError(first.path, f"split.count is {count} but {given} given")
     total = first.split_int("split.tensors.count")
     if total is None:
         raise SplitError(first.path, f"split.count is {count} but split.tensors.count is missing")
@@ -235,7 +237,7 @@ def build_index(files: Sequence[ParsedFile]) -> WeightIndex:
         raise SplitError(
             files[0].path,
             f"split.tensors.count is {expected_total} but the {len(files)} splits hold "
-            f"{len(by_name)} tensors",
+            f"{counted(len(by_name), 'tensor')}",
         )
 
     def order(entry: TensorEntry) -> tuple[int, bytes]:

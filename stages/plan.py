@@ -33,7 +33,7 @@ from aiogguf.records import (
     TensorPlacement,
     WeightIndex,
 )
-from aiogguf.units import format_bytes
+from aiogguf.units import counted, format_bytes
 
 __all__ = [
     "assign_layers",
@@ -86,8 +86,9 @@ def select_devices(devices: Sequence[Device], placement: PlacementConfig) -> tup
         if placement.main_gpu >= len(chosen):
             names = ", ".join(d.name for d in chosen)
             raise PlacementError(
-                f"invalid main_gpu {placement.main_gpu}: there are {len(chosen)} devices "
-                f"({names}); use 0 … {len(chosen) - 1}, or -1 for none"
+                f"invalid main_gpu {placement.main_gpu}: there are "
+                f"{counted(len(chosen), 'device')} ({names}); use 0 … {len(chosen) - 1}, "
+                "or -1 for none"
             )
         return (chosen[placement.main_gpu],)
     return tuple(chosen)
@@ -254,7 +255,7 @@ def _n_layer(index: WeightIndex, warnings: _Warnings) -> int:
     derived = max(numbers) + 1 if numbers else 0
     warnings.add(
         f"no {index.architecture or '<arch>'}.block_count in the metadata; "
-        f"assuming {derived} layers from the tensor names"
+        f"assuming {counted(derived, 'layer')} from the tensor names"
     )
     return derived
 
@@ -272,7 +273,7 @@ def _placement_layer(tensor: TensorEntry, n_layer: int) -> int | None:
     if not 0 <= number < max(n_layer, 1):
         raise PlacementError(
             f"tensor '{tensor.name}' belongs to layer {number}, but the model has "
-            f"{n_layer} layers (block_count)"
+            f"{counted(n_layer, 'layer')} (block_count)"
         )
     return number
 
@@ -337,8 +338,8 @@ def make_plan(index: WeightIndex, devices: Sequence[Device], config: Config) -> 
     n_layer = _n_layer(index, warnings)
     if len(placement.tensor_split) > len(offload) and offload:
         warnings.add(
-            f"tensor_split has {len(placement.tensor_split)} values for {len(offload)} "
-            "devices; the extra values are ignored"
+            f"tensor_split has {len(placement.tensor_split)} values for "
+            f"{counted(len(offload), 'device')}; the extra values are ignored"
         )
     splits = split_fractions(
         [memory[d.name] for d in offload], memory[cpu.name], placement.tensor_split
@@ -408,8 +409,9 @@ def make_plan(index: WeightIndex, devices: Sequence[Device], config: Config) -> 
         moved = MovedSummary(n_moved, first.name, first.type.name, from_name, to_name)
     if lazy_refused:
         warnings.add(
-            f"lazy = {lazy_mode!r} needs a mapped load mode (mode = {mode!r}); "
-            f"{len(lazy_refused)} tensor(s) are loaded in full, first '{lazy_refused[0]}'"
+            f"lazy = '{lazy_mode}' needs a mapped load mode (mode = '{mode}'); "
+            f"{counted(len(lazy_refused), 'tensor is', 'tensors are')} loaded in full, "
+            f"first '{lazy_refused[0]}'"
         )
 
     by_name = {d.name: d for d in devices}
@@ -457,7 +459,7 @@ def _choose(
             if use_mmap:
                 warnings.add(
                     "tensor overrides to CPU are used with mmap: the data is copied out of "
-                    "the mapping; consider mode = 'none' for better performance"
+                    "the mapping; consider --no-mmap (mode = 'none') for better performance"
                 )
             return _select(cpu_list, tensor)
         if not _holds(target, tensor):

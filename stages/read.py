@@ -34,7 +34,7 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf.config import Config
-from aiogguf.errors import BigEndianError
+from aiogguf.errors import BigEndianError, shown_path
 from aiogguf.images import HostImage, Image, MappedImage
 from aiogguf.io.byteswap import can_convert, to_native
 from aiogguf.io.files import DataFile, FileAdvice, open_file
@@ -104,7 +104,7 @@ def direct_refusals(files: Sequence[DataFile], mode: str) -> list[str]:
     if mode != "direct":
         return []
     return [
-        f"{f.path}: {f.direct_refusal}; reading with mode 'none' instead"
+        f"{shown_path(f.path)}: {f.direct_refusal}; reading with mode 'none' instead"
         for f in files
         if not f.direct_ok
     ]

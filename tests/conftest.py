@@ -1,6 +1,9 @@
 """Shared fixtures. ``reference_dir`` is llama.cpp's own files: the folder named by
 ``AIOGGUF_TESTDATA`` when it is set, else ../shared/testdata/reference next to the
-repository. Missing on a developer's machine they skip, missing under CI they fail."""
+repository. Missing on a developer's machine (a fresh clone) they skip, missing under CI
+they fail. A test that reads them takes the ``reference_dir`` fixture (directly or
+through ``manifest``), never ``REFERENCE_DIR`` alone: ``.ci/run`` runs every module that
+names them once with the folder hidden, and fails if any of them fails."""
 
 from __future__ import annotations
 
@@ -69,8 +72,13 @@ def _freeze_what_came_before() -> None:
     gc.freeze()
 
 
+def reference_present() -> bool:
+    """Whether the reference files are there (their MANIFEST.json is)."""
+    return (REFERENCE_DIR / "MANIFEST.json").is_file()
+
+
 def _require_reference() -> Path:
-    if (REFERENCE_DIR / "MANIFEST.json").is_file():
+    if reference_present():
         return REFERENCE_DIR
     message = f"reference GGUF files not found at {REFERENCE_DIR}"
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -96,8 +104,10 @@ def examples(default: int, ci: int) -> int:
 
 
 def reference_files() -> list[str]:
-    """Names of the reference .gguf files, for parametrising (empty if absent)."""
-    if not REFERENCE_DIR.is_dir():
+    """Names of the reference .gguf files, for parametrising; ``["<missing>"]`` when they
+    are absent, so that the test is collected and its ``reference_dir`` skips (or fails
+    under CI) saying where it looked."""
+    if not reference_present():
         return ["<missing>"]
     return sorted(p.name for p in REFERENCE_DIR.glob("*.gguf"))
 

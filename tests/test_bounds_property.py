@@ -206,28 +206,26 @@ def _finding_1() -> tuple[str, list[tuple[str, bytes]], list[str]]:
     return source, [(name, set_field(buf, field, 2**31))], ["llama.block_count = 2^31"]
 
 
-@pytest.mark.skipif(not REFERENCE_DIR.is_dir(), reason="reference files absent")
 @settings(SETTINGS, max_examples=examples(default=200, ci=1200))
 @example(case=_finding_1())
 @given(case=mutated())
 def test_mutated_files_parse_index_and_plan_within_bounds(
-    case: tuple[str, list[tuple[str, bytes]], list[str]],
+    reference_dir: Path, case: tuple[str, list[tuple[str, bytes]], list[str]]
 ) -> None:
     # A hang catcher in the default run (wall-clock bounds belong to the timing run).
     _bounded(case, limit_s=5.0)
 
 
 @pytest.mark.timing
-@pytest.mark.skipif(not REFERENCE_DIR.is_dir(), reason="reference files absent")
 @settings(SETTINGS, max_examples=examples(default=100, ci=500))
 @given(case=mutated())
 def test_mutated_files_parse_index_and_plan_within_a_second(
-    case: tuple[str, list[tuple[str, bytes]], list[str]],
+    reference_dir: Path, case: tuple[str, list[tuple[str, bytes]], list[str]]
 ) -> None:
     _bounded(case, limit_s=1.0)
 
 
-def test_the_mutations_reach_every_count_and_length() -> None:
+def test_the_mutations_reach_every_count_and_length(reference_dir: Path) -> None:
     """The strategy's fields include the counts and lengths of every kind of record."""
     whats = {f.what for f in _fields("tiny-llama-Q4_0.gguf", 0)}
     assert {"tensor_count", "kv_count", "llama.block_count"} <= whats

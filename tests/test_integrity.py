@@ -227,7 +227,7 @@ def test_a_manifest_of_another_model_is_refused_in_one_line(
     with pytest.raises(ManifestMismatchError) as info:
         match_manifest(clean_manifest, inspect_sync(split_sets[0][0]), "m.json")
     message = str(info.value)
-    assert message == "m.json: not a manifest of this model: it covers 1 files, the model has 3"
+    assert message == "m.json: not a manifest of this model: it covers 1 file, the model has 3"
 
 
 def test_a_manifest_with_other_tensor_ranges_is_refused(clean: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import xxhash
-from conftest import REFERENCE_DIR, reference_files
+from conftest import reference_files
 from gguf.scripts.gguf_hash import gguf_hash
 
 from aiogguf.cli import main
@@ -58,8 +58,10 @@ def _reference_sets() -> list[list[str]]:
 
 
 @pytest.mark.parametrize("names", _reference_sets(), ids=lambda names: names[0])
-def test_agrees_with_gguf_py_on_every_reference_file(names: list[str], tmp_path: Path) -> None:
-    assert_agrees([REFERENCE_DIR / n for n in names], tmp_path)
+def test_agrees_with_gguf_py_on_every_reference_file(
+    reference_dir: Path, names: list[str], tmp_path: Path
+) -> None:
+    assert_agrees([reference_dir / n for n in names], tmp_path)
 
 
 @pytest.mark.parametrize(

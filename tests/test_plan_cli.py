@@ -17,7 +17,16 @@ LATER_SPLITS = {n for n in NAMES if "-split-" in n and "-00001-of-" not in n}
 FIRST_FILES = [n for n in NAMES if n not in LATER_SPLITS]
 SIM = ["--sim-gpu", "name=g0,free=8GiB", "--sim-gpu", "name=g1,free=4GiB"]
 
-TOP_KEYS = {"devices", "input_device", "layers", "tensors", "buffers", "moved", "warnings"}
+TOP_KEYS = {
+    "devices",
+    "input_device",
+    "layers",
+    "tensors",
+    "buffers",
+    "moved",
+    "warnings",
+    "cpu_extra_buffers",
+}
 DEVICE_KEYS = {"name", "kind", "free", "total"}
 TENSOR_KEYS = {"name", "layer", "class", "device", "buffer_type", "nbytes", "lazy", "moved"}
 BUFFER_KEYS = {"device", "buffer_type", "lazy", "nbytes", "n_tensors"}

@@ -18,12 +18,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import TextIO
 
 from aiogguf.api import interrupt_run
 from aiogguf.cli.extras import MissingExtraError
-from aiogguf.errors import GGUFError
+from aiogguf.errors import GGUFError, LoadWarning, shown_path
 
 __all__ = ["main"]
 
@@ -157,7 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None and threading.current_thread() is threading.main_thread():
         _exit_promptly_on_interrupt(args.command)
     try:
-        status: int = args._module.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line(args.command)
+            status: int = args._module.run(args)
     except GGUFError as exc:
         if args.debug:
             raise
@@ -187,7 +191,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _os_error_line(exc: OSError) -> str:
     """``PATH: why`` (``/tmp/m.gguf: No space left on device``), on one line."""
-    why = exc.strerror or str(exc) or type(exc).__name__
+    why = " ".join((exc.strerror or str(exc) or type(exc).__name__).split())
     name = exc.filename if exc.filename is not None else None
-    line = f"{os.fsdecode(name)}: {why}" if name is not None else why
-    return " ".join(line.split())
+    return f"{shown_path(name)}: {why}" if name is not None else why
+
+
+def _warning_line(command: str) -> Callable[..., None]:
+    """``warnings.showwarning`` while a command runs: each warning as one line on stderr,
+    ``aiogguf COMMAND: warning: ...`` (a ``LoadWarning`` is the load telling its user;
+    Python's own format adds the source line that warned, on a second line)."""
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        kind = "" if issubclass(category, LoadWarning) else f"{category.__name__}: "
+        text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+        print(f"aiogguf {command}: warning: {kind}{text}", file=file or sys.stderr, flush=True)
+
+    return show

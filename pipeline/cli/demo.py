@@ -12,11 +12,13 @@ import os
 import time
 
 from rich.console import Console
+from rich.markup import escape
 
 from aiogguf.cli.extras import needs_demo_extra
 from aiogguf.cli.loading import load_with_progress, render_report
 from aiogguf.cli.options import add_placement_options, config_from_args, positive_size
-from aiogguf.units import format_bytes
+from aiogguf.errors import shown_path
+from aiogguf.units import counted, format_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     took = time.perf_counter() - t0
     verb = f"wrote in {took:.1f} s" if written else "reusing"
     console.print(
-        f"{verb} [bold]{path}[/]: {synth.n_layer} layers, {synth.n_tensors} tensors, "
+        f"{verb} [bold]{escape(shown_path(path))}[/]: {counted(synth.n_layer, 'layer')}, "
+        f"{counted(synth.n_tensors, 'tensor')}, "
         f"{format_bytes(synth.tensor_bytes)}"
     )
     config = config_from_args(args)

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from aiogguf.dry_run import inspect_sync
 from aiogguf.records import GGUFArray, MetadataValue, ValueType, WeightIndex
-from aiogguf.units import format_bytes
+from aiogguf.units import counted, format_bytes
 
 __all__ = ["add_arguments", "inspect_json", "run"]
 
@@ -205,7 +205,7 @@ def _print_summary(index: WeightIndex, console: Console) -> None:
     console.print(histogram)
 
     console.print(
-        f"{total.n_tensors} tensors, {total.n_elements:,} elements, "
+        f"{counted(total.n_tensors, 'tensor')}, {total.n_elements:,} elements, "
         f"{format_bytes(total.nbytes)}, {total.bpw:.3f} bits per weight"
     )
     notes = [w for f in index.files for w in f.warnings] + list(index.warnings)

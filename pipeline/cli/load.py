@@ -6,6 +6,7 @@ import argparse
 
 from rich.console import Console
 
+from aiogguf.cli.extras import say_missing_gpu_extra
 from aiogguf.cli.loading import load_with_progress, render_report
 from aiogguf.cli.options import add_manifest_option, add_placement_options, config_from_args
 
@@ -23,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, check_tensors=False if args.no_check else None)
+    say_missing_gpu_extra(args, config)
     console = Console(stderr=False)
     report = load_with_progress(args.path, config, console)
     render_report(report, console)

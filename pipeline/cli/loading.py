@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -19,10 +20,11 @@ from rich.table import Table
 
 from aiogguf.api import load, run
 from aiogguf.config import Config
+from aiogguf.errors import shown_path
 from aiogguf.events import Progress as LoadProgress
 from aiogguf.events import Stage
 from aiogguf.report import LoadReport
-from aiogguf.units import format_bytes
+from aiogguf.units import counted, format_bytes
 
 __all__ = ["byte_columns", "load_with_progress", "render_report"]
 
@@ -44,7 +46,8 @@ def load_with_progress(
     """Load ``path`` showing a progress bar (bytes, GB/s, ETA); return the report. The
     bar appears once the load reads: a load that fails before (a missing file, a bad
     header, a placement refused) shows its one-line error alone."""
-    name = os.path.basename(os.fspath(path))
+    # Shown as rich markup: a file's name is text, not styles, and not control characters.
+    name = escape(shown_path(os.path.basename(os.fspath(path))))
     bar = Progress(*byte_columns(), console=console, transient=False)
     task: TaskID | None = None
 
@@ -56,7 +59,9 @@ def load_with_progress(
                 task = bar.add_task(name, total=None)
             bar.update(task, completed=event.bytes_done, total=event.bytes_total or None)
         elif event.stage in (Stage.FAILED, Stage.CANCELLED) and task is not None:
-            bar.update(task, description=f"{name} (failed)")
+            # The command's load is cancelled only by Ctrl-C (``interrupt_run``).
+            ended = "failed" if event.stage is Stage.FAILED else "interrupted"
+            bar.update(task, description=f"{name} ({ended})")
 
     async def go() -> LoadReport:
         async with load(path, config, progress=on_progress) as model:
@@ -105,7 +110,7 @@ def render_report(report: LoadReport, console: Console) -> None:
         files.add_column(col, justify="left" if col in ("file", "disk") else "right")
     for f in report.files:
         files.add_row(
-            os.path.basename(f.path),
+            escape(shown_path(os.path.basename(f.path))),
             f.disk,
             "yes" if f.direct else "",
             str(f.reads),
@@ -116,14 +121,17 @@ def render_report(report: LoadReport, console: Console) -> None:
         )
     console.print(stages, buffers, files)
     for warning in report.warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
-    checked = f", {report.validated} tensors validated" if report.validated else ""
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    checked = f", {counted(report.validated, 'tensor')} validated" if report.validated else ""
     if report.blocks_hashed:
-        checked += f", {report.blocks_hashed} blocks match the manifest"
+        checked += f", {counted(report.blocks_hashed, 'block matches', 'blocks match')}"
+        checked += " the manifest"
     if report.tensors_hashed:
-        checked += f", {report.tensors_hashed} tensors match the manifest"
+        checked += f", {counted(report.tensors_hashed, 'tensor matches', 'tensors match')}"
+        checked += " the manifest"
     console.print(
-        f"[bold green]loaded[/] {report.n_tensors} tensors, {format_bytes(report.nbytes)} "
+        f"[bold green]loaded[/] {counted(report.n_tensors, 'tensor')}, "
+        f"{format_bytes(report.nbytes)} "
         f"in {report.total_s:.3f} s = [bold]{report.gbps:.2f} GB/s[/] "
         f"(mode {report.mode}{checked})"
     )

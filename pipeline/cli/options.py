@@ -48,12 +48,9 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         help="load mode (default: auto)",
     )
     # llama.cpp's own flags for two of the modes, so that its command lines work here.
-    parser.add_argument(
-        "--no-mmap", dest="mode", action="store_const", const="none", help="= --mode none"
-    )
-    parser.add_argument(
-        "--mlock", dest="mode", action="store_const", const="mlock", help="= --mode mlock"
-    )
+    # Each is recorded on its own: what they mean together does not hang on their order.
+    parser.add_argument("--no-mmap", action="store_true", default=None, help="= --mode none")
+    parser.add_argument("--mlock", action="store_true", default=None, help="= --mode mlock")
     parser.add_argument(
         "--no-cache",
         dest="cache",
@@ -63,8 +60,55 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# llama.cpp's flags that set something aiogguf has no part in: each is refused in one
+# line saying why (exit 2), not with the whole usage. (short, long) → why.
+_WEIGHTS_ONLY = "aiogguf loads weights only"
+NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    ("-c", "--ctx-size"): f"sets llama.cpp's context; {_WEIGHTS_ONLY}",
+    ("-dev", "--device"): "picks llama.cpp's devices; aiogguf uses the GPUs it finds: -ngl 0 "
+    "keeps every weight on the CPU, -ts and -mg share the layers between GPUs",
+    ("-b", "--batch-size"): f"sets llama.cpp's logical batch; {_WEIGHTS_ONLY}",
+    ("-ub", "--ubatch-size"): f"sets llama.cpp's physical batch; {_WEIGHTS_ONLY}",
+    ("-fa", "--flash-attn"): f"picks llama.cpp's attention kernels; {_WEIGHTS_ONLY}",
+    ("-ctk", "--cache-type-k"): f"sets llama.cpp's KV cache type; {_WEIGHTS_ONLY}",
+    ("-ctv", "--cache-type-v"): f"sets llama.cpp's KV cache type; {_WEIGHTS_ONLY}",
+    ("-np", "--parallel"): f"sets llama.cpp's parallel sequences; {_WEIGHTS_ONLY}",
+    ("-t", "--threads"): "sets llama.cpp's compute threads; aiogguf's read threads are "
+    "readers = N in a --config file",
+}
+
+
+class _NotApplicable(argparse.Action):
+    """A llama.cpp flag with no meaning here: the command ends at once, one line, exit 2."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        short, long = self.option_strings
+        what = NOT_APPLICABLE[short, long]
+        parser.exit(2, f"{parser.prog}: {short}/{long} {what}\n")
+
+
+def _add_not_applicable(parser: argparse.ArgumentParser) -> None:
+    for flags in NOT_APPLICABLE:
+        # Out of --help and of the parsed arguments: they are there only to be refused
+        # clearly. ``nargs="?"``: with or without the value llama.cpp takes, one line.
+        parser.add_argument(
+            *flags,
+            action=_NotApplicable,
+            nargs="?",
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+
+
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
     add_config_options(parser)
+    _add_not_applicable(parser)
     g = parser.add_argument_group("placement (as in llama.cpp)")
     g.add_argument("-ngl", "--n-gpu-layers", type=int, metavar="N", help="-1 = all")
     g.add_argument("-sm", "--split-mode", choices=["none", "layer", "row"])
@@ -121,12 +165,46 @@ def _parse_split(text: str) -> tuple[float, ...]:
         ) from exc
 
 
+# llama.cpp's mode flags: the mode each stands for, and the modes it agrees with (mode
+# direct reads without a mapping too).
+_LLAMA_MODE_FLAGS: dict[str, tuple[str, frozenset[str]]] = {
+    "--no-mmap": ("none", frozenset({"none", "direct"})),
+    "--mlock": ("mlock", frozenset({"mlock"})),
+}
+
+
+def _mode(args: argparse.Namespace) -> str | None:
+    """The load mode the flags ask for (None: the file's, or the default), whatever
+    their order. llama.cpp's ``--no-mmap --mlock`` reads the model into memory and locks
+    it; no mode here does both, so the pair is refused, as is a ``--mode`` that another
+    flag contradicts."""
+    given = [flag for flag in _LLAMA_MODE_FLAGS if getattr(args, flag[2:].replace("-", "_"), None)]
+    if len(given) > 1:
+        raise ConfigError(
+            " ".join(given),
+            "command line",
+            "llama.cpp reads the model into memory and locks it; no aiogguf mode does "
+            "both: --no-mmap (mode none) reads it into memory, --mlock (mode mlock) maps "
+            "it and locks its pages",
+        )
+    mode: str | None = getattr(args, "mode", None)
+    for flag in given:
+        flag_mode, agrees = _LLAMA_MODE_FLAGS[flag]
+        if mode is None:
+            mode = flag_mode
+        elif mode not in agrees:
+            raise ConfigError(
+                f"--mode {mode} {flag}", "command line", f"{flag} means mode {flag_mode}"
+            )
+    return mode
+
+
 def config_from_args(args: argparse.Namespace, **extra: Any) -> Config:
     """The effective config: defaults < ``--config`` file < flags < ``extra``.
 
     Raises ``ConfigError`` naming the file, or ``command line``, and the bad key.
     """
-    overrides: dict[str, Any] = {"mode": getattr(args, "mode", None)}
+    overrides: dict[str, Any] = {"mode": _mode(args)}
     flag_keys = {
         "n_gpu_layers": "n_gpu_layers",
         "split_mode": "split_mode",

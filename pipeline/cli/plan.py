@@ -8,16 +8,26 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from aiogguf.cli import EXIT_WARNED
+from aiogguf.cli.extras import say_missing_gpu_extra
 from aiogguf.cli.options import add_placement_options, config_from_args
 from aiogguf.dry_run import plan_sync
+from aiogguf.errors import shown_path
+from aiogguf.io.devices.base import DeviceKind
 from aiogguf.io.http_source import is_url, redact_url
-from aiogguf.records import Plan
-from aiogguf.units import format_bytes
+from aiogguf.records import Plan, TensorClass
+from aiogguf.units import counted, format_bytes
 
-__all__ = ["add_arguments", "plan_to_json", "run"]
+__all__ = ["CPU_EXTRA_BUFFER_TYPES", "add_arguments", "plan_to_json", "run"]
+
+# The CPU's extra buffer types in llama.cpp (ggml-cpu): with its defaults (--repack on),
+# the weights of CPU layers that an AMX or a repacking kernel can take go there rather
+# than in the plain CPU buffer. The plan does not model them: which kernels exist depends
+# on the llama.cpp build and this CPU's features, and so does which tensors they take.
+CPU_EXTRA_BUFFER_TYPES = ("AMX", "CPU_REPACK")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = plan_sync(args.path, config_from_args(args))
+    config = config_from_args(args)
+    say_missing_gpu_extra(args, config)
+    plan = plan_sync(args.path, config)
     if args.json:
         print(json.dumps(plan_to_json(plan), indent=2))
     else:
@@ -45,9 +57,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_weights(plan: Plan) -> int:
+    """Tensors of the repeating and output layers planned in a CPU's plain buffer: those
+    llama.cpp may put in its extra buffer types instead (the input layer's are read by
+    row, which no extra type takes)."""
+    cpus = {d.name for d in plan.devices if d.kind == DeviceKind.CPU}
+    return sum(
+        1
+        for t in plan.tensors
+        if t.device in cpus
+        and t.buffer_type in cpus
+        and not t.lazy
+        and t.tensor_class is not TensorClass.INPUT
+    )
+
+
+def _cpu_extra_note(n_tensors: int) -> str:
+    return (
+        f"note: {counted(n_tensors, 'CPU weight')} planned in the plain CPU buffer; on a "
+        "CPU with AMX or repacking kernels llama.cpp puts most such weights in its "
+        f"{' / '.join(CPU_EXTRA_BUFFER_TYPES)} buffers, which this plan does not model"
+    )
+
+
 def plan_to_json(plan: Plan) -> dict[str, Any]:
     """The ``--json`` document: devices, input device, layers, tensors, buffers, moved,
-    warnings."""
+    warnings, and what the plan leaves out (``cpu_extra_buffers``: llama.cpp's AMX and
+    CPU_REPACK buffers, not modelled; ``tensors``: the CPU weights they may take)."""
     moved = plan.moved
     return {
         "devices": [
@@ -90,6 +126,11 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             },
         },
         "warnings": list(plan.warnings),
+        "cpu_extra_buffers": {
+            "modelled": False,
+            "types": list(CPU_EXTRA_BUFFER_TYPES),
+            "tensors": _cpu_weights(plan),
+        },
     }
 
 
@@ -106,7 +147,7 @@ def _layer_runs(plan: Plan) -> list[tuple[int, int, str]]:
 
 def _print_plan(plan: Plan, path: str) -> None:
     console = Console(highlight=False, soft_wrap=True)
-    console.print(f"[bold]{path}[/bold]  load mode: {plan.mode}")
+    console.print(f"[bold]{escape(shown_path(path))}[/bold]  load mode: {plan.mode}")
     devices = Table(title="devices", title_justify="left", show_edge=False)
     for column in ("device", "kind", "free", "total"):
         devices.add_column(column, justify="right" if column in ("free", "total") else "left")
@@ -139,9 +180,13 @@ def _print_plan(plan: Plan, path: str) -> None:
 
     if plan.moved is not None:
         m = plan.moved
+        others = f" (and {counted(m.count - 1, 'other')})" if m.count > 1 else ""
         console.print(
-            f"moved: tensor '{m.first_name}' ({m.first_type}) (and {m.count - 1} others) "
+            f"moved: tensor '{escape(m.first_name)}' ({m.first_type}){others} "
             f"cannot use preferred buffer type {m.first_from}, using {m.first_to} instead"
         )
     for warning in plan.warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+    n_cpu_weights = _cpu_weights(plan)
+    if n_cpu_weights:
+        console.print(_cpu_extra_note(n_cpu_weights))

@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from aiogguf.cli.extras import needs_extra
 from aiogguf.config import (
     SERVER_MAX_MODELS,
     SERVER_MAX_SHARDS,
@@ -254,15 +255,9 @@ def _checked(
 
 def run(args: argparse.Namespace) -> int:
     # aiohttp is the optional ``server`` extra: imported only when serving.
-    try:
+    with needs_extra("the server", "aiohttp"):
         from aiogguf.server import LoadLimiter, RemoteAccess, ServerPolicy, create_app, serve
         from aiogguf.server_policy import DEFAULT_MODES
-    except ImportError as exc:
-        print(
-            f"aiogguf serve: needs aiohttp (pip install 'aiogguf[server]'): {exc}",
-            file=sys.stderr,
-        )
-        return EXIT_FAILURE
     from aiogguf.api import run as run_loop
 
     config = load_config(args.config)  # a ConfigError is one line, exit 2
