@@ -133,6 +133,7 @@ def test_the_defaults_bound_models_and_bytes() -> None:
     assert policy.max_loaded_bytes == ram * 4 // 5
     assert getattr(policy, "max_shards", None) == 256
     assert getattr(policy, "request_timeout_s", None) == 10.0
+    assert policy.max_remote_admissions == 8
     help_text = subprocess.run(
         [sys.executable, "-m", "aiogguf", "serve", "--help"],
         capture_output=True,
@@ -147,6 +148,8 @@ def test_the_defaults_bound_models_and_bytes() -> None:
         "80% of physical memory",
         "--max-shards N",
         "(default: 256)",
+        "--max-remote-admissions N",
+        "(default: 8)",
         "--max-connections N",
         "--request-timeout S",
     ):

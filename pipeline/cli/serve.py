@@ -32,6 +32,7 @@ from typing import Any
 from aiogguf.cli.extras import needs_extra
 from aiogguf.config import (
     SERVER_MAX_MODELS,
+    SERVER_MAX_REMOTE_ADMISSIONS,
     SERVER_MAX_SHARDS,
     SERVER_REQUEST_TIMEOUT_S,
     load_config,
@@ -143,6 +144,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="files of one split set; beyond: 400, before any is opened (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-remote-admissions",
+        type=int,
+        default=SERVER_MAX_REMOTE_ADMISSIONS,
+        metavar="N",
+        help="remote loads whose files are being opened at once; beyond: 503, before any "
+        "request is sent (default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-connections",
         type=int,
         metavar="N",
@@ -246,7 +255,14 @@ def _checked(
             f"--host {args.host} is not a loopback address: give --token-file FILE, "
             "or pass --insecure"
         )
-    for name in ("max_models", "max_loads", "max_readers", "max_shards", "max_connections"):
+    for name in (
+        "max_models",
+        "max_loads",
+        "max_readers",
+        "max_shards",
+        "max_remote_admissions",
+        "max_connections",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise _Refused(f"--{name.replace('_', '-')} {value}: expected at least 1")
@@ -284,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
             max_models=args.max_models,
             max_loaded_bytes=max_bytes,
             max_shards=args.max_shards,
+            max_remote_admissions=args.max_remote_admissions,
             max_connections=args.max_connections,
             request_timeout_s=args.request_timeout,
             remote=remote,
