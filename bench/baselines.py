@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from aiogguf._units import parse_size
 from aiogguf.testing import baselines
-from aiogguf.units import parse_size
 
 
 def write_test_file(path: Path, nbytes: int, seed: int = 0) -> None:

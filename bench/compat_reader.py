@@ -1,4 +1,4 @@
-"""``aiogguf.compat.GGUFReader`` against gguf-py's ``GGUFReader``: open a model and read
+"""``aiogguf.compat._reader.GGUFReader`` against gguf-py's ``GGUFReader``: open a model and read
 every byte of every tensor.
 
 Each run is a fresh process (this script with ``--worker``) that imports its reader, then
@@ -54,7 +54,7 @@ def worker(reader: str, path: str) -> dict[str, Any]:
     if reader == "gguf-py":
         from gguf import GGUFReader as make
     else:
-        from aiogguf.compat import GGUFReader as make
+        from aiogguf.compat._reader import GGUFReader as make
     options = READERS[reader]
     start = time.perf_counter()
     opened = make(path, **options)

@@ -495,9 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _child(json.loads(args.child))
         return 0
 
+    from aiogguf._units import parse_size
     from aiogguf.testing.baselines import warm_file
     from aiogguf.testing.synth_cache import ensure_synthetic_model
-    from aiogguf.units import parse_size
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_sim import sim_spec

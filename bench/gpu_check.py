@@ -57,8 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from aiogguf._units import parse_size
 from aiogguf.testing.synth_cache import ensure_synthetic_model
-from aiogguf.units import parse_size
 
 GB = 1e9
 GiB = 1024**3
@@ -404,7 +404,7 @@ def warm_loads(
     """One process: ``warm_up``, a first load (verified), then checks on/off alternated,
     then each slot size with its pool filled first (``threads`` × ``staging_buffers``
     slots)."""
-    from aiogguf.config import Config
+    from aiogguf._config import Config
 
     per_thread = Config().with_overrides(**load).pipeline.staging_buffers
     steps: list[dict[str, Any]] = [
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return status
 
-    from aiogguf.io.devices.cupy_backend import cupy_devices, import_cupy
+    from aiogguf.io._devices.cupy_backend import cupy_devices, import_cupy
 
     cupy = import_cupy()
     devices = cupy_devices() if cupy is not None else ()

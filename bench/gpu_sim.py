@@ -49,11 +49,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aiogguf.config import Config, SimDeviceConfig
+from aiogguf._config import Config, SimDeviceConfig
+from aiogguf._units import parse_size
 from aiogguf.errors import GGUFError
 from aiogguf.testing.bench import SETTLE_S, settle
 from aiogguf.testing.synth_cache import ensure_synthetic_model
-from aiogguf.units import parse_size
 
 GB = 1e9
 GiB = 1024**3

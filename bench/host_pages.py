@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aiogguf._units import format_bytes, parse_size
 from aiogguf.io.buffers import HostBuffer, transparent_huge_pages
 from aiogguf.io.files import open_file
 from aiogguf.testing.baselines import GB, warm_file
 from aiogguf.testing.bench import SETTLE_S, settle
-from aiogguf.units import format_bytes, parse_size
 
 CALL_BYTES = 64 << 20
 KINDS = ("4k", "huge", "4k reused", "huge reused")

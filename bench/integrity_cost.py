@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aiogguf.hashing import hash_model_sync
-from aiogguf.integrity_sink import FILE_CHUNK_BYTES
-from aiogguf.manifest import BLOCK_BYTES, block_digest, block_hasher, manifest_json
+from aiogguf.integrity._hashing import hash_model_sync
+from aiogguf.integrity._manifest import BLOCK_BYTES, block_digest, block_hasher, manifest_json
+from aiogguf.integrity._sink import FILE_CHUNK_BYTES
 from aiogguf.testing.baselines import GB, warm_file
 from aiogguf.testing.bench import load_in_subprocess
 from aiogguf.testing.synth_cache import ensure_bench_model

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aiogguf._units import format_bytes
 from aiogguf.io.pagecache import drop_from_cache
 from aiogguf.testing.baselines import GB, PageCache
 from aiogguf.testing.bench import (
@@ -51,7 +52,6 @@ from aiogguf.testing.bench import (
     settle,
 )
 from aiogguf.testing.synth_cache import ensure_bench_model
-from aiogguf.units import format_bytes
 
 MiB = 1 << 20
 

@@ -45,9 +45,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aiogguf._units import parse_size
 from aiogguf.testing.bench import SETTLE_S, settle
 from aiogguf.testing.synth_cache import ensure_synthetic_model
-from aiogguf.units import parse_size
 
 MiB = 1 << 20
 STAND_INS = Path(__file__).resolve().parent.parent / "tests" / "stand_ins"

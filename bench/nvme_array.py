@@ -17,11 +17,11 @@ import statistics
 from pathlib import Path
 
 import aiogguf
-from aiogguf.config import Config
-from aiogguf.report import LoadReport
+from aiogguf._config import Config
+from aiogguf._report import LoadReport
+from aiogguf._units import parse_size
 from aiogguf.testing.baselines import drop_or_warm
 from aiogguf.testing.synth_cache import ensure_synthetic_model
-from aiogguf.units import parse_size
 
 
 def spread(first: Path, paths: list[Path], root: Path) -> list[Path]:

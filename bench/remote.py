@@ -244,8 +244,8 @@ def load_cuts(size: int) -> tuple[int, int, int]:
     """The load's defaults for a file of ``size`` bytes: (connections, job bytes, request
     bytes), as ``jobs.job_bytes`` cuts host jobs (a chunk, or less to give every reader
     one) and ``HttpSource`` asks for a job (``remote_request_size`` at a time)."""
-    from aiogguf.config import load_config
-    from aiogguf.jobs import MIN_SPREAD_BYTES
+    from aiogguf._config import load_config
+    from aiogguf._jobs import MIN_SPREAD_BYTES
 
     pipeline = load_config(None).pipeline
     readers = pipeline.remote_in_flight
@@ -349,9 +349,9 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    from aiogguf._units import parse_size
     from aiogguf.testing.baselines import warm_file
     from aiogguf.testing.synth_cache import ensure_bench_model
-    from aiogguf.units import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # A model of the size people fetch from the hub (a 2.28 GiB one is #28's example);

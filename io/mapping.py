@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from aiogguf._units import format_bytes
 from aiogguf.errors import ClosedResourceError, LoadError, from_os_error, os_errors, shown_path
 from aiogguf.io import _libc
 from aiogguf.io.buffers import (
@@ -78,7 +79,6 @@ from aiogguf.io.buffers import (
 )
 from aiogguf.io.files import DataFile, align_down, align_up, merge_range, open_readable
 from aiogguf.io.workers import raise_if_stopped
-from aiogguf.units import format_bytes
 
 if TYPE_CHECKING:
     pass

@@ -4,7 +4,7 @@ The read stage's ``Reader`` and the validate stage's ``FileBytes`` read through 
 ``ByteSource``: positional reads into memory the caller owns, a check that the source
 did not change under the load, and a close. Two kinds: a local file opened beneath its
 root (``aiogguf.io.opener``), ``DataFile``, and a file read by HTTP ranges,
-``aiogguf.io.http_source.HttpSource``.
+``aiogguf.remote._http_source.HttpSource``.
 
 The rest of a load still asks for a local file by name, never through this protocol:
 the parse stage reads the descriptors of the file table (``OpenFiles``);
@@ -13,7 +13,7 @@ finds each file's disk (``fileno``, ``stat``) for its reader limit; the engine a
 file whether ``O_DIRECT`` works (``direct_ok``, ``direct_refusal``; ``DirectSource``);
 the mapped modes map it (``allocate_mapped``); ``LoadResources`` holds ``DataFile``s;
 and ``resolve_mode`` makes ``auto`` ``mmap``. So the remote kind needs more than being a
-``ByteSource``; ``aiogguf.remote`` has it all in one place: the parse stage reads it
+``ByteSource``; ``aiogguf.remote._sources`` has it all in one place: the parse stage reads it
 through ``read_header_from``, the front opens it and ``LoadResources`` holds it in place
 of a ``DataFile``, its reader limit is ``remote_in_flight`` (no disk), and its mode is
 ``none`` (no mappings, no ``O_DIRECT``, no ``fadvise``).

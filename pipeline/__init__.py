@@ -4,10 +4,10 @@
 first ``aiogguf.load(...)`` inside a running event loop imports nothing on the loop's
 thread (an import there stalls every task of the loop for its whole length). What a load
 imports on first use (CuPy, a simulated device's backing) it imports on its own threads.
-The optional parts stay out until used: ``aiogguf.server`` (aiohttp), ``aiogguf.cli``,
-``aiogguf.compat`` (gguf-py), ``aiogguf.testing`` (the benchmark harness), CuPy and torch.
+The optional parts stay out until used: ``aiogguf.server._app`` (aiohttp), ``aiogguf.cli``,
+``aiogguf.compat._reader`` (gguf-py), ``aiogguf.testing`` (the benchmark harness), CuPy and torch.
 
-The public API is this module's ``__all__``, ``aiogguf.server``, ``aiogguf.compat`` and
+The public API is this module's ``__all__``, ``aiogguf.server._app``, ``aiogguf.compat._reader`` and
 ``aiogguf.testing``; every other module is internal (its ``__all__`` names what the rest
 of the package uses) and may change.
 """
@@ -25,23 +25,33 @@ if __name__ != "aiogguf":
         "(install with: pip install -e . --config-settings editable_mode=strict)"
     )
 
-from aiogguf.api import LoadHandle as LoadHandle
-from aiogguf.api import WarmUp as WarmUp
-from aiogguf.api import load as load
-from aiogguf.api import load_sync as load_sync
-from aiogguf.api import open_model as open_model
-from aiogguf.api import release_device_memory as release_device_memory
-from aiogguf.api import release_device_memory_sync as release_device_memory_sync
-from aiogguf.api import release_staging as release_staging
-from aiogguf.api import release_staging_sync as release_staging_sync
-from aiogguf.api import warm_up as warm_up
-from aiogguf.api import warm_up_sync as warm_up_sync
-from aiogguf.config import Config as Config
-from aiogguf.config import LoadMode as LoadMode
-from aiogguf.dry_run import inspect as inspect
-from aiogguf.dry_run import inspect_sync as inspect_sync
-from aiogguf.dry_run import plan as plan
-from aiogguf.dry_run import plan_sync as plan_sync
+from aiogguf._api import LoadHandle as LoadHandle
+from aiogguf._api import WarmUp as WarmUp
+from aiogguf._api import load as load
+from aiogguf._api import load_sync as load_sync
+from aiogguf._api import open_model as open_model
+from aiogguf._api import release_device_memory as release_device_memory
+from aiogguf._api import release_device_memory_sync as release_device_memory_sync
+from aiogguf._api import release_staging as release_staging
+from aiogguf._api import release_staging_sync as release_staging_sync
+from aiogguf._api import warm_up as warm_up
+from aiogguf._api import warm_up_sync as warm_up_sync
+from aiogguf._config import Config as Config
+from aiogguf._config import LoadMode as LoadMode
+from aiogguf._core.ready import TensorStream as TensorStream
+from aiogguf._dry_run import inspect as inspect
+from aiogguf._dry_run import inspect_sync as inspect_sync
+from aiogguf._dry_run import plan as plan
+from aiogguf._dry_run import plan_sync as plan_sync
+from aiogguf._events import Progress as Progress
+from aiogguf._model import Model as Model
+from aiogguf._records import Plan as Plan
+from aiogguf._records import TensorClass as TensorClass
+from aiogguf._records import TensorEntry as TensorEntry
+from aiogguf._records import TensorPlacement as TensorPlacement
+from aiogguf._records import WeightIndex as WeightIndex
+from aiogguf._report import LoadReport as LoadReport
+from aiogguf._report import UploadReport as UploadReport
 from aiogguf.errors import BigEndianError as BigEndianError
 from aiogguf.errors import ClosedResourceError as ClosedResourceError
 from aiogguf.errors import ConfigError as ConfigError
@@ -57,27 +67,17 @@ from aiogguf.errors import PlacementError as PlacementError
 from aiogguf.errors import SplitError as SplitError
 from aiogguf.errors import TensorFailure as TensorFailure
 from aiogguf.errors import TensorValidationError as TensorValidationError
-from aiogguf.events import Progress as Progress
-from aiogguf.hashing import VerifyReport as VerifyReport
-from aiogguf.hashing import hash_model as hash_model
-from aiogguf.hashing import hash_model_sync as hash_model_sync
-from aiogguf.hashing import verify_model as verify_model
-from aiogguf.hashing import verify_model_sync as verify_model_sync
-from aiogguf.hashing import verify_sha256 as verify_sha256
-from aiogguf.hashing import verify_sha256_sync as verify_sha256_sync
-from aiogguf.io.devices.base import DeviceKind as DeviceKind
+from aiogguf.integrity._hashing import VerifyReport as VerifyReport
+from aiogguf.integrity._hashing import hash_model as hash_model
+from aiogguf.integrity._hashing import hash_model_sync as hash_model_sync
+from aiogguf.integrity._hashing import verify_model as verify_model
+from aiogguf.integrity._hashing import verify_model_sync as verify_model_sync
+from aiogguf.integrity._hashing import verify_sha256 as verify_sha256
+from aiogguf.integrity._hashing import verify_sha256_sync as verify_sha256_sync
+from aiogguf.integrity._manifest import Manifest as Manifest
+from aiogguf.io._devices.base import DeviceKind as DeviceKind
 from aiogguf.io.opener import FileOpener as FileOpener
 from aiogguf.io.opener import RootedOpener as RootedOpener
-from aiogguf.manifest import Manifest as Manifest
-from aiogguf.model import Model as Model
-from aiogguf.ready import TensorStream as TensorStream
-from aiogguf.records import Plan as Plan
-from aiogguf.records import TensorClass as TensorClass
-from aiogguf.records import TensorEntry as TensorEntry
-from aiogguf.records import TensorPlacement as TensorPlacement
-from aiogguf.records import WeightIndex as WeightIndex
-from aiogguf.report import LoadReport as LoadReport
-from aiogguf.report import UploadReport as UploadReport
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,7 @@ Every error a user can see from aiogguf is one of these::
     ClosedResourceError            a model, buffer, file or mapping used after close():
                                    a bug in the caller, so a ValueError, not a GGUFError
 
-``aiogguf.compat.GGUFReader`` alone raises its own subclasses of these, which are also
+``aiogguf.compat._reader.GGUFReader`` alone raises its own subclasses of these, which are also
 what gguf-py's reader raises: ``CompatFormatError`` (a ``GGUFFormatError`` and a
 ``ValueError``), ``CompatOSError`` (a ``LoadError`` and an ``OSError``) and its
 ``FileNotFoundError``, ``PermissionError`` and ``IsADirectoryError`` kinds.

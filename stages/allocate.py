@@ -1,4 +1,4 @@
-"""The allocate stage: the memory of each buffer image laid out by ``aiogguf.jobs``.
+"""The allocate stage: the memory of each buffer image laid out by ``aiogguf._jobs``.
 
 Each planned buffer becomes an image of the file ranges it holds (design §2.1). Host
 buffers are page-aligned anonymous memory (``none``, ``direct``) or mappings of exactly
@@ -14,14 +14,14 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
-from aiogguf.config import HugePages
-from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
+from aiogguf._config import HugePages
+from aiogguf._images import DeviceImage, HostImage, Image, MappedImage
+from aiogguf._jobs import BufferLayout, StageMeter, StageTimes
+from aiogguf.io._devices.base import DeviceBuffer
 from aiogguf.io.buffers import HUGE_PAGE_BYTES, PAGE_BYTES, HostBuffer, huge_pages_pay
-from aiogguf.io.devices.base import DeviceBuffer
 from aiogguf.io.files import DataFile
 from aiogguf.io.mapping import FileMapping, MapAdvice, numa_nodes
 from aiogguf.io.workers import raise_if_stopped
-from aiogguf.jobs import BufferLayout, StageMeter, StageTimes
 
 __all__ = [
     "Allocation",

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+from aiogguf._names import MAX_LAYERS, layer_number, layer_of
+from aiogguf._records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
+from aiogguf._units import counted
 from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.io.workers import raise_if_stopped
-from aiogguf.names import MAX_LAYERS, layer_number, layer_of
-from aiogguf.records import ParsedFile, TensorClass, TensorEntry, Totals, WeightIndex
-from aiogguf.units import counted
 
 __all__ = [
     "build_index",

@@ -24,12 +24,7 @@ from typing import Final
 import anyio
 import numpy as np
 
-from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError, from_os_error
-from aiogguf.io.files import align_up
-from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
-from aiogguf.io.opener import OpenFiles
-from aiogguf.io.workers import LoadThreads, raise_if_stopped
-from aiogguf.records import (
+from aiogguf._records import (
     GGUFArray,
     MetadataEntry,
     MetadataValue,
@@ -38,6 +33,11 @@ from aiogguf.records import (
     TensorInfo,
     ValueType,
 )
+from aiogguf.errors import GGUFError, GGUFFormatError, LoadError, SplitError, from_os_error
+from aiogguf.io.files import align_up
+from aiogguf.io.ggml_types import GGML_TYPE_COUNT, GGML_TYPES
+from aiogguf.io.opener import OpenFiles
+from aiogguf.io.workers import LoadThreads, raise_if_stopped
 
 __all__ = [
     "NeedMoreBytes",

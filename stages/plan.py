@@ -15,13 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aiogguf.config import Config, LoadMode, NamePattern, PlacementConfig, compile_pattern
-from aiogguf.errors import PlacementError
-from aiogguf.io.devices.base import BufferRole, BufferType, Device, DeviceKind, all_buffer_types
-from aiogguf.io.mapping import may_lock_past_limit, memlock_limit
-from aiogguf.io.workers import raise_if_stopped
-from aiogguf.names import MAX_LAYERS, layer_number
-from aiogguf.records import (
+from aiogguf._config import Config, LoadMode, NamePattern, PlacementConfig, compile_pattern
+from aiogguf._names import MAX_LAYERS, layer_number
+from aiogguf._records import (
     BufferPlan,
     DeviceSummary,
     FileRange,
@@ -33,7 +29,11 @@ from aiogguf.records import (
     TensorPlacement,
     WeightIndex,
 )
-from aiogguf.units import counted, format_bytes
+from aiogguf._units import counted, format_bytes
+from aiogguf.errors import PlacementError
+from aiogguf.io._devices.base import BufferRole, BufferType, Device, DeviceKind, all_buffer_types
+from aiogguf.io.mapping import may_lock_past_limit, memlock_limit
+from aiogguf.io.workers import raise_if_stopped
 
 __all__ = [
     "assign_layers",

@@ -33,17 +33,17 @@ import anyio
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from aiogguf.config import Config
+from aiogguf._config import Config
+from aiogguf._images import HostImage, Image, MappedImage
+from aiogguf._jobs import BufferLayout, PieceSink, ReadJob, StageTimes
+from aiogguf._records import Plan, WeightIndex
 from aiogguf.errors import BigEndianError, shown_path
-from aiogguf.images import HostImage, Image, MappedImage
 from aiogguf.io.byteswap import can_convert, to_native
 from aiogguf.io.files import DataFile, FileAdvice, open_file
 from aiogguf.io.mapping import FileMapping
 from aiogguf.io.opener import OpenFiles
 from aiogguf.io.source import ByteSource, DirectSource
 from aiogguf.io.workers import Call, LoadThreads, raise_if_stopped
-from aiogguf.jobs import BufferLayout, PieceSink, ReadJob, StageTimes
-from aiogguf.records import Plan, WeightIndex
 
 __all__ = [
     "CHECK_PIECE_BYTES",

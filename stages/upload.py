@@ -56,12 +56,12 @@ from types import TracebackType
 
 import anyio
 
-from aiogguf.config import Config
-from aiogguf.io.devices.arena import ArenaGrant, device_arena
-from aiogguf.io.devices.base import CopyEvent, CopyStream, Device, DeviceBuffer, UploadTarget
-from aiogguf.io.devices.pool import PooledSlot, SlotLease, StagingPool, staging_pool
+from aiogguf._config import Config
+from aiogguf._jobs import ReadJob, SlotFill
+from aiogguf.io._devices.arena import ArenaGrant, device_arena
+from aiogguf.io._devices.base import CopyEvent, CopyStream, Device, DeviceBuffer, UploadTarget
+from aiogguf.io._devices.pool import PooledSlot, SlotLease, StagingPool, staging_pool
 from aiogguf.io.workers import LoadThreads
-from aiogguf.jobs import ReadJob, SlotFill
 
 __all__ = ["Copied", "DeviceUploadStats", "Landed", "Uploader", "UploaderState"]
 

@@ -1,4 +1,4 @@
-"""The validate stage: checks every loaded tensor by ggml's rules (``aiogguf.checks``),
+"""The validate stage: checks every loaded tensor by ggml's rules (``aiogguf._checks``),
 each one of two ways, and collects the failures.
 
 Tensors that land in host memory by ``preadv``/``O_DIRECT``, and every device tensor,
@@ -21,13 +21,9 @@ import anyio
 import numpy
 from anyio.abc import TaskGroup
 
-from aiogguf.checks import HOST_SLICE_BYTES, Bytes, PieceCheck, TensorChecker, precheck
-from aiogguf.errors import TensorFailure
-from aiogguf.images import DeviceImage, HostImage, Image, MappedImage
-from aiogguf.io.ggml_types import GGMLType
-from aiogguf.io.source import ByteSource
-from aiogguf.io.workers import LoadThreads, raise_if_stopped
-from aiogguf.jobs import (
+from aiogguf._checks import HOST_SLICE_BYTES, Bytes, PieceCheck, TensorChecker, precheck
+from aiogguf._images import DeviceImage, HostImage, Image, MappedImage
+from aiogguf._jobs import (
     BufferLayout,
     Passed,
     ReadJob,
@@ -36,7 +32,11 @@ from aiogguf.jobs import (
     TensorSlot,
     TensorSpans,
 )
-from aiogguf.records import WeightIndex
+from aiogguf._records import WeightIndex
+from aiogguf.errors import TensorFailure
+from aiogguf.io.ggml_types import GGMLType
+from aiogguf.io.source import ByteSource
+from aiogguf.io.workers import LoadThreads, raise_if_stopped
 
 __all__ = ["FileBytes", "Validation", "ValidationCollector"]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from aiogguf.io.devices.cupy_backend import forget_cupy_devices
-from aiogguf.io.devices.pool import close_staging_pools
+from aiogguf.io._devices.cupy_backend import forget_cupy_devices
+from aiogguf.io._devices.pool import close_staging_pools
 from aiogguf.io.pagecache import drop_from_cache
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """Runs gguf-py's own scripts (they ship in the ``gguf`` package, ``gguf/scripts/``) with
-gguf-py's ``GGUFReader`` or ``aiogguf.compat.GGUFReader`` in its place.
+gguf-py's ``GGUFReader`` or ``aiogguf.compat._reader.GGUFReader`` in its place.
 
 In-process (``run_script``): the script's file is executed as ``__main__`` with
 ``sys.argv`` set, its stdout captured, the records of gguf-py's loggers (``gguf*``: the

@@ -10,13 +10,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from aiogguf.server_transport import ConnectionGuard, GuardedSite
+from aiogguf.server._transport import ConnectionGuard, GuardedSite
 
 
 @contextlib.asynccontextmanager
 async def running(app: web.Application, *, guarded: bool = False) -> AsyncIterator[str]:
     """Serve ``app`` on an ephemeral port of 127.0.0.1; yields its base URL.
-    ``guarded``: through the connection handler ``aiogguf.server.serve`` uses (a
+    ``guarded``: through the connection handler ``aiogguf.server._app.serve`` uses (a
     connection cap, aiohttp's own rejections in JSON)."""
     runner = web.AppRunner(app)
     await runner.setup()

@@ -10,8 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from aiogguf.io.ggml_types import ggml_type_by_name
-from aiogguf.records import (
+from aiogguf._records import (
     MetadataEntry,
     ParsedFile,
     TensorClass,
@@ -20,6 +19,7 @@ from aiogguf.records import (
     ValueType,
     WeightIndex,
 )
+from aiogguf.io.ggml_types import ggml_type_by_name
 
 __all__ = ["LAYER_TENSORS", "TensorSpec", "build_index", "llama_index"]
 

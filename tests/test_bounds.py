@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from gguf_fields import metadata_value_field, set_field
 
-from aiogguf.config import Config
+from aiogguf._config import Config
+from aiogguf._core.headers import open_index
+from aiogguf._names import MAX_LAYERS
+from aiogguf._records import ParsedFile
 from aiogguf.errors import GGUFFormatError, SplitError
-from aiogguf.headers import open_index
-from aiogguf.io.devices.cpu import CpuDevice
-from aiogguf.names import MAX_LAYERS
-from aiogguf.records import ParsedFile
+from aiogguf.io._devices.cpu import CpuDevice
 from aiogguf.stages import parse as parse_module
 from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import parse_header

@@ -20,9 +20,9 @@ from gguf_fields import IntField, integer_fields, set_field
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from aiogguf.config import Config
+from aiogguf._config import Config
 from aiogguf.errors import GGUFError
-from aiogguf.io.devices import CpuDevice, SimDevice
+from aiogguf.io._devices import CpuDevice, SimDevice
 from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import parse_header
 from aiogguf.stages.plan import make_plan

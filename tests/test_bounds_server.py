@@ -19,7 +19,7 @@ from gguf_fields import metadata_value_field, set_field
 from server_helpers import running
 from test_cancel_stages import N_TENSORS, _many_tensors
 
-from aiogguf.server import create_app
+from aiogguf.server._app import create_app
 from aiogguf.stages import plan
 
 

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiogguf._jobs import ReadJob
 from aiogguf.errors import LoadError
 from aiogguf.io.ggml_types import ggml_type_by_name
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import LoadThreads
-from aiogguf.jobs import ReadJob
 from aiogguf.stages.read import Reader
 from aiogguf.stages.validate import FileBytes, ValidationCollector
 

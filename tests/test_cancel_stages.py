@@ -25,8 +25,8 @@ import anyio.to_thread
 import pytest
 
 import aiogguf
-from aiogguf import front
-from aiogguf import jobs as job_records
+from aiogguf import _jobs as job_records
+from aiogguf._core import front
 from aiogguf.io import _libc
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.stages import index, plan, validate

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aiogguf._units import MAX_SIZE, parse_size
 from aiogguf.cli import main
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
-from aiogguf.units import MAX_SIZE, parse_size
 
 BIG = "9" * 400 + "GiB"
 ENDS_WITHIN_S = 30
@@ -148,7 +148,7 @@ def interrupt_when_imported(args: list[str], module: str) -> tuple[int, list[str
     ("args", "module", "line"),
     [
         # while ``import aiogguf`` imports the loader, before any command's code
-        (["load", "m.gguf"], "aiogguf.config", "aiogguf: interrupted"),
+        (["load", "m.gguf"], "aiogguf._config", "aiogguf: interrupted"),
         # while the commands' parsers import
         (["load", "m.gguf"], "aiogguf.cli.loading", "aiogguf: interrupted"),
         # while serve imports aiohttp, after its arguments are read

@@ -21,12 +21,12 @@ import pytest
 from rich.console import Console
 
 import aiogguf
-from aiogguf.api import interrupt_run
+from aiogguf._config import Config
+from aiogguf._events import Stage
+from aiogguf._run import interrupt_run
 from aiogguf.cli import _os_error_line, build_parser, loading, main
 from aiogguf.cli.bench import _outputs
 from aiogguf.cli.options import NOT_APPLICABLE, config_from_args
-from aiogguf.config import Config
-from aiogguf.events import Stage
 from aiogguf.testing.synth import Corruption, write_synthetic_model
 
 

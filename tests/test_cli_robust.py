@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from aiogguf.cli import main
-from aiogguf.config import (
+from aiogguf._config import (
     MAX_QUEUE_DEPTH,
     MAX_STAGING_BUFFERS,
     MAX_THREADS,
     load_config,
 )
+from aiogguf.cli import main
 from aiogguf.errors import ConfigError
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
@@ -237,7 +237,7 @@ def test_config_file_over_a_cap_exits_2(
 def small_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host with 1 MiB of RAM (all free) and RLIMIT_MEMLOCK of 64 KiB, which the
     process may not exceed (no ``CAP_IPC_LOCK``)."""
-    monkeypatch.setattr("aiogguf.io.devices.cpu.host_memory", lambda: (1 << 20, 1 << 20))
+    monkeypatch.setattr("aiogguf.io._devices.cpu.host_memory", lambda: (1 << 20, 1 << 20))
     monkeypatch.setattr("aiogguf.stages.plan.memlock_limit", lambda: 64 << 10)
     monkeypatch.setattr("aiogguf.stages.plan.may_lock_past_limit", lambda: False)
 
@@ -280,7 +280,7 @@ def test_plan_does_not_warn_of_the_lock_limit_when_it_does_not_apply(
 def test_plan_strict_without_warnings_exits_0(
     model: SynthModel, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("aiogguf.io.devices.cpu.host_memory", lambda: (64 * GiB, 64 * GiB))
+    monkeypatch.setattr("aiogguf.io._devices.cpu.host_memory", lambda: (64 * GiB, 64 * GiB))
     monkeypatch.setattr("aiogguf.stages.plan.memlock_limit", lambda: None)
     for mode in ("none", "direct", "mmap", "mlock"):
         assert main(["plan", str(model.path), "--mode", mode, "--strict"]) == 0

@@ -1,4 +1,4 @@
-"""``aiogguf.compat.GGUFReader`` passes the assertions gguf-py's ``GGUFReader`` passes.
+"""``aiogguf.compat._reader.GGUFReader`` passes the assertions gguf-py's ``GGUFReader`` passes.
 
 Each file is read by both readers, and the same function checks each against an oracle
 of its own: MANIFEST.json (keys, values, tensor names, types, shapes, offsets, sizes)
@@ -28,7 +28,7 @@ from aiogguf.testing.synth import Corruption, CorruptionKind, SynthModel, write_
 gguf = pytest.importorskip("gguf")
 from helpers_gguf import write_gguf  # noqa: E402
 
-from aiogguf.compat import (  # noqa: E402 - needs gguf, as the skip says
+from aiogguf.compat._reader import (  # noqa: E402 - needs gguf, as the skip says
     CompatFormatError,
     CompatOSError,
     GGUFReader,

@@ -1,5 +1,5 @@
 """gguf-py's own scripts (``gguf/scripts/``, shipped in the ``gguf`` package) print and
-write the same with ``aiogguf.compat.GGUFReader`` in place of gguf-py's reader.
+write the same with ``aiogguf.compat._reader.GGUFReader`` in place of gguf-py's reader.
 
 Every reference file, a synthetic file of every type and a big-endian one go through
 ``gguf_dump.py`` in each output format, ``gguf_hash.py``, ``gguf_convert_endian.py
@@ -29,7 +29,7 @@ gguf = pytest.importorskip("gguf")
 from gguf_scripts import Outcome, run_script  # noqa: E402 - needs gguf, as the skip says
 from helpers_gguf import write_gguf  # noqa: E402
 
-from aiogguf.compat import GGUFReader  # noqa: E402
+from aiogguf.compat._reader import GGUFReader  # noqa: E402
 from aiogguf.testing.synth import write_synthetic_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -12,16 +12,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiogguf.cli import main
-from aiogguf.config import (
+from aiogguf._config import (
     Config,
     PathLimit,
     PipelineConfig,
     SimDeviceConfig,
     load_config,
 )
+from aiogguf._units import format_size, parse_size
+from aiogguf.cli import main
 from aiogguf.errors import ConfigError
-from aiogguf.units import format_size, parse_size
 
 
 def _write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
@@ -188,7 +188,7 @@ def test_staging_bytes_are_aligned() -> None:
 
 
 def test_readers_auto_scales_with_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiogguf import config as config_module
+    from aiogguf import _config as config_module
 
     for cores, buffered, direct in ((1, 1, 1), (2, 2, 2), (16, 16, 4), (128, 16, 4)):
         monkeypatch.setattr(config_module, "usable_cores", lambda n=cores: n)

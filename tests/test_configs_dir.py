@@ -12,10 +12,10 @@ import pytest
 from synthetic_index import llama_index
 
 import aiogguf
-from aiogguf.config import Config, LoadConfig, PipelineConfig, PlacementConfig
-from aiogguf.devices import enumerate_devices
-from aiogguf.headers import open_index
-from aiogguf.records import Plan, WeightIndex
+from aiogguf._config import Config, LoadConfig, PipelineConfig, PlacementConfig
+from aiogguf._core.headers import open_index
+from aiogguf._devices import enumerate_devices
+from aiogguf._records import Plan, WeightIndex
 from aiogguf.stages.plan import make_plan
 from aiogguf.testing.synth import write_synthetic_model
 

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from aiogguf.errors import LoadError
-from aiogguf.io.devices.arena import DeviceArena, close_device_arenas, device_arena
-from aiogguf.io.devices.sim import SimDevice
+from aiogguf.io._devices.arena import DeviceArena, close_device_arenas, device_arena
+from aiogguf.io._devices.sim import SimDevice
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from aiogguf.config import Config, SimDeviceConfig
-from aiogguf.devices import enumerate_devices, sim_device
+from aiogguf._config import Config, SimDeviceConfig
+from aiogguf._devices import enumerate_devices, sim_device
 from aiogguf.errors import ConfigError
-from aiogguf.io.devices import (
+from aiogguf.io._devices import (
     BufferRole,
     CpuDevice,
     Device,
@@ -21,7 +21,7 @@ from aiogguf.io.devices import (
     all_buffer_types,
     cupy_backend,
 )
-from aiogguf.io.devices.cpu import host_memory
+from aiogguf.io._devices.cpu import host_memory
 from aiogguf.io.ggml_types import ggml_type_by_name
 
 GiB = 1024**3

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import aiogguf
-import aiogguf.dry_run
-import aiogguf.headers
+import aiogguf._core.headers
+import aiogguf._dry_run
+from aiogguf._core.headers import open_index
 from aiogguf.cli.plan import plan_to_json
-from aiogguf.headers import open_index
 from aiogguf.io.opener import AnyPathOpener, RootedOpener
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
@@ -118,15 +118,15 @@ async def test_blocking_work_never_runs_on_the_loop_thread(
 
     for name in ("load_config", "enumerate_devices", "make_plan"):
         monkeypatch.setattr(
-            aiogguf.dry_run, name, on_a_thread(name, getattr(aiogguf.dry_run, name))
+            aiogguf._dry_run, name, on_a_thread(name, getattr(aiogguf._dry_run, name))
         )
     monkeypatch.setattr(
-        aiogguf.headers,
+        aiogguf._core.headers,
         "build_index",
-        on_a_thread("build_index", aiogguf.headers.build_index),
+        on_a_thread("build_index", aiogguf._core.headers.build_index),
     )
-    real_close = aiogguf.dry_run.OpenFiles.close
-    monkeypatch.setattr(aiogguf.dry_run.OpenFiles, "close", on_a_thread("close", real_close))
+    real_close = aiogguf._dry_run.OpenFiles.close
+    monkeypatch.setattr(aiogguf._dry_run.OpenFiles, "close", on_a_thread("close", real_close))
 
     class Opener(AnyPathOpener):
         def open(self, path: str) -> int:

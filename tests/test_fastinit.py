@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from aiogguf.fastinit import fast_init
-from aiogguf.io.ggml_types import ggml_type_by_name
-from aiogguf.jobs import RangeSlot, TensorSlot
-from aiogguf.records import (
+from aiogguf._fastinit import fast_init
+from aiogguf._jobs import RangeSlot, TensorSlot
+from aiogguf._records import (
     FileRange,
     LayerAssignment,
     MetadataEntry,
@@ -22,6 +21,7 @@ from aiogguf.records import (
     TensorInfo,
     TensorPlacement,
 )
+from aiogguf.io.ggml_types import ggml_type_by_name
 
 
 @fast_init

@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 from upload_helpers import buffers_in_use
 
 import aiogguf
-from aiogguf.engine import LoadWarning
+from aiogguf._core.engine import LoadWarning
 from aiogguf.io import _libc
-from aiogguf.io.devices.cpu import CpuDevice
-from aiogguf.io.devices.pool import staging_pool
-from aiogguf.io.devices.sim import SimDevice, SimUsage
+from aiogguf.io._devices.cpu import CpuDevice
+from aiogguf.io._devices.pool import staging_pool
+from aiogguf.io._devices.sim import SimDevice, SimUsage
 from aiogguf.io.opener import RootedOpener
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 

@@ -30,12 +30,12 @@ import pytest
 from stand_ins import cupy_stand_in
 
 import aiogguf
-from aiogguf import api
+from aiogguf import _api as api
 from aiogguf.errors import TensorValidationError
+from aiogguf.io._devices import cupy_backend
+from aiogguf.io._devices.cupy_backend import forget_cupy_devices
+from aiogguf.io._devices.sim import SimDevice
 from aiogguf.io.buffers import memory_held_by_views
-from aiogguf.io.devices import cupy_backend
-from aiogguf.io.devices.cupy_backend import forget_cupy_devices
-from aiogguf.io.devices.sim import SimDevice
 from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model
 

@@ -42,7 +42,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
 
 # Optional parts that ``import aiogguf`` must leave out: each is heavy, or an extra.
 OPTIONAL = (
-    "aiogguf.server",
+    "aiogguf.server._app",
     "aiogguf.cli",
     "aiogguf.testing",
     "aiohttp",
@@ -103,7 +103,7 @@ def test_import_brings_the_loader_and_leaves_the_optional_parts_out() -> None:
         timeout=60,
     )
     imported = set(json.loads(out.stdout))
-    assert {"aiogguf.api", "aiogguf.engine", "aiogguf.model", "aiogguf.config"} <= imported
+    assert {"aiogguf._api", "aiogguf._core.engine", "aiogguf._model", "aiogguf._config"} <= imported
     left_in = {m for m in imported for part in OPTIONAL if m == part or m.startswith(part + ".")}
     assert left_in == set()
 

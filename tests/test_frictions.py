@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 import aiogguf
+from aiogguf._config import Config
+from aiogguf._records import GGUFArray, ValueType
+from aiogguf._units import counted
 from aiogguf.cli.extras import EXTRAS, MissingExtraError, needs_extra
-from aiogguf.config import Config
 from aiogguf.errors import (
     ConfigError,
     GGUFError,
@@ -28,10 +30,8 @@ from aiogguf.errors import (
     TensorValidationError,
     shown_path,
 )
-from aiogguf.records import GGUFArray, ValueType
-from aiogguf.server_policy import RequestRefused, ServerPolicy, request_config, server_base_config
+from aiogguf.server._policy import RequestRefused, ServerPolicy, request_config, server_base_config
 from aiogguf.testing.synth import write_synthetic_model
-from aiogguf.units import counted
 
 gguf = pytest.importorskip("gguf")
 

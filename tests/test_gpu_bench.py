@@ -15,7 +15,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from aiogguf.io.devices.cupy_backend import cupy_devices
+from aiogguf.io._devices.cupy_backend import cupy_devices
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"

@@ -29,14 +29,14 @@ from corrupt import expected_bad
 from upload_helpers import cupy_stand_in_backend
 
 import aiogguf
+from aiogguf._events import Progress
 from aiogguf.errors import TensorValidationError
-from aiogguf.events import Progress
-from aiogguf.io.devices.cupy_backend import (
+from aiogguf.io._devices.cupy_backend import (
     CupyCopyStream,
     cupy_devices,
     import_cupy,
 )
-from aiogguf.io.devices.sim import SimCopyStream
+from aiogguf.io._devices.sim import SimCopyStream
 from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.stages.allocate import Allocation
 from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model

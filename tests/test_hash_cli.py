@@ -19,9 +19,9 @@ import pytest
 
 from aiogguf.cli import main
 from aiogguf.errors import LoadError
-from aiogguf.hashing import hash_model, hash_model_llama_sync, hash_model_sync
+from aiogguf.integrity._hashing import hash_model, hash_model_llama_sync, hash_model_sync
+from aiogguf.integrity._llama_hash import LlamaHasher
 from aiogguf.io.files import DataFile
-from aiogguf.llama_hash import LlamaHasher
 from aiogguf.testing.synth import write_synthetic_model
 
 

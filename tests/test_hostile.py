@@ -21,9 +21,9 @@ from gguf_oracle import json_metadata, sandboxed_reader_view
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aiogguf._records import GGUFArray, ParsedFile, WeightIndex
 from aiogguf.cli.inspect import inspect_json
 from aiogguf.errors import GGUFError, GGUFFormatError, SplitError
-from aiogguf.records import GGUFArray, ParsedFile, WeightIndex
 from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import (
     FIRST_READ_BYTES,

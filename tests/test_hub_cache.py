@@ -26,8 +26,8 @@ from test_remote import _client_sockets
 
 import aiogguf
 from aiogguf.errors import IntegrityError
-from aiogguf.hub_cache import PARTIAL_SUFFIX, hub_cache_dir
-from aiogguf.io.http_source import HEAD_BYTES
+from aiogguf.remote._http_source import HEAD_BYTES
+from aiogguf.remote._hub_cache import PARTIAL_SUFFIX, hub_cache_dir
 from aiogguf.testing.synth import write_synthetic_model
 
 hub_lib = pytest.importorskip("huggingface_hub")

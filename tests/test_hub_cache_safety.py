@@ -29,8 +29,8 @@ from test_hub_cache import HEADER_AGAIN, SMALL, _data_bytes, _recorded
 import aiogguf
 from aiogguf.cli import main
 from aiogguf.errors import LoadError, LoadWarning
-from aiogguf.hub_cache import PARTIAL_SUFFIX, hub_cache_dir
-from aiogguf.server import RemoteAccess, ServerPolicy, create_app
+from aiogguf.remote._hub_cache import PARTIAL_SUFFIX, hub_cache_dir
+from aiogguf.server._app import RemoteAccess, ServerPolicy, create_app
 from aiogguf.testing.synth import write_synthetic_model
 
 hub_lib = pytest.importorskip("huggingface_hub")

@@ -10,9 +10,9 @@ import pytest
 from test_load_bytes import assert_same_bytes
 
 import aiogguf
-from aiogguf.config import Config
+from aiogguf._config import Config
+from aiogguf._images import HostImage
 from aiogguf.errors import ConfigError
-from aiogguf.images import HostImage
 from aiogguf.io import buffers as buffers_module
 from aiogguf.io.buffers import (
     HUGE_PAGE_BYTES,

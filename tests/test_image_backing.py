@@ -13,10 +13,10 @@ import pytest
 from test_load_bytes import assert_same_bytes
 
 import aiogguf
-from aiogguf.images import BACK_BYTES, HostImage
+from aiogguf._images import BACK_BYTES, HostImage
+from aiogguf._jobs import BufferLayout, ReadJob
 from aiogguf.io.buffers import HostBuffer
 from aiogguf.io.workers import StopLink, Stopped
-from aiogguf.jobs import BufferLayout, ReadJob
 from aiogguf.stages.read import FAULTING_CALL_BYTES
 from aiogguf.testing.synth import write_synthetic_model
 

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiogguf.dry_run import inspect_sync
+from aiogguf._dry_run import inspect_sync
+from aiogguf._records import WeightIndex
 from aiogguf.errors import IntegrityError, ManifestMismatchError
-from aiogguf.hashing import hash_model_sync, verify_model_sync
-from aiogguf.integrity import IntegrityChecker, Mismatch, match_manifest
-from aiogguf.manifest import Manifest
-from aiogguf.records import WeightIndex
+from aiogguf.integrity._checker import IntegrityChecker, Mismatch, match_manifest
+from aiogguf.integrity._hashing import hash_model_sync, verify_model_sync
+from aiogguf.integrity._manifest import Manifest
 from aiogguf.testing.synth import write_synthetic_model
 
 BLOCK = 256 << 10

@@ -25,17 +25,17 @@ from helpers_gguf import write_gguf
 from test_integrity import BLOCK, MiB, clean, clean_manifest, quantized, split_sets
 
 import aiogguf
-from aiogguf.dry_run import inspect_sync, plan_sync
+from aiogguf._dry_run import inspect_sync, plan_sync
+from aiogguf._jobs import layout_buffers, split_jobs
 from aiogguf.errors import (
     IntegrityError,
     LoadWarning,
     ManifestMismatchError,
     TensorValidationError,
 )
-from aiogguf.hashing import hash_model_sync
-from aiogguf.integrity_sink import IntegritySink
-from aiogguf.jobs import layout_buffers, split_jobs
-from aiogguf.manifest import Manifest, manifest_json
+from aiogguf.integrity._hashing import hash_model_sync
+from aiogguf.integrity._manifest import Manifest, manifest_json
+from aiogguf.integrity._sink import IntegritySink
 
 __all__ = ["clean", "clean_manifest", "split_sets"]  # fixtures, shared
 
@@ -226,8 +226,8 @@ def test_auto_without_a_sidecar_checks_nothing(model: Path, clean_manifest: Mani
 
 
 def _llama_sidecar(path: Path, algorithms: tuple[str, ...]) -> None:
-    from aiogguf.hashing import hash_model_llama_sync
-    from aiogguf.llama_hash import format_llama
+    from aiogguf.integrity._hashing import hash_model_llama_sync
+    from aiogguf.integrity._llama_hash import format_llama
 
     text = format_llama(hash_model_llama_sync(path, algorithms=algorithms))
     Path(sidecar(path)).write_text(text)
@@ -485,8 +485,8 @@ def test_a_local_buffered_load_hashes_each_block_as_its_reads_land(
 ) -> None:
     """Mode none: the reader hands each read to the hash as it lands (``stream``), so
     only the blocks that span two jobs are hashed again whole, from memory."""
-    from aiogguf import front
-    from aiogguf.integrity import IntegrityChecker
+    from aiogguf._core import front
+    from aiogguf.integrity._checker import IntegrityChecker
 
     monkeypatch.setattr(front, "usable_cores", lambda: 2)  # readers on every core
     whole: list[int] = []

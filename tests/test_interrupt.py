@@ -16,10 +16,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from aiogguf.api import interrupt_run, load, run
+from aiogguf._api import load
+from aiogguf._config import Config
+from aiogguf._events import Progress
+from aiogguf._run import interrupt_run, run
 from aiogguf.cli import interrupt_main_thread
-from aiogguf.config import Config
-from aiogguf.events import Progress
 from aiogguf.testing.synth import write_synthetic_model
 
 

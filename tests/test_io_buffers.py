@@ -227,10 +227,10 @@ def test_a_failed_load_that_holds_no_memory_does_not_collect(
     """A full collection holds the GIL for as long as the heap is big: a load refused
     before any memory was allocated (here, a file that is not GGUF) skips it."""
     import aiogguf
-    import aiogguf.api
+    import aiogguf._api
 
     collections: list[int] = []
-    monkeypatch.setattr(aiogguf.api.gc, "collect", lambda *a: collections.append(1) or 0)
+    monkeypatch.setattr(aiogguf._api.gc, "collect", lambda *a: collections.append(1) or 0)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all" * 100)
     with pytest.raises(aiogguf.GGUFFormatError), aiogguf.load_sync(bad):

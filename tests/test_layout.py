@@ -62,12 +62,12 @@ def test_io_stays_the_standard_library_at_the_root() -> None:
 
 
 def test_the_package_imports_by_its_own_names() -> None:
+    import aiogguf._records
     import aiogguf.io.files
-    import aiogguf.records
     import aiogguf.stages.parse
 
     assert aiogguf.stages.parse.__name__ == "aiogguf.stages.parse"
-    assert aiogguf.records.ParsedFile.__module__ == "aiogguf.records"
+    assert aiogguf._records.ParsedFile.__module__ == "aiogguf._records"
     assert aiogguf.io.files.__name__ == "aiogguf.io.files"
 
 

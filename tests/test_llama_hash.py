@@ -18,8 +18,8 @@ from gguf.scripts.gguf_hash import gguf_hash
 
 from aiogguf.cli import main
 from aiogguf.errors import IntegrityError, ManifestError, ManifestMismatchError
-from aiogguf.hashing import hash_model_llama_sync, verify_model_sync
-from aiogguf.llama_hash import GGUF_PY_SKIPPED, check_llama, format_llama, parse_llama
+from aiogguf.integrity._hashing import hash_model_llama_sync, verify_model_sync
+from aiogguf.integrity._llama_hash import GGUF_PY_SKIPPED, check_llama, format_llama, parse_llama
 from aiogguf.testing.synth import write_synthetic_model
 
 

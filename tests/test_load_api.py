@@ -13,11 +13,11 @@ import anyio.lowlevel
 import pytest
 
 import aiogguf
-from aiogguf.config import load_config
+from aiogguf._config import load_config
+from aiogguf._events import Progress, Stage
+from aiogguf._model import ModelState
 from aiogguf.errors import ConfigError, GGUFError, LoadError, os_errors
-from aiogguf.events import Progress, Stage
 from aiogguf.io.opener import RootedOpener
-from aiogguf.model import ModelState
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 

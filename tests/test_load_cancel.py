@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiogguf
-from aiogguf.events import Progress, Stage
+from aiogguf._events import Progress, Stage
 from aiogguf.io.workers import IDLE_NAME
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 

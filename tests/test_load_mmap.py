@@ -15,8 +15,8 @@ import anyio
 import pytest
 
 import aiogguf
-from aiogguf.events import Progress
-from aiogguf.images import MappedImage
+from aiogguf._events import Progress
+from aiogguf._images import MappedImage
 from aiogguf.io import _libc
 from aiogguf.io.buffers import PAGE_BYTES
 from aiogguf.io.mapping import may_lock_past_limit, memlock_limit

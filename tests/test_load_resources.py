@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from aiogguf._core.load_resources import LoadResources
 from aiogguf.io.files import open_file
-from aiogguf.load_resources import LoadResources
 
 pytestmark = pytest.mark.asyncio
 

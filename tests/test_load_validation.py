@@ -20,11 +20,11 @@ import pytest
 from corrupt import expected_bad
 
 import aiogguf
-from aiogguf.checks import PieceCheck
+from aiogguf._checks import PieceCheck
+from aiogguf._jobs import ReadJob
 from aiogguf.cli import main
 from aiogguf.errors import TensorFailure, TensorValidationError
 from aiogguf.io.ggml_types import GGML_TYPES
-from aiogguf.jobs import ReadJob
 from aiogguf.stages.validate import Validation
 from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model
 

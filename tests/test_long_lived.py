@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import aiogguf
-from aiogguf.model import ModelState
+from aiogguf._model import ModelState
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiogguf.errors import LoadError, ManifestError
-from aiogguf.hashing import hash_model_sync
-from aiogguf.manifest import (
+from aiogguf.integrity._hashing import hash_model_sync
+from aiogguf.integrity._manifest import (
     BLOCK_BYTES,
     MAX_MANIFEST_BYTES,
     Manifest,

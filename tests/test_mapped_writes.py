@@ -26,8 +26,8 @@ from mapped_write_worker import TORCH_WAYS, WAYS
 
 import aiogguf
 import aiogguf.io.mapping as mapping_module
+from aiogguf._images import MappedImage
 from aiogguf.errors import LoadError
-from aiogguf.images import MappedImage
 from aiogguf.io import _libc
 from aiogguf.io.buffers import PAGE_BYTES
 from aiogguf.io.files import align_down, align_up

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import aiogguf
-from aiogguf.config import Config
+from aiogguf._config import Config
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 

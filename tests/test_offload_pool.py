@@ -15,11 +15,11 @@ import pytest
 from upload_helpers import buffers_in_use
 
 import aiogguf
-from aiogguf.config import Config
-from aiogguf.devices import enumerate_devices
-from aiogguf.io.devices import cupy_backend
-from aiogguf.io.devices.pool import staging_pool, staging_pools
-from aiogguf.io.devices.sim import SimDevice, SimDeviceBuffer
+from aiogguf._config import Config
+from aiogguf._devices import enumerate_devices
+from aiogguf.io._devices import cupy_backend
+from aiogguf.io._devices.pool import staging_pool, staging_pools
+from aiogguf.io._devices.sim import SimDevice, SimDeviceBuffer
 from aiogguf.testing.synth import write_synthetic_model
 
 MiB = 1024**2

@@ -12,9 +12,9 @@ import pytest
 from conftest import REFERENCE_DIR
 from gguf_oracle import json_metadata, reference_reader, run_inspect
 
+from aiogguf._names import layer_of
+from aiogguf._records import TensorClass
 from aiogguf.cli import main
-from aiogguf.names import layer_of
-from aiogguf.records import TensorClass
 from aiogguf.stages.index import tensor_class
 
 NAMES = sorted(p.name for p in REFERENCE_DIR.glob("*.gguf")) or ["<missing>"]

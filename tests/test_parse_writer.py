@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf_oracle import json_metadata, norm, reader_metadata, run_inspect
 
-from aiogguf.records import GGUFArray, ParsedFile, ValueType
+from aiogguf._records import GGUFArray, ParsedFile, ValueType
 from aiogguf.stages.parse import (
     FIRST_READ_BYTES,
     NeedMoreBytes,

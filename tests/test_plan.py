@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from synthetic_index import build_index, llama_index
 
-from aiogguf.config import Config
+from aiogguf._config import Config
+from aiogguf._names import MAX_LAYERS
+from aiogguf._records import Plan, WeightIndex
 from aiogguf.errors import ConfigError, PlacementError
-from aiogguf.io.devices import CpuDevice, Device, SimDevice
-from aiogguf.names import MAX_LAYERS
-from aiogguf.records import Plan, WeightIndex
+from aiogguf.io._devices import CpuDevice, Device, SimDevice
 from aiogguf.stages.plan import (
     assign_layers,
     make_plan,

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from synthetic_index import build_index
 
-from aiogguf.config import Config
-from aiogguf.io.devices import CpuDevice, SimDevice
+from aiogguf._config import Config
+from aiogguf.io._devices import CpuDevice, SimDevice
 from aiogguf.stages.plan import make_plan
 
 GiB = 1024**3

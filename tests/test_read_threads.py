@@ -132,7 +132,7 @@ def test_the_blocking_front_of_a_load_runs_off_the_loops_thread(
     """Work that grows with the model (parsing, indexing, planning, laying out buffers,
     cutting jobs: 10^4 of them in a model of hundreds of GiB), the ``stat`` of each file
     and the start of the host reads run on the load's thread, never on the loop's."""
-    import aiogguf.front as front
+    import aiogguf._core.front as front
 
     model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="4MiB", seed=6, n_layer=2)
     ran_on: dict[str, set[str]] = {}
@@ -168,7 +168,7 @@ def test_the_files_of_a_disk_share_its_readers(
     with ``readers = 2`` are read by two threads at most, and each file is checked for
     changes once, after its last read; with a limit of one reader per file's directory
     (a disk each), each file is read by one thread at a time."""
-    from aiogguf.config import Config
+    from aiogguf._config import Config
     from aiogguf.io.files import DataFile
     from aiogguf.stages.read import Reader
 
@@ -235,7 +235,7 @@ def _check_threads_during_reads(
 ) -> tuple[dict[str, set[str]], bool]:
     """A buffered load with ``readers`` on a machine of ``cores``: the threads that read
     and checked, and whether a read started while the first check was held."""
-    from aiogguf import front
+    from aiogguf._core import front
     from aiogguf.io.files import DataFile
     from aiogguf.stages.validate import Validation
 

@@ -1,4 +1,4 @@
-"""``warm_up`` rehearses a load on a model it builds in memory (``aiogguf.rehearsal``), so
+"""``warm_up`` rehearses a load on a model it builds in memory (``aiogguf._core.rehearsal``), so
 that the first real load of a process runs on warm code.
 
 The model is checked against ``gguf``'s reader; the rehearsal is checked to go through
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 import aiogguf
-from aiogguf import api
-from aiogguf.config import Config
-from aiogguf.devices import enumerate_devices
-from aiogguf.headers import read_whole_model
+from aiogguf import _api as api
+from aiogguf._config import Config
+from aiogguf._core.headers import read_whole_model
+from aiogguf._core.rehearsal import NAME, RehearsalFile, rehearsal_model
+from aiogguf._devices import enumerate_devices
 from aiogguf.io.opener import OpenFiles
-from aiogguf.rehearsal import NAME, RehearsalFile, rehearsal_model
 from aiogguf.stages.plan import make_plan
 
 

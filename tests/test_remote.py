@@ -22,9 +22,9 @@ import pytest
 from http_server import COMMIT, FileServer, HubServer, file_server
 
 import aiogguf
+from aiogguf._model import Model
 from aiogguf.errors import LoadError, PathNotAllowedError, SplitError
-from aiogguf.io.http_source import HttpSource, RemoteOptions, is_url, redact_url
-from aiogguf.model import Model
+from aiogguf.remote._http_source import HttpSource, RemoteOptions, is_url, redact_url
 from aiogguf.testing.synth import write_synthetic_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,7 +117,7 @@ def test_local_jobs_are_backed_before_their_read_and_remote_ones_are_not(
 ) -> None:
     """A local read lands in pages backed first (each job asks); a remote request is
     not held back for it."""
-    from aiogguf.images import HostImage
+    from aiogguf._images import HostImage
 
     backed: list[int] = []
     back = HostImage.back
@@ -140,7 +140,7 @@ def test_a_url_load_has_a_thread_per_connection_started_before_its_header_is_rea
 ) -> None:
     """The pool starts a new thread at a time, each start waiting for the GIL: threads
     started only once the reads began would join them one by one."""
-    from aiogguf import engine
+    from aiogguf._core import engine
 
     reserved: list[tuple[int, int]] = []
     reserve = engine.reserve_threads

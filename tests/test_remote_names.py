@@ -28,9 +28,9 @@ from aiogguf.cli import main
 from aiogguf.cli.inspect import inspect_json
 from aiogguf.cli.plan import plan_to_json
 from aiogguf.errors import LoadError
-from aiogguf.hashing import hash_model
-from aiogguf.hub_cache import hub_cache_dir
-from aiogguf.io.http_source import HEAD_BYTES
+from aiogguf.integrity._hashing import hash_model
+from aiogguf.remote._http_source import HEAD_BYTES
+from aiogguf.remote._hub_cache import hub_cache_dir
 from aiogguf.stages.parse import GROWTH_FACTOR
 from aiogguf.testing.synth import write_synthetic_model
 

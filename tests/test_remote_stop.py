@@ -26,7 +26,7 @@ from slow_servers import DelayProxy, DripServer
 
 import aiogguf
 from aiogguf.errors import LoadError
-from aiogguf.io.http_source import HttpSource, RemoteOptions
+from aiogguf.remote._http_source import HttpSource, RemoteOptions
 from aiogguf.testing.synth import write_synthetic_model
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from aiogguf.checks import PieceCheck, TensorChecker
-from aiogguf.io.devices.cpu import CpuDevice
-from aiogguf.io.devices.sim import SimDevice
-from aiogguf.report import LoadReport
+from aiogguf._checks import PieceCheck, TensorChecker
+from aiogguf._report import LoadReport
+from aiogguf.io._devices.cpu import CpuDevice
+from aiogguf.io._devices.sim import SimDevice
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
-api = pytest.importorskip("aiogguf.api")
+api = pytest.importorskip("aiogguf._api")
 
 GiB = 1024**3
 SLEEP_S = 0.002  # injected into every check call
@@ -135,9 +135,9 @@ async def test_whole_tensor_checks_of_a_mapped_load_count_in_validate(
 def test_build_report_takes_records_in_and_gives_the_report_out(model: SynthModel) -> None:
     """No stage needed: the stage times, file counters and upload counters become the
     report's entries as given."""
-    from aiogguf.jobs import StageTimes
-    from aiogguf.records import Plan
-    from aiogguf.report import build_report
+    from aiogguf._jobs import StageTimes
+    from aiogguf._records import Plan
+    from aiogguf._report import build_report
     from aiogguf.stages.read import FileStats
     from aiogguf.stages.upload import DeviceUploadStats
 

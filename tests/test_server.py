@@ -22,10 +22,10 @@ from aiohttp import web
 from anyio.streams.buffered import BufferedByteReceiveStream
 from server_helpers import running
 
-import aiogguf.server
-from aiogguf.config import Config
-from aiogguf.server import LoadLimiter, ServerPolicy, create_app, registry_of
-from aiogguf.server_policy import REQUEST_KEYS
+import aiogguf.server._app
+from aiogguf._config import Config
+from aiogguf.server._app import LoadLimiter, ServerPolicy, create_app, registry_of
+from aiogguf.server._policy import REQUEST_KEYS
 from aiogguf.testing.synth import write_synthetic_model
 
 # These tests choose their simulated GPUs and chunk sizes per request.
@@ -340,7 +340,7 @@ async def test_roots_limit_what_can_be_loaded(tmp_path: Path) -> None:
 async def test_shutdown_cancels_loads_and_closes_models(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(aiogguf.server, "_KEEPALIVE_S", 0.05)
+    monkeypatch.setattr(aiogguf.server._app, "_KEEPALIVE_S", 0.05)
     small, big = tmp_path / "small.gguf", tmp_path / "big.gguf"
     write_synthetic_model(small, size_bytes="2MiB")
     write_synthetic_model(big, size_bytes="64MiB")
@@ -437,8 +437,8 @@ async def test_limiter_shares_readers_and_staging_first_come_first_served() -> N
 
 @pytest.mark.asyncio
 async def test_serve_warms_the_process_up_before_it_listens(tmp_path: Path) -> None:
-    from aiogguf.config import Config
-    from aiogguf.io.devices.pool import staging_pools
+    from aiogguf._config import Config
+    from aiogguf.io._devices.pool import staging_pools
 
     config = Config().with_overrides(sim_gpus=["free=1GiB,pin_s_per_gib=0"], readers=2)
     app = create_app(config=config, roots=[tmp_path])
@@ -451,7 +451,7 @@ async def test_serve_warms_the_process_up_before_it_listens(tmp_path: Path) -> N
 
     with anyio.move_on_after(10) as scope:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: aiogguf.server.serve(app, port=0, on_started=started))
+            tg.start_soon(lambda: aiogguf.server._app.serve(app, port=0, on_started=started))
             await listening.wait()
             tg.cancel_scope.cancel()
     assert not scope.cancelled_caught

@@ -38,11 +38,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import post, running
 
-import aiogguf.server
-import aiogguf.server_requests
-from aiogguf.server import ServerPolicy, create_app, registry_of
-from aiogguf.server_policy import REQUEST_KEYS
-from aiogguf.server_transport import ConnectionGuard, GuardedSite
+import aiogguf.server._app
+import aiogguf.server._requests
+from aiogguf.server._app import ServerPolicy, create_app, registry_of
+from aiogguf.server._policy import REQUEST_KEYS
+from aiogguf.server._transport import ConnectionGuard, GuardedSite
 from aiogguf.testing.synth import write_synthetic_model
 
 HERE = Path(__file__).resolve().parent
@@ -533,13 +533,13 @@ async def test_an_exception_in_a_handler_is_a_json_500_and_one_log_line(
     def broken(*args: Any) -> Any:
         raise KeyError("a bug\nwith a second line")
 
-    monkeypatch.setattr(aiogguf.server_requests, "request_config", broken)
+    monkeypatch.setattr(aiogguf.server._requests, "request_config", broken)
     caplog.set_level(logging.INFO)
     async with running(create_app(roots=[tmp_path])) as url, aiohttp.ClientSession() as http:
         status, body = await post(http, url, tmp_path / "m.gguf")
     assert status == 500
     assert body == {"error": "internal error (KeyError); see the server's log"}
-    [record] = [r for r in caplog.records if r.name == "aiogguf.server"]
+    [record] = [r for r in caplog.records if r.name == "aiogguf.server._app"]
     assert record.exc_info is None
     assert "KeyError" in record.getMessage()
     assert "\n" not in record.getMessage()

@@ -26,11 +26,11 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from http_server import COMMIT, FileServer, HubServer
 from server_helpers import post, running
 
-from aiogguf.config import Config
+from aiogguf._addresses import AddressPolicy, UrlPrefix, blocked_reason, parse_network
+from aiogguf._config import Config
 from aiogguf.errors import ConfigError, PathNotAllowedError
-from aiogguf.io.http_source import HttpSource, RemoteOptions
-from aiogguf.io.remote_policy import AddressPolicy, UrlPrefix, blocked_reason, parse_network
-from aiogguf.server import RemoteAccess, ServerPolicy, create_app
+from aiogguf.remote._http_source import HttpSource, RemoteOptions
+from aiogguf.server._app import RemoteAccess, ServerPolicy, create_app
 from aiogguf.testing.synth import write_synthetic_model
 
 pytestmark = pytest.mark.timeout(60)

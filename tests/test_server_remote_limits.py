@@ -24,7 +24,7 @@ import pytest
 from server_helpers import post, running
 from slow_servers import DripServer
 
-from aiogguf.server import RemoteAccess, ServerPolicy, create_app
+from aiogguf.server._app import RemoteAccess, ServerPolicy, create_app
 from aiogguf.testing.synth import write_synthetic_model
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.anyio]

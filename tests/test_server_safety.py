@@ -26,9 +26,9 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 from server_helpers import post, running
 
-import aiogguf.server
-from aiogguf.server import LoadLimiter, ServerPolicy, create_app, registry_of
-from aiogguf.server_policy import REQUEST_KEYS
+import aiogguf.server._app
+from aiogguf.server._app import LoadLimiter, ServerPolicy, create_app, registry_of
+from aiogguf.server._policy import REQUEST_KEYS
 from aiogguf.testing.synth import write_synthetic_model
 
 SECRET = b"root:$6$hash-of-a-password:19000:0:99999:7:::\n"
@@ -375,7 +375,7 @@ async def test_records_of_ended_loads_are_bounded(
         # Past the TTL, none is kept.
         registry = registry_of(app)
         clock = time.monotonic
-        monkeypatch.setattr(aiogguf.server.time, "monotonic", lambda: clock() + 61)
+        monkeypatch.setattr(aiogguf.server._app.time, "monotonic", lambda: clock() + 61)
         async with http.get(f"{url}/models") as r:
             assert (await r.json())["models"] == []
         assert registry.entries == {}

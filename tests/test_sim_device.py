@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import aiogguf
-from aiogguf.config import Config
-from aiogguf.devices import enumerate_devices
+from aiogguf._config import Config
+from aiogguf._devices import enumerate_devices
 from aiogguf.errors import LoadError
 from aiogguf.io import _libc
-from aiogguf.io.devices.arena import device_arenas
-from aiogguf.io.devices.base import DeviceBuffer, UploadTarget
-from aiogguf.io.devices.sim import POISON_BYTE, RingViolation, SimDevice, SimUsage
+from aiogguf.io._devices.arena import device_arenas
+from aiogguf.io._devices.base import DeviceBuffer, UploadTarget
+from aiogguf.io._devices.sim import POISON_BYTE, RingViolation, SimDevice, SimUsage
 from aiogguf.testing.synth import write_synthetic_model
 
 KiB = 1024

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import aiogguf.stages.parse as parse_stage
+from aiogguf._core.headers import open_index
+from aiogguf._records import ParsedFile
 from aiogguf.errors import GGUFError, SplitError
-from aiogguf.headers import open_index
-from aiogguf.records import ParsedFile
 from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import parse_header, parse_model, split_paths
 

@@ -23,12 +23,12 @@ from test_load_cancel import mappings_of, open_fds, our_threads, threads_in_our_
 from upload_helpers import cupy_stand_in_backend
 
 import aiogguf
+from aiogguf._events import Stage
+from aiogguf._jobs import ReadJob
+from aiogguf._model import ModelState
 from aiogguf.errors import TensorValidationError
-from aiogguf.events import Stage
+from aiogguf.integrity._manifest import manifest_json
 from aiogguf.io import workers
-from aiogguf.jobs import ReadJob
-from aiogguf.manifest import manifest_json
-from aiogguf.model import ModelState
 from aiogguf.stages.read import Reader
 from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model
 

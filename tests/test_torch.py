@@ -21,7 +21,7 @@ import pytest
 from upload_helpers import cupy_stand_in_backend
 
 import aiogguf
-from aiogguf.io.devices.cupy_backend import cupy_devices, import_cupy
+from aiogguf.io._devices.cupy_backend import cupy_devices, import_cupy
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
 
 torch = pytest.importorskip("torch")

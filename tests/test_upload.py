@@ -25,11 +25,12 @@ from upload_helpers import (
     upload_all,
 )
 
+from aiogguf._jobs import ReadJob
 from aiogguf.errors import LoadError
-from aiogguf.io.devices.base import Device, DeviceBuffer
-from aiogguf.io.devices.cpu import CpuDevice
-from aiogguf.io.devices.pool import close_staging_pools, staging_pool
-from aiogguf.io.devices.sim import (
+from aiogguf.io._devices.base import Device, DeviceBuffer
+from aiogguf.io._devices.cpu import CpuDevice
+from aiogguf.io._devices.pool import close_staging_pools, staging_pool
+from aiogguf.io._devices.sim import (
     RingViolation,
     SimDevice,
     SimDeviceBuffer,
@@ -37,7 +38,6 @@ from aiogguf.io.devices.sim import (
     SimStagingSlot,
     SimUsage,
 )
-from aiogguf.jobs import ReadJob
 from aiogguf.stages.upload import UploaderState
 
 KiB = 1024

@@ -27,12 +27,12 @@ from upload_helpers import (
     upload_all,
 )
 
+from aiogguf._jobs import ReadJob
 from aiogguf.errors import LoadError
-from aiogguf.io.devices import cupy_backend
-from aiogguf.io.devices.base import Device, DeviceBuffer, UploadTarget
-from aiogguf.io.devices.cupy_backend import CupyDevice, CupyDeviceBuffer
-from aiogguf.io.devices.pool import staging_pool
-from aiogguf.jobs import ReadJob
+from aiogguf.io._devices import cupy_backend
+from aiogguf.io._devices.base import Device, DeviceBuffer, UploadTarget
+from aiogguf.io._devices.cupy_backend import CupyDevice, CupyDeviceBuffer
+from aiogguf.io._devices.pool import staging_pool
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -11,12 +11,12 @@ import gguf
 import pytest
 from upload_helpers import buffers_in_use
 
-from aiogguf.io.devices.cpu import CpuDevice
-from aiogguf.io.devices.pool import staging_pools
-from aiogguf.io.devices.sim import SimDevice, SimUsage
+from aiogguf.io._devices.cpu import CpuDevice
+from aiogguf.io._devices.pool import staging_pools
+from aiogguf.io._devices.sim import SimDevice, SimUsage
 from aiogguf.testing.synth import write_synthetic_model
 
-api = pytest.importorskip("aiogguf.api")
+api = pytest.importorskip("aiogguf._api")
 
 GiB = 1024**3
 

@@ -23,7 +23,7 @@ from gguf_oracle import reference_reader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiogguf.checks import TensorChecker, check_tensor, precheck
+from aiogguf._checks import TensorChecker, check_tensor, precheck
 from aiogguf.errors import TensorFailure, TensorValidationError
 from aiogguf.io.ggml_types import GGML_TYPES, GGMLType, ScaleKind, TypeKind, ggml_type
 from aiogguf.io.ggml_types import ggml_type_by_name as by_name

@@ -11,7 +11,7 @@ from corrupt import expected_bad, fill_ff, make_valid, plant_bf16_nan, plant_ele
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiogguf.checks import PieceCheck, check_tensor
+from aiogguf._checks import PieceCheck, check_tensor
 from aiogguf.io.ggml_types import GGML_TYPES, GGMLType, TypeKind
 from aiogguf.io.ggml_types import ggml_type_by_name as by_name
 

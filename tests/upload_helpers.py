@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from aiogguf.config import Config
-from aiogguf.io.devices.arena import device_arenas
-from aiogguf.io.devices.base import Device, DeviceBuffer
+from aiogguf._config import Config
+from aiogguf._jobs import ReadJob, SlotFill
+from aiogguf.io._devices.arena import device_arenas
+from aiogguf.io._devices.base import Device, DeviceBuffer
 from aiogguf.io.workers import LoadThreads
-from aiogguf.jobs import ReadJob, SlotFill
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 
 KiB = 1024
@@ -139,7 +139,7 @@ def cupy_stand_in_backend() -> Iterator[Any]:
     from stand_ins import cupy_stand_in
 
     import aiogguf
-    from aiogguf.io.devices import cupy_backend
+    from aiogguf.io._devices import cupy_backend
 
     stand_in = cupy_stand_in()
     with pytest.MonkeyPatch.context() as patch:

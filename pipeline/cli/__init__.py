@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TextIO
 
-from aiogguf.api import interrupt_run
+from aiogguf._run import interrupt_run
 from aiogguf.cli.extras import MissingExtraError
 from aiogguf.errors import GGUFError, LoadWarning, shown_path
 
@@ -137,7 +137,7 @@ def _exit_promptly_on_interrupt(command: str) -> None:
 def interrupt_main_thread() -> None:
     """What Ctrl-C does once a command runs (the SIGINT handler calls this on the main
     thread): cancel the command's event loop run, which unwinds and raises
-    ``KeyboardInterrupt`` (``aiogguf.api.interrupt_run``), or, while no loop runs, raise
+    ``KeyboardInterrupt`` (``aiogguf._run.interrupt_run``), or, while no loop runs, raise
     ``KeyboardInterrupt`` here. Raised inside a running loop, it could land between a
     task's creating a coroutine and scheduling it, and the interpreter would warn, as it
     ends, of a coroutine never awaited."""

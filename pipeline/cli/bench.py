@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from aiogguf._config import load_config
+from aiogguf._units import format_bytes
 from aiogguf.cli.extras import needs_demo_extra
 from aiogguf.cli.options import positive_int, positive_size
-from aiogguf.config import load_config
 from aiogguf.errors import ConfigError
-from aiogguf.units import format_bytes
 
 __all__ = ["SETTLE_DEFAULT_S", "add_arguments", "render", "run"]
 

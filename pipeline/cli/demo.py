@@ -14,11 +14,11 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
+from aiogguf._units import counted, format_bytes
 from aiogguf.cli.extras import needs_demo_extra
 from aiogguf.cli.loading import load_with_progress, render_report
 from aiogguf.cli.options import add_placement_options, config_from_args, positive_size
 from aiogguf.errors import shown_path
-from aiogguf.units import counted, format_bytes
 
 __all__ = ["add_arguments", "run"]
 

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from aiogguf.config import Config
+from aiogguf._config import Config
 
 __all__ = [
     "DEMO_INSTALL",

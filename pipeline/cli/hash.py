@@ -18,12 +18,12 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import Progress
 
+from aiogguf._units import format_bytes
 from aiogguf.cli.loading import byte_columns
-from aiogguf.hashing import hash_model_llama_sync, hash_model_sync
-from aiogguf.llama_hash import format_llama
-from aiogguf.manifest import SIDECAR_SUFFIX, manifest_json
-from aiogguf.remote import file_name, is_remote
-from aiogguf.units import format_bytes
+from aiogguf.integrity._hashing import hash_model_llama_sync, hash_model_sync
+from aiogguf.integrity._llama_hash import format_llama
+from aiogguf.integrity._manifest import SIDECAR_SUFFIX, manifest_json
+from aiogguf.remote._sources import file_name, is_remote
 
 __all__ = ["add_arguments", "byte_progress", "run", "write_atomically"]
 

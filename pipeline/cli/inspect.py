@@ -19,9 +19,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from aiogguf.dry_run import inspect_sync
-from aiogguf.records import GGUFArray, MetadataValue, ValueType, WeightIndex
-from aiogguf.units import counted, format_bytes
+from aiogguf._dry_run import inspect_sync
+from aiogguf._records import GGUFArray, MetadataValue, ValueType, WeightIndex
+from aiogguf._units import counted, format_bytes
 
 __all__ = ["add_arguments", "inspect_json", "run"]
 

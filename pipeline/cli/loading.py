@@ -18,13 +18,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from aiogguf.api import load, run
-from aiogguf.config import Config
+from aiogguf._api import load
+from aiogguf._config import Config
+from aiogguf._events import Progress as LoadProgress
+from aiogguf._events import Stage
+from aiogguf._report import LoadReport
+from aiogguf._run import run
+from aiogguf._units import counted, format_bytes
 from aiogguf.errors import shown_path
-from aiogguf.events import Progress as LoadProgress
-from aiogguf.events import Stage
-from aiogguf.report import LoadReport
-from aiogguf.units import counted, format_bytes
 
 __all__ = ["byte_columns", "load_with_progress", "render_report"]
 

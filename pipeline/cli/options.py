@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from aiogguf.config import Config, load_config
+from aiogguf._config import Config, load_config
+from aiogguf._units import parse_size
 from aiogguf.errors import ConfigError
-from aiogguf.units import parse_size
 
 __all__ = [
     "add_config_options",

@@ -11,15 +11,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from aiogguf._dry_run import plan_sync
+from aiogguf._records import Plan, TensorClass
+from aiogguf._units import counted, format_bytes
 from aiogguf.cli import EXIT_WARNED
 from aiogguf.cli.extras import say_missing_gpu_extra
 from aiogguf.cli.options import add_placement_options, config_from_args
-from aiogguf.dry_run import plan_sync
 from aiogguf.errors import shown_path
-from aiogguf.io.devices.base import DeviceKind
-from aiogguf.io.http_source import is_url, redact_url
-from aiogguf.records import Plan, TensorClass
-from aiogguf.units import counted, format_bytes
+from aiogguf.io._devices.base import DeviceKind
+from aiogguf.remote._http_source import is_url, redact_url
 
 __all__ = ["CPU_EXTRA_BUFFER_TYPES", "add_arguments", "plan_to_json", "run"]
 

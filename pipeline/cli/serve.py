@@ -1,6 +1,6 @@
 """`aiogguf serve`: run the HTTP load server alone (on uvloop when it is installed).
 
-Routes and states are described in ``aiogguf.server``. Stops on SIGINT or SIGTERM,
+Routes and states are described in ``aiogguf.server._app``. Stops on SIGINT or SIGTERM,
 cancelling every load and closing every model first.
 
 It refuses to start rather than serve unsafely: without ``--root`` (or ``[server] roots``)
@@ -29,8 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from aiogguf.cli.extras import needs_extra
-from aiogguf.config import (
+from aiogguf._config import (
     SERVER_MAX_MODELS,
     SERVER_MAX_REMOTE_ADMISSIONS,
     SERVER_MAX_SHARDS,
@@ -38,7 +37,8 @@ from aiogguf.config import (
     load_config,
     server_max_loaded_bytes,
 )
-from aiogguf.units import format_bytes, parse_size
+from aiogguf._units import format_bytes, parse_size
+from aiogguf.cli.extras import needs_extra
 
 __all__ = ["SHUTDOWN_DEADLINE_S", "add_arguments", "run"]
 
@@ -272,9 +272,9 @@ def _checked(
 def run(args: argparse.Namespace) -> int:
     # aiohttp is the optional ``server`` extra: imported only when serving.
     with needs_extra("the server", "aiohttp"):
-        from aiogguf.server import LoadLimiter, RemoteAccess, ServerPolicy, create_app, serve
-        from aiogguf.server_policy import DEFAULT_MODES
-    from aiogguf.api import run as run_loop
+        from aiogguf.server._app import LoadLimiter, RemoteAccess, ServerPolicy, create_app, serve
+        from aiogguf.server._policy import DEFAULT_MODES
+    from aiogguf._run import run as run_loop
 
     config = load_config(args.config)  # a ConfigError is one line, exit 2
     try:

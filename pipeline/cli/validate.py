@@ -8,11 +8,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from aiogguf._units import counted
 from aiogguf.cli.extras import say_missing_gpu_extra
 from aiogguf.cli.loading import load_with_progress
 from aiogguf.cli.options import add_manifest_option, add_placement_options, config_from_args
 from aiogguf.errors import TensorValidationError
-from aiogguf.units import counted
 
 __all__ = ["add_arguments", "run"]
 

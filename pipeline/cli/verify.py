@@ -10,10 +10,10 @@ import os
 
 from rich.console import Console
 
+from aiogguf._units import format_bytes
 from aiogguf.cli.hash import byte_progress
-from aiogguf.hashing import verify_model_sync, verify_sha256_sync
-from aiogguf.remote import file_name
-from aiogguf.units import format_bytes
+from aiogguf.integrity._hashing import verify_model_sync, verify_sha256_sync
+from aiogguf.remote._sources import file_name
 
 __all__ = ["add_arguments", "run"]
 

@@ -25,8 +25,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from aiogguf.api import load
-from aiogguf.config import PipelineConfig
+from aiogguf._api import load
+from aiogguf._config import PipelineConfig
 from aiogguf.io.buffers import HostBuffer
 from aiogguf.io.pagecache import drop_from_cache
 from aiogguf.io.workers import at_load_priority

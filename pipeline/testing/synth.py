@@ -29,8 +29,8 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from aiogguf._units import parse_size
 from aiogguf.io.ggml_types import GGML_TYPES, GGMLType, ScaleField, ScaleKind, ggml_type_by_name
-from aiogguf.units import parse_size
 
 __all__ = [
     "PRESET_NAMES",

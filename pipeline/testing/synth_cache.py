@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from aiogguf._units import format_bytes, format_size, parse_size
 from aiogguf.testing.synth import GiB, SynthModel, SynthTensor, write_synthetic_model
-from aiogguf.units import format_bytes, format_size, parse_size
 
 __all__ = ["default_demo_path", "ensure_bench_model", "ensure_synthetic_model"]
 

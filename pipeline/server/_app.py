@@ -1,0 +1,763 @@
+"""An HTTP load server: start, follow, cancel and unload model loads while serving.
+
+Mount ``create_app(roots=[...])`` inside your own aiohttp application
+(``app.add_subapp("/gguf", create_app(roots=["/models"]))``) or run it alone with
+``aiogguf serve``. Routes::
+
+    POST   /models              {"path": ..., "config": {overrides}} → 201 {"id": ...}
+    GET    /models              every load the server knows
+    GET    /models/{id}         state, bytes and tensors done, error; the report once ready
+    GET    /models/{id}/events  server-sent events: one ``data: {json}`` per progress
+                                event, ending after the load's final state
+    DELETE /models/{id}         cancel a load in flight, unload a ready model (freeing its
+                                memory), or forget one that has ended
+    GET    /healthz             liveness, with the limiter's counters
+
+States: ``loading`` (``queued`` while it waits for the limiter), ``ready``, ``failed``,
+``cancelled``, ``unloaded``. Every error reply is JSON, ``{"error": "one line"}``.
+
+What clients may do is the operator's choice (``aiogguf.server._policy``): files are read
+only beneath the roots (each file opened once, under them, and read only through that
+descriptor; a path outside gets 403 and learns nothing of the file), an optional bearer
+token guards every route but ``/healthz``, a request's config may set only some keys,
+only some modes, and no value above the server's own, and the models held and the
+records kept are bounded. Model ids are 128 random bits. Remote names (``https://``,
+``hf://``) are loaded only as the operator allows, and connect to no internal address
+(``aiogguf.server._remote``).
+
+Every load runs as a task of one task group that the application owns: its startup
+opens the group, its shutdown cancels every load and closes every model, and no load
+outlives the application. A ready model stays open inside its task
+(``async with handle as model: await unload.wait()``), so unloading is leaving that block.
+Concurrent loads share a ``LoadLimiter`` (``aiogguf.server._limiter``): a server-wide
+budget of loads, reader threads and staging memory. A ``POST /models`` body is read,
+checked and its files opened by ``aiogguf.server._requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from enum import StrEnum
+from typing import Any
+
+import anyio
+from aiohttp import web
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from aiogguf._api import LoadHandle, load, warm_up
+from aiogguf._config import Config, load_config
+from aiogguf._events import FanOut, Progress
+from aiogguf._model import Model
+from aiogguf._report import LoadReport
+from aiogguf._units import counted
+from aiogguf.errors import GGUFError
+from aiogguf.io._devices.arena import device_arenas
+from aiogguf.io._devices.base import Device
+from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
+from aiogguf.io.workers import LoadThreads
+from aiogguf.remote._http_source import is_url, redact_url
+from aiogguf.server._limiter import LimiterStats, LoadLimiter
+from aiogguf.server._policy import (
+    HEALTH_ROUTE,
+    RequestRefused,
+    ServerPolicy,
+    auth_middleware,
+    exception_line,
+    json_errors_middleware,
+    one_line,
+    server_base_config,
+)
+from aiogguf.server._remote import NoLocalFiles, RemoteAccess
+from aiogguf.server._requests import LoadRequest, parse_request
+from aiogguf.server._transport import (
+    ConnectionGuard,
+    DescriptorBudget,
+    GuardedSite,
+    default_max_connections,
+    descriptor_limit,
+    raise_descriptor_limit,
+)
+
+__all__ = [
+    "LimiterStats",
+    "LoadLimiter",
+    "LoadState",
+    "LoaderRegistry",
+    "RemoteAccess",
+    "ServerPolicy",
+    "create_app",
+    "registry_of",
+    "serve",
+]
+
+logger: logging.Logger = logging.getLogger("aiogguf.server._app")
+
+
+class LoadState(StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    UNLOADED = "unloaded"
+
+
+# --- one load -------------------------------------------------------------------------
+
+
+class _Entry:
+    """One load the server knows: its task's state, progress and subscribers."""
+
+    def __init__(self, load_id: str, request: LoadRequest) -> None:
+        self.id = load_id
+        self.request = request
+        self.state = LoadState.LOADING
+        self.queued = True
+        self.progress: Progress | None = None
+        self.report: LoadReport | None = None
+        self.error: str | None = None
+        # Cancellable before its task even starts.
+        self.scope: anyio.CancelScope = anyio.CancelScope()
+        self.unload: anyio.Event = anyio.Event()
+        self.finished: anyio.Event = anyio.Event()
+        self.holds_memory = True  # loading or ready: counted against the server's limits
+        self._fan = FanOut[dict[str, Any]]()
+        # Set (and replaced) whenever subscribers may have something new.
+        self.changed: anyio.Event = anyio.Event()
+
+    @property
+    def settled(self) -> bool:
+        """The load itself has ended: ready, or in a terminal state."""
+        return self.state is not LoadState.LOADING
+
+    def snapshot(self) -> dict[str, Any]:
+        p = self.progress
+        gbps = p.gbps if p is not None else math.nan
+        data: dict[str, Any] = {
+            "id": self.id,
+            # Without a signed URL's query: every client may list every load.
+            "path": redact_url(self.request.path)
+            if is_url(self.request.path)
+            else self.request.path,
+            "state": self.state.value,
+            "queued": self.queued and self.state is LoadState.LOADING,
+            "stage": p.stage.value if p is not None else None,
+            "bytes_done": p.bytes_done if p is not None else 0,
+            "bytes_total": p.bytes_total if p is not None else 0,
+            "tensors_done": p.tensors_done if p is not None else 0,
+            "tensors_total": p.tensors_total if p is not None else 0,
+            "elapsed_s": p.elapsed_s if p is not None else 0.0,
+            "gbps": None if math.isnan(gbps) else gbps,
+            "message": p.message if p is not None else "",
+            "error": self.error,
+            "device_memory": _device_memory(self.request.devices),
+        }
+        if self.report is not None:
+            data["report"] = _report_summary(self.report)
+        return data
+
+    # Progress arrives on the loop thread, from the load's own task.
+    def on_progress(self, progress: Progress) -> None:
+        self.progress = progress
+        # The engine's final event (done / failed / cancelled) is followed at once by the state
+        # change, which publishes the snapshot that ends the stream.
+        if not progress.final:
+            self.publish()
+
+    def publish(self) -> None:
+        # A slow client misses intermediate snapshots, never the end.
+        self._fan.publish(self.snapshot(), final=self.settled)
+        self._notify()
+
+    def subscribe(self, buffer: int = 32) -> MemoryObjectReceiveStream[dict[str, Any]]:
+        """Snapshots from now on, starting with the current one; ends once settled."""
+        if self.settled:
+            self._fan.close()
+        return self._fan.subscribe(buffer, self.snapshot())
+
+    def close_subscribers(self) -> None:
+        self._fan.close()
+        self._notify()
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+def _device_memory(devices: Sequence[Device]) -> dict[str, int]:
+    """Bytes of device memory held right now per device that counts them (simulated
+    GPUs): loads and models, not what the device's arena keeps idle for the next load."""
+    idle = {id(arena.target): arena.stats().idle_bytes for arena in device_arenas()}
+    memory: dict[str, int] = {}
+    for device in devices:
+        live = getattr(device, "live", None)
+        nbytes = getattr(live, "buffer_bytes", None)
+        if isinstance(nbytes, int):
+            memory[device.name] = nbytes - idle.get(id(device), 0)
+    return memory
+
+
+def _report_summary(report: LoadReport) -> dict[str, Any]:
+    return {
+        "mode": report.mode,
+        "total_s": report.total_s,
+        "nbytes": report.nbytes,
+        "n_tensors": report.n_tensors,
+        "gbps": report.gbps,
+        "validated": report.validated,
+        "warnings": list(report.warnings),
+        "buffers": [
+            {
+                "device": b.device,
+                "buffer_type": b.buffer_type,
+                "lazy": b.lazy,
+                "nbytes": b.nbytes,
+                "n_tensors": b.n_tensors,
+            }
+            for b in report.buffers
+        ],
+    }
+
+
+async def _close_model(model: Model) -> None:
+    """Unmapping and freeing many GiB takes real time: off the loop, even when cancelled."""
+    with anyio.CancelScope(shield=True):
+        async with LoadThreads(1, name="aiogguf-close") as threads:
+            await threads.run_sync(model.close)
+
+
+# --- the registry: every load of one application ----------------------------------------
+
+
+class LoaderRegistry:
+    """The loads of one application and the task group that runs them.
+
+    ``start()`` opens the group in a supervisor task; ``aclose()`` cancels every load,
+    waits until each has closed its model, and ends the supervisor.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        limiter: LoadLimiter,
+        opener: FileOpener,
+        policy: ServerPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.limiter = limiter
+        self.opener = opener
+        self.policy: ServerPolicy = policy if policy is not None else ServerPolicy()
+        self.entries: dict[str, _Entry] = {}
+        # Ended loads by id, least recently used first, with the time each ended.
+        self._ended: OrderedDict[str, float] = OrderedDict()
+        self._tg: TaskGroup | None = None
+        self._stop: anyio.Event | None = None  # made in ``start``, inside the loop
+        self._supervisor: asyncio.Task[None] | None = None
+        self._closing = False
+        self._close_by: float | None = None  # when ``aclose`` stops waiting for loads
+        # Where ``serve`` runs the app: its open connections, which sit inside the
+        # descriptors kept for serving (see ``descriptor_room``).
+        self.connection_count: Callable[[], int] = lambda: 0
+        # A request's descriptor check and its opening of files, one request at a time:
+        # two requests must not both count the same free descriptors.
+        self.admission_lock: threading.Lock = threading.Lock()
+        # Remote loads whose files are being opened now (``policy.max_remote_admissions``);
+        # changed on the loop's thread only.
+        self.remote_admissions = 0
+
+    @property
+    def accepting(self) -> bool:
+        return self._tg is not None and not self._closing
+
+    async def start(self) -> None:
+        self._stop = anyio.Event()
+        started = anyio.Event()
+        # The one task the registry creates outside a task group; ``aclose`` joins it.
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(started))
+        await started.wait()
+
+    async def _supervise(self, started: anyio.Event) -> None:
+        assert self._stop is not None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                started.set()
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            self._tg = None
+
+    async def aclose(self, timeout_s: float | None = None) -> bool:
+        """Cancel every load and close every model; idempotent. Waits at most
+        ``timeout_s`` (None: as long as it takes) for the loads to end; False when some
+        have not (a thread blocked in a system call): they are left behind, logged."""
+        self._closing = True
+        if self._stop is not None:
+            self._stop.set()
+        # One wait for every call: the application's shutdown and its cleanup both
+        # close the registry, and the second must not wait as long again.
+        if timeout_s is not None and self._close_by is None:
+            self._close_by = time.monotonic() + timeout_s
+        ended = True
+        if self._supervisor is not None and not self._supervisor.done():
+            left = None if self._close_by is None else max(self._close_by - time.monotonic(), 0)
+            with anyio.CancelScope(shield=True):
+                # ``asyncio.wait``, not ``await task``: giving up the wait must not
+                # cancel the supervisor, which is already winding the loads down.
+                await asyncio.wait({self._supervisor}, timeout=left)
+            ended = self._supervisor.done()
+            if not ended and left != 0:  # said once, by the call that waited
+                loading = sum(1 for e in self.entries.values() if not e.finished.is_set())
+                logger.warning(
+                    "%d loads did not stop within %.1f s of the shutdown", loading, timeout_s
+                )
+        for entry in self.entries.values():
+            entry.close_subscribers()
+        return ended
+
+    def descriptor_budget(self) -> DescriptorBudget:
+        """Descriptors kept for serving: as many as ``serve`` lets connections take
+        (``policy.max_connections``, or its default for this process's limit)."""
+        limit = descriptor_limit()
+        connections = self.policy.max_connections or default_max_connections(limit)
+        return DescriptorBudget.for_connections(connections, limit)
+
+    def held(self) -> tuple[int, int]:
+        """Models loading or ready, and the file bytes they hold or will hold."""
+        holding = [e for e in self.entries.values() if e.holds_memory]
+        return len(holding), sum(e.request.nbytes for e in holding)
+
+    def submit(self, request: LoadRequest) -> _Entry:
+        """Start ``request``'s load; ``RequestRefused`` (429, 507) over a limit."""
+        if self._tg is None or self._closing:
+            raise RuntimeError("the server is shutting down")
+        policy = self.policy
+        models, nbytes = self.held()
+        if policy.max_models is not None and models >= policy.max_models:
+            raise RequestRefused(
+                f"this server holds {counted(models, 'model')}, its limit; unload one first",
+                status=429,
+            )
+        if (
+            policy.max_loaded_bytes is not None
+            and nbytes + request.nbytes > policy.max_loaded_bytes
+        ):
+            raise RequestRefused(
+                f"{request.path}: {request.nbytes} bytes would take the models held to "
+                f"{nbytes + request.nbytes} bytes, over this server's limit of "
+                f"{policy.max_loaded_bytes}",
+                status=507,
+            )
+        self.prune()
+        # 128 random bits: one client cannot guess, and so cannot DELETE, another's model.
+        entry = _Entry(secrets.token_hex(16), request)
+        self.entries[entry.id] = entry
+        self._tg.start_soon(self._run, entry, name=f"aiogguf load {entry.id}")
+        return entry
+
+    def touch(self, entry: _Entry) -> None:
+        """A record was read: it is the last to go among the ended ones."""
+        if entry.id in self._ended:
+            self._ended.move_to_end(entry.id)
+
+    def forget(self, entry: _Entry) -> None:
+        self.entries.pop(entry.id, None)
+        self._ended.pop(entry.id, None)
+
+    def prune(self) -> None:
+        """Drop records of ended loads older than the TTL, then the least recently used
+        beyond ``max_finished``."""
+        now = time.monotonic()
+        ttl, keep = self.policy.finished_ttl_s, self.policy.max_finished
+        for load_id, ended in list(self._ended.items()):
+            if now - ended > ttl:
+                del self._ended[load_id]
+                self.entries.pop(load_id, None)
+        while len(self._ended) > keep:
+            load_id, _ = self._ended.popitem(last=False)
+            self.entries.pop(load_id, None)
+
+    def _ended_now(self, entry: _Entry) -> None:
+        entry.holds_memory = False
+        self._ended[entry.id] = time.monotonic()
+        self.prune()
+
+    async def _run(self, entry: _Entry) -> None:
+        request = entry.request
+        handle: LoadHandle = load(
+            request.path,
+            request.config,
+            progress=entry.on_progress,
+            devices=request.devices,
+            opener=request.opener,
+        )
+        try:
+            with entry.scope:
+                async with contextlib.AsyncExitStack() as stack:
+                    # The share of the budget is held while loading only: a ready model
+                    # uses no readers and no staging buffers.
+                    async with self.limiter.reserve(request.readers, request.staging_bytes):
+                        entry.queued = False
+                        entry.publish()
+                        model = await stack.enter_async_context(handle)
+                    # Loaded: the model holds what it needs of the file (its own
+                    # descriptors or copies); the request's descriptor can go.
+                    request.opener.close()
+                    stack.push_async_callback(_close_model, model)
+                    entry.report = model.report
+                    entry.state = LoadState.READY
+                    entry.publish()
+                    await entry.unload.wait()
+        except GGUFError as exc:
+            entry.state, entry.error = LoadState.FAILED, exception_line(exc)
+        except Exception as exc:
+            # A bug, not a bad file: logged in full, and it must not end the other loads.
+            logger.exception("load %s of %s failed", entry.id, request.path)
+            entry.state, entry.error = (
+                LoadState.FAILED,
+                f"{type(exc).__name__}: {exception_line(exc)}",
+            )
+        finally:
+            # Cancelled by DELETE (the scope swallowed it) or by shutdown (re-raised).
+            if entry.state is LoadState.LOADING:
+                entry.state = LoadState.CANCELLED
+            elif entry.state is LoadState.READY:
+                entry.state = LoadState.UNLOADED
+            request.opener.close()
+            entry.finished.set()
+            self._ended_now(entry)
+            entry.publish()
+
+    async def stop(self, entry: _Entry, timeout_s: float) -> bool:
+        """Cancel or unload ``entry``; True once it has ended within ``timeout_s``."""
+        if entry.state is LoadState.LOADING:
+            entry.scope.cancel()
+        else:
+            entry.unload.set()
+        with anyio.move_on_after(timeout_s):
+            await entry.finished.wait()
+        return entry.finished.is_set()
+
+
+# --- handlers --------------------------------------------------------------------------
+
+_REGISTRY = web.AppKey("aiogguf_registry", LoaderRegistry)
+
+# How long DELETE waits for a load to wind down before answering 202.
+_STOP_WAIT_S = 30.0
+# How often a request being admitted looks whether its client is still connected.
+_GONE_POLL_S = 0.1
+# An event stream with nothing to say (a load queued behind others) says this often
+# that it is alive.
+_KEEPALIVE_S = 15.0
+
+
+def _error(status: int, reason: str) -> web.Response:
+    return web.json_response({"error": one_line(reason)}, status=status)
+
+
+def _entry(request: web.Request) -> _Entry | web.Response:
+    registry = request.app[_REGISTRY]
+    registry.prune()
+    load_id = request.match_info["id"]
+    entry = registry.entries.get(load_id)
+    if entry is None:
+        return _error(404, f"no load with id {load_id!r}")
+    registry.touch(entry)
+    return entry
+
+
+async def _post_model(request: web.Request) -> web.Response:
+    registry = request.app[_REGISTRY]
+    if not registry.accepting:
+        return _error(503, "the server is shutting down")
+    try:
+        parsed = await _while_connected(request, lambda: parse_request(request, registry))
+    except RequestRefused as exc:
+        return _error(exc.status, exc.reason)
+    if parsed is None or _gone(request):
+        if parsed is not None:
+            parsed.opener.close()
+        return _error(499, "the client closed its connection before the load was admitted")
+    # No await between the limits' check in ``submit`` and the load taking its place.
+    try:
+        entry = registry.submit(parsed)
+    except RequestRefused as exc:
+        parsed.opener.close()
+        return _error(exc.status, exc.reason)
+    except RuntimeError as exc:
+        parsed.opener.close()
+        return _error(503, str(exc))
+    return web.json_response(
+        {"id": entry.id, "state": entry.state.value},
+        status=201,
+        headers={"Location": str(request.url.with_path(f"{request.path}/{entry.id}"))},
+    )
+
+
+def _gone(request: web.Request) -> bool:
+    """Whether the request's client has closed its connection."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _while_connected(
+    request: web.Request, fn: Callable[[], Awaitable[LoadRequest]]
+) -> LoadRequest | None:
+    """``fn()``, or None once the request's client has closed its connection (looked at
+    every ``_GONE_POLL_S``), ``fn`` then cancelled: aiohttp goes on with a handler whose
+    client went away, and a remote admission would go on waiting on a server for no
+    one."""
+    outcome: list[LoadRequest] = []
+    error: Exception | None = None
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while not _gone(request):  # noqa: ASYNC110  (aiohttp has no event for it)
+            await anyio.sleep(_GONE_POLL_S)
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        try:
+            outcome.append(await fn())
+        except Exception as exc:  # raised below, outside the group: not wrapped in one
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return outcome[0] if outcome else None
+
+
+async def _list_models(request: web.Request) -> web.Response:
+    registry = request.app[_REGISTRY]
+    registry.prune()
+    return web.json_response({"models": [e.snapshot() for e in registry.entries.values()]})
+
+
+async def _get_model(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    if isinstance(entry, web.Response):
+        return entry
+    return web.json_response(entry.snapshot())
+
+
+async def _model_events(request: web.Request) -> web.StreamResponse:
+    entry = _entry(request)
+    if isinstance(entry, web.Response):
+        return entry
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    async with entry.subscribe() as snapshots:
+        try:
+            while True:
+                try:
+                    snapshot = snapshots.receive_nowait()
+                except anyio.EndOfStream:
+                    break
+                except anyio.WouldBlock:
+                    # Wait for news on an event, not on the stream: a timeout that hit
+                    # ``receive()`` just as a snapshot arrived would lose that snapshot.
+                    with anyio.move_on_after(_KEEPALIVE_S) as idle:
+                        await entry.changed.wait()
+                    if idle.cancelled_caught:
+                        await response.write(b": keep-alive\n\n")  # an SSE comment
+                    continue
+                await response.write(f"data: {json.dumps(snapshot)}\n\n".encode())
+        except ConnectionError:
+            return response  # the client left; the load goes on
+    await response.write_eof()
+    return response
+
+
+async def _delete_model(request: web.Request) -> web.Response:
+    registry = request.app[_REGISTRY]
+    entry = _entry(request)
+    if isinstance(entry, web.Response):
+        return entry
+    if entry.finished.is_set():
+        # Already over: forget the record.
+        registry.forget(entry)
+        return web.json_response({**entry.snapshot(), "forgotten": True})
+    if not await registry.stop(entry, _STOP_WAIT_S):
+        return web.json_response(entry.snapshot(), status=202)
+    return web.json_response(entry.snapshot())
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    registry = request.app[_REGISTRY]
+    stats = registry.limiter.statistics()
+    states = [e.state for e in registry.entries.values()]
+    return web.json_response(
+        {
+            "ok": registry.accepting,
+            "loading": states.count(LoadState.LOADING),
+            "ready": states.count(LoadState.READY),
+            "limiter": {
+                "loads": stats.loads,
+                "max_loads": registry.limiter.max_loads,
+                "readers": stats.readers,
+                "max_readers": registry.limiter.max_readers,
+                "staging_bytes": stats.staging_bytes,
+                "max_staging_bytes": registry.limiter.max_staging_bytes,
+                "waiting": stats.waiting,
+            },
+        },
+        status=200 if registry.accepting else 503,
+    )
+
+
+# How long a shutdown waits for the loads to end once cancelled (each stage of a load
+# stops within a second of its cancellation), and then for replies under way.
+_LOAD_STOP_GRACE_S = 1.0
+_REPLY_GRACE_S = 0.3
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    registry = app[_REGISTRY]
+    await registry.start()
+    try:
+        yield
+    finally:
+        await registry.aclose(_LOAD_STOP_GRACE_S)
+        if isinstance(registry.opener, RootedOpener):
+            registry.opener.close()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    # Before connections are drained: ends the event streams, which would otherwise
+    # hold the shutdown until their loads finished.
+    await app[_REGISTRY].aclose(_LOAD_STOP_GRACE_S)
+
+
+def create_app(
+    *,
+    config: Config | str | os.PathLike[str] | None = None,
+    limiter: LoadLimiter | None = None,
+    roots: Sequence[str | os.PathLike[str]] | None = None,
+    allow_any_path: bool = False,
+    policy: ServerPolicy | None = None,
+) -> web.Application:
+    """The load server as an aiohttp application, standalone or mounted with
+    ``parent.add_subapp(prefix, create_app(roots=[...]))``.
+
+    ``config``: the base of every load (a ``Config``, a TOML path or None); a request's
+    ``config`` overrides the keys ``policy`` allows, never above this config's values. Its
+    mode ``auto`` becomes ``none`` (a copy: a mapped model dies with its file).
+    ``limiter``: the budget shared by the loads (pass the same one to several apps to
+    share it); default ``LoadLimiter()``. ``roots``: the directories whose files may be
+    loaded, with those of the config's ``[server] roots``; a path beneath none gets 403.
+    ``allow_any_path=True`` instead serves any file the process can read: only for a
+    server that trusts every client. ``policy``: token, request keys, modes, limits and
+    the remote names allowed, with those of the config's ``[server]`` (default:
+    ``ServerPolicy()``, no token, nothing remote). A server that allows remote names
+    needs no root: it then serves no local file.
+
+    Raises ``ConfigError`` for a bad ``config``, ``ValueError`` when neither ``roots``,
+    ``allow_any_path`` nor a remote name is allowed, or for a bad ``[server]`` remote
+    setting, ``LoadError`` for a root that is not a directory.
+    """
+    base = server_base_config(load_config(config))
+    policy = policy if policy is not None else ServerPolicy()
+    remote = policy.remote.merged(RemoteAccess.from_config(base.server))
+    policy = dataclasses.replace(policy, remote=remote)
+    all_roots = [*(os.fspath(r) for r in roots or ()), *base.server.roots]
+    opener: FileOpener
+    if all_roots:
+        opener = RootedOpener(all_roots)
+    elif allow_any_path:
+        opener = AnyPathOpener()
+    elif remote.enabled:
+        opener = NoLocalFiles()
+    else:
+        raise ValueError(
+            "create_app: give roots=[...] (directories clients may load from), "
+            "allow_any_path=True, or a remote source in policy.remote"
+        )
+    middlewares: list[Any] = [json_errors_middleware]
+    if policy.token is not None:
+        middlewares.append(auth_middleware(policy.token))
+    app = web.Application(middlewares=middlewares)
+    registry = LoaderRegistry(base, limiter or LoadLimiter(), opener, policy)
+    app[_REGISTRY] = registry
+    app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_on_shutdown)
+    app.router.add_post("/models", _post_model)
+    app.router.add_get("/models", _list_models)
+    app.router.add_get("/models/{id}", _get_model)
+    app.router.add_get("/models/{id}/events", _model_events)
+    app.router.add_delete("/models/{id}", _delete_model)
+    app.router.add_get("/healthz", _healthz, name=HEALTH_ROUTE)
+    return app
+
+
+def registry_of(app: web.Application) -> LoaderRegistry:
+    """The registry of an application made by ``create_app`` (for embedding code)."""
+    return app[_REGISTRY]
+
+
+async def serve(
+    app: web.Application,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    on_started: Callable[[Sequence[Any]], None] | None = None,
+    on_stopping: Callable[[int], None] | None = None,
+) -> int | None:
+    """Serve ``app`` until SIGINT or SIGTERM (or cancellation), then shut it down:
+    every load cancelled, every model closed, every connection closed, within about
+    1.3 s. ``on_started`` gets the bound addresses; ``on_stopping`` the signal, as the
+    shutdown begins. Returns that signal (None when cancelled).
+
+    Before it listens, the soft ``RLIMIT_NOFILE`` is raised to the hard limit and the
+    connection cap set (``policy.max_connections``, by default a quarter of that limit,
+    at most 512): a new connection past the cap closes the oldest one still silent (no
+    whole request head), or gets 503; a request's head must arrive within
+    ``policy.request_timeout_s`` of connecting or of the last reply. Then the process is
+    warmed up for the app's configuration (devices found, staging pools filled): CUDA's
+    start-up holds the GIL for part of its time, which no client should wait behind."""
+    registry = registry_of(app)
+    limit = raise_descriptor_limit()
+    guard = ConnectionGuard(registry.policy.max_connections or default_max_connections(limit))
+    registry.connection_count = lambda: guard.count
+    await warm_up(registry.config)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=_REPLY_GRACE_S)
+    await runner.setup()
+    received: int | None = None
+    try:
+        site = GuardedSite(
+            runner,
+            host,
+            port,
+            guard,
+            # aiohttp's keep-alive timer runs from the connection's start and from each
+            # reply, and partial bytes do not reset it: the deadline for a request's head.
+            keepalive_timeout=registry.policy.request_timeout_s,
+        )
+        await site.start()
+        if on_started is not None:
+            on_started(runner.addresses)
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                received = int(signum)
+                break
+        if on_stopping is not None and received is not None:
+            on_stopping(received)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
+            guard.close_all()
+    return received
