@@ -27,6 +27,7 @@ import xxhash
 
 from aiogguf.errors import ManifestError, os_errors
 from aiogguf.io.files import open_readable
+from aiogguf.io.workers import raise_if_stopped
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -313,6 +314,8 @@ _DIGEST_LIST: Final = re.compile(
     rf'\[{_W}(?:"[0-9a-f]{{32}}"(?:{_W},{_W}"[0-9a-f]{{32}}")*+{_W})?\]'
 )
 _HEX32: Final = re.compile("[0-9a-f]{32}")
+# Every 4096 items of a list read, a load looks at its stop.
+_STOP_EVERY: Final = 4096
 _AFTER_ITEM: Final = re.compile(rf"{_W}([,\]]){_W}")
 # A tensor as ``manifest_json`` writes it (any spacing), read with one match; any other
 # form of one goes through json's scanner.
@@ -449,6 +452,8 @@ class _Parser:
         while True:
             if len(found) == limit:
                 raise self.check.error(field, f"more than {limit} items")
+            if not len(found) % _STOP_EVERY:  # 10^5 tensors take a second
+                raise_if_stopped()
             item, pos = read(f"{field}[{len(found)}]", pos)
             found.append(item)
             after = _AFTER_ITEM.match(self.text, pos)

@@ -35,6 +35,7 @@ from aiogguf.manifest import (
     TensorHash,
     compute_set_id,
     manifest_json,
+    parse_manifest,
 )
 from aiogguf.testing.synth import write_synthetic_model
 
@@ -141,6 +142,13 @@ def test_matching_looks_at_the_loads_stop(model: Path, lines: list[tuple[str, st
     assert len(list(match_llama(manifest, names, ["m.gguf"]))) == len(names)
     with pytest.raises(Stopped):
         StopLink(lambda: True).run(lambda: list(match_llama(manifest, names, ["m.gguf"])))
+
+
+def test_reading_a_json_manifest_looks_at_the_loads_stop() -> None:
+    text = _valid_json(5000)
+    assert len(parse_manifest(text).tensors) == 5000
+    with pytest.raises(Stopped):
+        StopLink(lambda: True).run(lambda: parse_manifest(text))
 
 
 def test_a_cancelled_load_with_a_hostile_manifest_ends_promptly(
