@@ -129,11 +129,16 @@ def test_a_hostile_manifest_is_refused_naming_the_field(manifest: Manifest, name
     ("text", "words"),
     [
         ("", "not JSON"),
-        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ("[" * 100_000 + "]" * 100_000, "expected an object, got a list"),
+        ('{"files": ' + "[" * 100_000, r"files\[0\]: expected an object, got a list"),
         ('{"version": NaN}', "not JSON"),
         ("[1, 2]", "expected an object"),
         ("null", "expected an object"),
-        ('{"a": 1e999}', "missing block_bytes"),
+        ('{"a": 1e999}', "unknown field 'a'"),
+        ('{"version": 1e999}', "missing block_bytes"),
+        ('{"version": 1, "version": 1}', "version: given twice"),
+        ('{"version": 1,}', "not JSON: expected a field name"),
+        ('{"files": [{"sizes": 1}]} x', r"files\[0\]: unknown field 'sizes'"),
     ],
 )
 def test_text_that_is_no_manifest_is_refused(text: str, words: str) -> None:

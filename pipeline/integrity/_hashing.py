@@ -44,6 +44,7 @@ from aiogguf.integrity._manifest import (
     BLOCK_BYTES,
     Manifest,
     compute_set_id,
+    is_json_manifest,
     parse_manifest,
     read_manifest_text,
 )
@@ -256,7 +257,7 @@ def read_any_manifest(path: str | os.PathLike[str]) -> Manifest | LlamaManifest:
     """Blocking: the manifest at ``path``, aiogguf's JSON or llama-gguf-hash's text
     (told apart by the first character). Raises ``ManifestError``, ``LoadError``."""
     text = read_manifest_text(path)
-    if text.lstrip().startswith("{"):
+    if is_json_manifest(text):
         return parse_manifest(text, path)
     return parse_llama(text, path)
 
@@ -303,12 +304,14 @@ async def verify_model(
         against = "aiogguf manifest"
     else:
         llama = manifest
-        wanted = Wanted(sha256=False, blocks=False, llama=llama.algorithms)
+        algorithms = llama.algorithms
+        wanted = Wanted(sha256=False, blocks=False, llama=algorithms)
 
         def match(idx: WeightIndex) -> None:
             names = [file_name(f.path) for f in idx.files]
             tensor_files = {t.name: names[t.file_index] for t in idx.tensors}
-            match_llama(llama, tensor_files, names, manifest_path)
+            for _ in match_llama(llama, tensor_files, names, manifest_path):
+                pass
 
         index, results = await _indexed(path, opener, wanted, progress, match)
         digests = [r.llama for r in results if r.llama is not None]
@@ -325,7 +328,7 @@ async def verify_model(
                 for m in mismatches
             ]
             raise IntegrityError(failures, where)
-        against = f"llama-gguf-hash manifest ({', '.join(sorted(manifest.algorithms))})"
+        against = f"llama-gguf-hash manifest ({', '.join(sorted(algorithms))})"
     nbytes = sum(r.file.size for r in results) or sum(f.file_size for f in index.files)
     return VerifyReport(len(results), nbytes, time.perf_counter() - started, against)
 

@@ -10,7 +10,8 @@ byte-swapped one read from its file in chunks, never through the mapping
 Of the algorithms a tensor's lines give, the load checks the fastest (xxh3, xxh64, then
 sha1, sha256); ``aiogguf verify --manifest`` checks every line, the whole-model ones
 too. Tensors a manifest has no line for (gguf-py's script leaves three kinds of bias
-out: ``llama_hash.GGUF_PY_SKIPPED``) are not checked.
+out: ``llama_hash.GGUF_PY_SKIPPED``) are not checked; a manifest with no tensor line at
+all is refused, naming ``aiogguf verify``, which checks its whole-model lines.
 
 ``LlamaCheck.open`` matches the manifest to the model before any data is read, so a
 manifest of another model is refused up front, as a block manifest is.
@@ -30,7 +31,7 @@ from aiogguf._images import Image, tensor_chunks
 from aiogguf._jobs import BufferLayout, ReadJob, TensorSlot
 from aiogguf._records import WeightIndex
 from aiogguf.errors import IntegrityError, TensorFailure
-from aiogguf.integrity._llama_hash import LlamaLine, match_llama, parse_llama
+from aiogguf.integrity._llama_hash import LlamaLine, match_llama, parse_llama, whole_model_only
 from aiogguf.io.source import ByteSource
 
 __all__ = ["LlamaCheck", "LlamaSink"]
@@ -55,20 +56,23 @@ class LlamaCheck:
     @classmethod
     def open(cls, text: str, path: str, index: WeightIndex) -> LlamaCheck:
         """The manifest ``text`` (read from ``path``) matched to ``index``. Raises
-        ``ManifestError`` (not a manifest) or ``ManifestMismatchError`` (another
-        model's)."""
+        ``ManifestError`` (not a manifest, or one without tensor lines: nothing a load
+        can check) or ``ManifestMismatchError`` (another model's)."""
         manifest = parse_llama(text, path)
         names = [os.path.basename(f.path) for f in index.files]
         tensor_files = {t.name: names[t.file_index] for t in index.tensors}
-        about = match_llama(manifest, tensor_files, names, path)
         chosen: dict[str, LlamaLine] = {}
         rank = {a: i for i, a in enumerate(_PREFERENCE)}
-        for line, _, tensor in about:
+        for line, _, tensor in match_llama(manifest, tensor_files, names, path):
             if tensor is None or line.algorithm not in rank:
                 continue
             held = chosen.get(tensor)
             if held is None or rank[line.algorithm] < rank[held.algorithm]:
                 chosen[tensor] = line
+        if not chosen:
+            # Its whole-model lines need every byte of the model hashed in order: that is
+            # verify's pass, not a load's, which would check nothing and say it passed.
+            raise whole_model_only(path, index.files[0].path if index.files else "MODEL")
         return cls(path, chosen)
 
 

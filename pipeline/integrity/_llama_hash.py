@@ -15,17 +15,23 @@ such a tensor, none of its bytes in the whole-model digests), and when it checks
 manifest, takes a whole-model digest of either tool. A split set gets the lines of each
 shard, as the tools print them one shard at a time.
 
-Reading follows llama.cpp's reader: the first three whitespace-separated fields of each
-line, lines of an unknown algorithm (its ``manifest`` header line, a ``- Ok`` column)
-ignored. Tensors are matched by name, the file part of the key ignored.
+Reading follows llama.cpp's reader: lines end at a newline, the first three
+whitespace-separated fields of each are read, lines of an unknown algorithm (its
+``manifest`` header line, a ``- Ok`` column) ignored. Tensors are matched by name, the
+file part of the key ignored. The text is checked by regular expressions, each a pass
+over it in linear time, and its lines are read one at a time where they are matched,
+so that what a manifest holds is its text, whatever its lines are.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import re
+import shlex
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
@@ -33,6 +39,7 @@ import xxhash
 
 from aiogguf.errors import ManifestError, ManifestMismatchError
 from aiogguf.integrity._manifest import MAX_MANIFEST_BYTES
+from aiogguf.io.workers import raise_if_stopped
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -51,6 +58,7 @@ __all__ = [
     "merge_llama",
     "parse_llama",
     "skipped_by_gguf_py",
+    "whole_model_only",
 ]
 
 # In llama-gguf-hash's order; ``uuid`` is a whole-model line only.
@@ -60,7 +68,42 @@ GGUF_PY_SKIPPED: Final = (".attention.masked_bias", ".attention.bias", ".rotary_
 # uuid.uuid5(uuid.NAMESPACE_URL, 'en.wikipedia.org/wiki/Llama.cpp'), as both tools use it.
 UUID_NAMESPACE: Final = uuid.UUID("ef001206-dadc-5f6d-a15f-3359e577d4e5")
 _HEX_DIGITS: Final = {"xxh64": 16, "xxh3": 16, "sha1": 40, "sha256": 64}
-MAX_LINES: Final = 1 << 22
+# The longest key read: a path (PATH_MAX on Linux is 4096 bytes; Windows' long paths
+# 32767 characters), a colon and a tensor name. A longer one is no key the tools wrote.
+MAX_KEY_CHARS: Final = (32 << 10) + 64
+# The lines a manifest of a model may have: one per tensor and algorithm, one per file
+# and algorithm (and uuid), twice over (two tools' lines in one file).
+_LINES_PER_TENSOR: Final = 2 * len(ALGORITHMS)
+_LINES_PER_FILE: Final = 2 * (len(ALGORITHMS) + 1)
+# Every 4096 lines read, a load looks at its stop.
+_STOP_EVERY: Final = 4096
+
+# A hash line: an algorithm, a digest and a key, the first three fields of a line.
+_SEP: Final = r"[^\S\n]++"
+_ALGORITHM: Final = "|".join((*ALGORITHMS, UUID))
+_HASH_LINE: Final = re.compile(rf"^[^\S\n]*+({_ALGORITHM}){_SEP}(\S++){_SEP}(\S++)", re.MULTILINE)
+_DIGEST_FORM: Final = {
+    **{a: f"[0-9a-f]{{{n}}}" for a, n in _HEX_DIGITS.items()},
+    UUID: "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+}
+# A hash line whose digest is not of its algorithm's form.
+_BAD_DIGEST: Final = re.compile(
+    r"^[^\S\n]*+(?:"
+    + "|".join(rf"{a}{_SEP}(?!{form}(?!\S))" for a, form in _DIGEST_FORM.items())
+    + rf")\S++{_SEP}\S",
+    re.MULTILINE,
+)
+# Lines in a manifest: its smallest hash line (``xxh3 DIGEST k``) is 24 characters with
+# its newline, so this is room for twice as many as a manifest holds, and it bounds the
+# line starts each pass of a regular expression tries.
+MAX_LINES: Final = MAX_MANIFEST_BYTES // 12
+
+
+@functools.cache
+def _line_of(algorithms: frozenset[str]) -> re.Pattern[str]:
+    """A hash line of one of ``algorithms``."""
+    names = "|".join(sorted(algorithms, key=len, reverse=True))
+    return re.compile(rf"^[^\S\n]*+({names}){_SEP}\S++{_SEP}\S", re.MULTILINE)
 
 
 class _Hash(Protocol):
@@ -214,46 +257,70 @@ class LlamaLine:
 
 @dataclass(frozen=True, slots=True)
 class LlamaManifest:
-    lines: tuple[LlamaLine, ...]
+    """A ``llama-gguf-hash`` manifest whose every digest is well formed
+    (``parse_llama``): its text, whose lines are read again each time they are wanted
+    (``lines``). ``path`` names it in messages."""
+
+    text: str
+    path: str | None = None
+
+    def lines(self) -> Iterator[LlamaLine]:
+        """The hash lines, in order. On a load's thread, a stopped load stops this
+        (``raise_if_stopped`` every few thousand lines).
+
+        Raises ``ManifestError`` at a key longer than any path and tensor name."""
+        text = self.text
+        number, last = 1, 0
+        for count, found in enumerate(_HASH_LINE.finditer(text)):
+            if not count % _STOP_EVERY:
+                raise_if_stopped()
+            start = found.start()
+            number += text.count("\n", last, start)
+            last = start
+            if found.end(3) - found.start(3) > MAX_KEY_CHARS:
+                raise ManifestError(
+                    self.path,
+                    f"line {number}",
+                    f"a key of {found.end(3) - found.start(3)} characters; "
+                    f"at most {MAX_KEY_CHARS} (a path and a tensor name)",
+                )
+            yield LlamaLine(found[1], found[2], found[3], number)
 
     @property
     def algorithms(self) -> frozenset[str]:
-        return frozenset(line.algorithm for line in self.lines)
-
-
-def _digest_ok(algorithm: str, digest: str) -> bool:
-    if algorithm == UUID:
-        try:
-            return str(uuid.UUID(digest)) == digest
-        except ValueError:
-            return False
-    return len(digest) == _HEX_DIGITS[algorithm] and not digest.strip("0123456789abcdef")
+        """The algorithms its lines give: found in one pass over the text, each search
+        going on from the last one's line for the algorithms not seen yet."""
+        seen: set[str] = set()
+        at = 0
+        while len(seen) <= len(ALGORITHMS):
+            found = _line_of(frozenset((*ALGORITHMS, UUID)) - seen).search(self.text, at)
+            if found is None:
+                break
+            seen.add(found[1])
+            at = found.end()
+        return frozenset(seen)
 
 
 def parse_llama(text: str, path: str | os.PathLike[str] | None = None) -> LlamaManifest:
     """The hash lines of a ``llama-gguf-hash`` manifest.
 
-    Raises ``ManifestError``: too large, a digest that is not what its algorithm makes
-    (named by line), or no line of a known algorithm at all."""
+    Raises ``ManifestError``: too large or of too many lines, a digest that is not what
+    its algorithm makes (named by line), or no line of a known algorithm at all."""
     where = None if path is None else os.fspath(path)
     if len(text) > MAX_MANIFEST_BYTES:
         raise ManifestError(where, "", f"more than {MAX_MANIFEST_BYTES} characters")
-    lines: list[LlamaLine] = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        fields = raw.split(maxsplit=3)
-        if len(fields) < 3 or (fields[0] not in _HEX_DIGITS and fields[0] != UUID):
-            continue
-        algorithm, digest, key = fields[:3]
-        if not _digest_ok(algorithm, digest):
-            raise ManifestError(
-                where, f"line {number}", f"expected a {algorithm} digest, got {digest[:80]!r}"
-            )
-        lines.append(LlamaLine(algorithm, digest, key, number))
-        if len(lines) > MAX_LINES:
-            raise ManifestError(where, "", f"more than {MAX_LINES} hash lines")
-    if not lines:
+    if text.count("\n") >= MAX_LINES:
+        raise ManifestError(where, "", f"{text.count(chr(10)) + 1} lines; at most {MAX_LINES}")
+    bad = _BAD_DIGEST.search(text)
+    if bad is not None:
+        line = _HASH_LINE.match(text, bad.start())
+        assert line is not None
+        number = f"line {text.count(chr(10), 0, bad.start()) + 1}"
+        digest = text[line.start(2) : min(line.end(2), line.start(2) + 80)]
+        raise ManifestError(where, number, f"expected a {line[1]} digest, got {digest!r}")
+    if _HASH_LINE.search(text) is None:
         raise ManifestError(where, "", "no xxh64, xxh3, sha1, sha256 or uuid line")
-    return LlamaManifest(tuple(lines))
+    return LlamaManifest(text, where)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,10 +342,12 @@ def _basename(key: str) -> str:
     return key.replace("\\", "/").rsplit("/", 1)[-1]
 
 
-def _tensor_of(key: str, tensors: Mapping[str, object]) -> str | None:
+def _tensor_of(key: str, tensors: Mapping[str, object], longest: int) -> str | None:
     """The tensor a ``FILE:TENSOR`` key names: the longest suffix after a colon that is
-    a tensor of the model (file names may hold colons too)."""
-    at = key.find(":")
+    a tensor of the model (file names may hold colons too). ``longest``: the length of
+    the longest tensor name; no colon before the key's last ``longest + 1`` characters
+    can start one, so a key costs at most that many tries, whatever its length."""
+    at = key.find(":", max(0, len(key) - longest - 1))
     while at >= 0:
         if key[at + 1 :] in tensors:
             return key[at + 1 :]
@@ -291,26 +360,34 @@ def match_llama(
     tensor_files: Mapping[str, str],
     file_names: Sequence[str],
     manifest_path: str | os.PathLike[str] | None = None,
-) -> list[tuple[LlamaLine, str, str | None]]:
-    """What each line of ``manifest`` is about: (line, file name, tensor name or None
-    for a whole-model line), for a model whose tensors are ``tensor_files`` (tensor
-    name → its file's name) and whose files are ``file_names``. Needs no digest, so a
-    manifest of another model is refused before any data is read.
+) -> Iterator[tuple[LlamaLine, str, str | None]]:
+    """What each line of ``manifest`` is about, one line at a time: (line, file name,
+    tensor name or None for a whole-model line), for a model whose tensors are
+    ``tensor_files`` (tensor name → its file's name) and whose files are
+    ``file_names``. Needs no digest, so a manifest of another model is refused before
+    any data is read. Iterate it to its end: the last check comes there.
 
     Raises ``ManifestMismatchError``: a key that is neither a tensor nor a file of the
-    model, or a tensor (or, without tensor lines, a file) that the lines leave out."""
+    model, more lines than a manifest of the model holds (as soon as there are), or a
+    tensor (or, without tensor lines, a file) that the lines leave out."""
 
     def refuse(why: str) -> ManifestMismatchError:
         return ManifestMismatchError(manifest_path, "", f"not a manifest of this model: {why}")
 
-    about: list[tuple[LlamaLine, str, str | None]] = []
+    longest = max(map(len, tensor_files), default=0)
+    limit = _LINES_PER_TENSOR * len(tensor_files) + _LINES_PER_FILE * len(file_names)
     seen_tensors: set[str] = set()
     seen_files: set[str] = set()
-    for line in manifest.lines:
-        tensor = _tensor_of(line.key, tensor_files) if line.algorithm != UUID else None
+    for count, line in enumerate(manifest.lines(), 1):
+        if count > limit:
+            raise refuse(
+                f"more than {limit} hash lines (at line {line.number}), more than "
+                f"{_LINES_PER_TENSOR} per tensor and {_LINES_PER_FILE} per file"
+            )
+        tensor = None if line.algorithm == UUID else _tensor_of(line.key, tensor_files, longest)
         if tensor is not None:
             seen_tensors.add(tensor)
-            about.append((line, tensor_files[tensor], tensor))
+            yield line, tensor_files[tensor], tensor
             continue
         name = _basename(line.key)
         if name not in file_names and len(file_names) == 1 and ":" not in name:
@@ -318,7 +395,7 @@ def match_llama(
         if name not in file_names:
             raise refuse(f"line {line.number} names {line.key[:120]!r}, no tensor or file of it")
         seen_files.add(name)
-        about.append((line, name, None))
+        yield line, name, None
     if seen_tensors:
         missing = [n for n in tensor_files if n not in seen_tensors and not skipped_by_gguf_py(n)]
         if missing:
@@ -327,7 +404,22 @@ def match_llama(
         missing = [name for name in file_names if name not in seen_files]
         if missing:
             raise refuse(f"it has no line for {missing[0]!r}")
-    return about
+
+
+def whole_model_only(
+    manifest_path: str | os.PathLike[str], model_path: str | os.PathLike[str]
+) -> ManifestError:
+    """The refusal of a manifest without tensor lines where each tensor is to be checked
+    (a load): what to run instead."""
+    command = f"aiogguf verify {shlex.quote(os.fspath(model_path))} --manifest " + shlex.quote(
+        os.fspath(manifest_path)
+    )
+    return ManifestError(
+        manifest_path,
+        "",
+        "it has whole-model lines only (no tensor lines), which a load cannot check: "
+        f"run `{command}` instead (aiogguf.verify_model)",
+    )
 
 
 def check_llama(

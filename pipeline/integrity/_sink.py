@@ -51,6 +51,7 @@ from aiogguf.integrity._checker import IntegrityChecker, Mismatch, match_manifes
 from aiogguf.integrity._llama_check import LlamaCheck, LlamaSink
 from aiogguf.integrity._manifest import (
     block_hasher,
+    is_json_manifest,
     parse_manifest,
     read_manifest_text,
     sidecar_path,
@@ -102,7 +103,7 @@ def open_manifest(
     # Through the load's opener, as its model files are (a duplicate: the load's file
     # table closes its own).
     text = read_manifest_text(path, fd=os.dup(opened.open(path)))
-    if not text.lstrip().startswith("{"):
+    if not is_json_manifest(text):
         return LlamaCheck.open(text, path, index)
     manifest = parse_manifest(text, path)
     match_manifest(manifest, index, path)
