@@ -8,6 +8,7 @@ score given (default 0.95); ``tests/test_exports.py`` calls ``completeness``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,11 +28,17 @@ def pyright() -> str | None:
 def completeness(executable: str) -> dict[str, object]:
     """pyright's ``typeCompleteness`` report on ``aiogguf`` as this interpreter imports
     it (``PYTHONPATH`` included), run from an empty folder so that the repository's own
-    folders are not taken for the package."""
+    folders are not taken for the package. This interpreter's folder comes first on
+    ``PATH``: pyright asks the first ``python`` there for the search paths (``--verifytypes``
+    takes no ``--pythonpath``), and outside an activated venv that one has no anyio or
+    numpy, whose types would then count as unknown."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
     with tempfile.TemporaryDirectory() as empty:
         result = subprocess.run(
             [executable, "--verifytypes", "aiogguf", "--ignoreexternal", "--outputjson"],
             cwd=empty,
+            env=env,
             capture_output=True,
             text=True,
             timeout=300,
