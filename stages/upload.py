@@ -90,6 +90,8 @@ class DeviceUploadStats:
 
 
 class UploaderState(Enum):
+    """Where an ``Uploader`` is in its life: made, open, closing, closed."""
+
     NEW = "new"
     OPEN = "open"
     CLOSING = "closing"

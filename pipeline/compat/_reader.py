@@ -346,9 +346,11 @@ class GGUFReader:
             ]
 
     def get_field(self, key: str) -> ReaderField | None:
+        """The field ``key``, or ``None`` (as gguf-py's)."""
         return self.fields.get(key)
 
     def get_tensor(self, idx: int) -> ReaderTensor:
+        """The tensor at ``idx`` in file order (as gguf-py's)."""
         return self.tensors[idx]
 
 
