@@ -157,6 +157,7 @@ class Closeable:
         return self._state
 
     def close(self) -> None:
+        """Release what the object holds; each subclass says how."""
         raise NotImplementedError
 
     def __enter__(self) -> Self:
@@ -275,9 +276,11 @@ class ByteRegion(Protocol):
     @property
     def memoryview(self) -> builtins.memoryview: ...
 
-    def as_array(self) -> npt.NDArray[np.uint8]: ...
+    def as_array(self) -> npt.NDArray[np.uint8]:
+        """The region as a flat array of bytes, over the same memory."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the region."""
 
 
 class HostBuffer(Closeable):
@@ -508,6 +511,7 @@ class ExternalBuffer(Closeable):
         return view
 
     def as_array(self) -> npt.NDArray[np.uint8]:
+        """The wrapped memory as a flat array of bytes, without a copy."""
         return np.frombuffer(self.memoryview, dtype=np.uint8)
 
     def close(self) -> None:

@@ -172,7 +172,7 @@ class DataFile(Closeable):
     ) -> None:
         if alignment <= 0 or alignment % 512:
             raise ValueError(f"alignment must be a positive multiple of 512, got {alignment}")
-        self.path = os.fspath(path)
+        self.path: str = os.fspath(path)
         self.alignment = alignment
         self.direct_requested = direct
         self.direct_refusal: str | None = None
@@ -191,7 +191,7 @@ class DataFile(Closeable):
         self._state = ResourceState.OPEN
         try:
             self._opened = os.fstat(self._fd)
-            self.size_bytes = self._opened.st_size
+            self.size_bytes: int = self._opened.st_size
             if direct:
                 # /proc/self/fd/N reopens the inode that N refers to, not whatever the
                 # name points at now: O_DIRECT needs a new open file description of its own.

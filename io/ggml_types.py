@@ -26,6 +26,8 @@ GGML_TYPE_COUNT = 43
 
 
 class TypeKind(StrEnum):
+    """What a ggml type's elements are: floats, integers or quantized blocks."""
+
     FLOAT = "float"
     INT = "int"
     QUANT = "quant"
@@ -33,6 +35,8 @@ class TypeKind(StrEnum):
 
 
 class ScaleKind(StrEnum):
+    """How a quantized type stores its block scales."""
+
     FP16 = "fp16"
     F32 = "f32"
     E8M0 = "e8m0"

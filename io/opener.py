@@ -57,6 +57,7 @@ class AnyPathOpener:
     """Any path the process can read (the library's and the CLI's default)."""
 
     def open(self, path: str) -> int:
+        """A read-only descriptor for ``path``, wherever it is."""
         _no_nul(path)
         return open_readable(path)
 
@@ -123,6 +124,8 @@ class RootedOpener:
         self.close()
 
     def open(self, path: str) -> int:
+        """A read-only descriptor for ``path``, refused unless it lies beneath one of
+        the roots (no link out of them followed)."""
         _no_nul(path)
         full = os.path.abspath(path)
         for root in self._roots:

@@ -130,10 +130,14 @@ ManifestSetting = Annotated[str | None, BeforeValidator(_manifest_setting)]
 
 
 class _Section(BaseModel):
+    """A section of the configuration: frozen, unknown keys refused."""
+
     model_config: ClassVar[ConfigDict] = ConfigDict(extra="forbid", frozen=True)
 
 
 class LoadConfig(_Section):
+    """The ``[load]`` section: how a load reads, checks and keeps its tensors."""
+
     mode: LoadMode = LoadMode.AUTO
     check_tensors: Bool = True
     # Return the model even when validation found bad tensors (they are still reported).
@@ -198,6 +202,8 @@ _RE2_OPTIONS.log_errors = False  # refusals are raised, not also printed by RE2
 
 
 class PlacementConfig(_Section):
+    """The ``[placement]`` section: where tensors go, as llama.cpp's options say."""
+
     n_gpu_layers: Int = Field(default=-1, ge=-1)
     split_mode: SplitMode = "layer"
     # -1 with split_mode = "none": no GPU at all (llama.cpp's meaning).
@@ -216,6 +222,8 @@ class PathLimit(_Section):
 
 
 class PipelineConfig(_Section):
+    """The ``[pipeline]`` section: how the reads and copies are cut and queued."""
+
     # No longer used: every host job is handed to the readers at once, and what lands
     # is bounded by the model's own buffers. Kept so that configurations that set it
     # still load.

@@ -67,6 +67,8 @@ class FanOut(Generic[T]):
 
 
 class Stage(StrEnum):
+    """The stage a load is in, as its progress events say it."""
+
     PARSE = "parse"
     PLAN = "plan"
     READ = "read"
@@ -115,6 +117,7 @@ class ProgressHub:
         self.last: Progress | None = None
 
     def elapsed(self) -> float:
+        """Seconds since the load began."""
         return time.perf_counter() - self._started
 
     def subscribe(self, buffer: int = 64) -> MemoryObjectReceiveStream[Progress]:
@@ -122,6 +125,7 @@ class ProgressHub:
         return self._fan.subscribe(buffer, self.last if self._fan.closed else None)
 
     async def events(self) -> AsyncIterator[Progress]:
+        """This load's events, from the last one sent, until the final one."""
         async with self.subscribe() as stream:
             async for event in stream:
                 yield event
@@ -137,6 +141,8 @@ class ProgressHub:
         *,
         force: bool = False,
     ) -> None:
+        """Record an event and send it to the callback and subscribers; at most one
+        every ``interval_s`` unless ``force``."""
         now = time.perf_counter()
         if not force and now - self._last_emit < self._interval_s:
             return
@@ -172,4 +178,5 @@ class ProgressHub:
             )
 
     def close(self) -> None:
+        """End every subscriber's stream."""
         self._fan.close()

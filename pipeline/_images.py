@@ -72,9 +72,11 @@ class HostImage:
         return not busy
 
     def tensor_bytes(self, slot: TensorSlot) -> memoryview:
+        """A tensor's bytes: a view of the buffer at its offset."""
         return self.buffer.memoryview[slot.buffer_offset : slot.buffer_offset + slot.nbytes]
 
     def close(self) -> None:
+        """Free the buffer."""
         self.buffer.close()
 
 
@@ -95,15 +97,18 @@ class MappedImage:
             entries.sort(key=lambda e: e[0])
 
     def mapping_at(self, file_index: int, file_offset: int) -> FileMapping:
+        """The mapping whose range holds ``file_offset`` of file ``file_index``."""
         entries = self._starts[file_index]
         i = bisect.bisect_right(entries, file_offset, key=lambda e: e[0]) - 1
         return entries[i][1]
 
     def tensor_bytes(self, slot: TensorSlot) -> memoryview:
+        """A tensor's bytes: a view of the mapping that holds them."""
         mapping = self.mapping_at(slot.file_index, slot.file_offset)
         return mapping.view(slot.file_offset, slot.nbytes)
 
     def close(self) -> None:
+        """Unmap every mapping."""
         for mapping in self.mappings:
             mapping.close()
 

@@ -170,6 +170,7 @@ class StageMeter:
         self.add(start, self.clock(), items=items, nbytes=nbytes)
 
     def times(self) -> StageTimes:
+        """The spans added so far, as one ``StageTimes``."""
         with self._lock:
             start = self._start if self._start is not None else 0.0
             return StageTimes(start, max(self._end, start), self._busy_s, self._items, self._nbytes)

@@ -29,6 +29,8 @@ __all__ = ["Model", "ModelState", "array_shape", "tensor_array"]
 
 
 class ModelState(Enum):
+    """Whether a model's memory is still held."""
+
     OPEN = "open"
     CLOSED = "closed"
 

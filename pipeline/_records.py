@@ -235,6 +235,7 @@ class ParsedFile:
     llama_cpp_loadable: bool = True
 
     def get(self, key: str) -> MetadataValue | None:
+        """The value of a metadata key, or ``None`` where the file has no such key."""
         entry = self.metadata.get(key)
         return entry.value if entry is not None else None
 
@@ -283,6 +284,8 @@ class TensorEntry:
 
 @dataclass(frozen=True, slots=True)
 class Totals:
+    """Counts over a model's tensors: how many, their bytes, elements and bits per weight."""
+
     n_tensors: int
     nbytes: int
     n_elements: int
@@ -355,6 +358,9 @@ class LayerAssignment:
 @fast_init
 @dataclass(frozen=True, slots=True)
 class TensorPlacement:
+    """Where the plan puts one tensor: its device and buffer type, and whether it
+    is loaded lazily or was moved from where it was asked for."""
+
     name: str
     layer: int | None
     tensor_class: TensorClass
@@ -395,6 +401,8 @@ class BufferPlan:
 
 @dataclass(frozen=True, slots=True)
 class MovedSummary:
+    """The tensors placement moved off the device asked for: how many, and the first."""
+
     count: int
     first_name: str
     first_type: str
@@ -416,6 +424,7 @@ class Plan:
     mode: LoadMode  # the resolved load mode: never AUTO
 
     def placement(self, name: str) -> TensorPlacement:
+        """The placement of the tensor ``name``; ``KeyError`` if the plan has none."""
         for t in self.tensors:
             if t.name == name:
                 return t

@@ -111,6 +111,9 @@ class UploadReport:
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
+    """What a load did: its mode, time and bytes, each stage's times, its buffers,
+    files and uploads, and the tensors checked."""
+
     path: str
     mode: str
     total_s: float
@@ -147,6 +150,7 @@ class LoadReport:
         )
 
     def stage(self, name: str) -> StageReport:
+        """The report of the stage ``name``; ``KeyError`` if the load had none."""
         for s in self.stages:
             if s.name == name:
                 return s

@@ -37,6 +37,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "BigEndianError",
@@ -220,7 +221,9 @@ class IntegrityError(TensorValidationError):
     ) -> None:
         """``summary``: the message, where no tensor is to blame (a whole file's sha256)."""
         super().__init__(failures, path)
-        self.args = (f"{_where(path)}{_shown(summary)}" if summary else self._one_line(path),)
+        self.args: tuple[Any, ...] = (
+            f"{_where(path)}{_shown(summary)}" if summary else self._one_line(path),
+        )
 
     def _one_line(self, path: str | None) -> str:
         # One line, whatever the count: a command prints it as is.

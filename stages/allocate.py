@@ -172,6 +172,7 @@ class Allocation:
         return image
 
     def times(self) -> StageTimes:
+        """The stage's times so far."""
         return self._meter.times()
 
 

@@ -264,7 +264,7 @@ class Reader:
         self._file_check = file_check
         self._lock = lock
         self.lock_refusal: str | None = None  # the kernel's first refusal to lock
-        self.stats = [FileStats() for _ in files]
+        self.stats: list[FileStats] = [FileStats() for _ in files]
 
     @property
     def direct(self) -> Sequence[bool]:

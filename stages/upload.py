@@ -90,6 +90,8 @@ class DeviceUploadStats:
 
 
 class UploaderState(Enum):
+    """Where an ``Uploader`` is in its life: made, open, closing, closed."""
+
     NEW = "new"
     OPEN = "open"
     CLOSING = "closing"
@@ -289,7 +291,7 @@ class Uploader:
         # Allocations and frees of device memory: not on the transfer threads, which may
         # be busy with another device's jobs.
         self._device_thread = LoadThreads(1, name="aiogguf-device")
-        self.state = UploaderState.NEW
+        self.state: UploaderState = UploaderState.NEW
 
     # -- lifecycle --------------------------------------------------------------------
 

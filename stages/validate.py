@@ -162,8 +162,8 @@ class ValidationCollector:
         self._state = _CollectorState.NEW
         self._submitted = 0
         self._results: dict[int, TensorFailure] = {}
-        self.bytes_checked = 0
-        self.busy_s = 0.0  # seconds spent in checks (includes waiting for a worker)
+        self.bytes_checked: int = 0
+        self.busy_s: float = 0.0  # seconds spent in checks (includes waiting for a worker)
 
     async def __aenter__(self) -> ValidationCollector:
         if self._state is not _CollectorState.NEW:

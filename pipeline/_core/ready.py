@@ -58,12 +58,12 @@ class ReadyTensors:
         self._array: ArrayOf | None = None
         self._entry: Callable[[str], TensorEntry] | None = None
         self._hold = False
-        self.ended = False
+        self.ended: bool = False
         # A stream was asked for (``tensors_as_ready``): the load then follows each
         # device copy as it completes, which costs a loop callback per job.
-        self.wanted = False
+        self.wanted: bool = False
         self.error: BaseException | None = None
-        self.error_delivered = False
+        self.error_delivered: bool = False
         self._wake: anyio.Event | None = None
 
     def open(self, array: ArrayOf, entry: Callable[[str], TensorEntry], *, hold: bool) -> None:

@@ -75,6 +75,7 @@ def console_main() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``aiogguf`` parser, with a subcommand for each of ``COMMANDS``."""
     parser = argparse.ArgumentParser(
         prog="aiogguf", description="Load GGUF models at hardware speed."
     )

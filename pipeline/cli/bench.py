@@ -46,6 +46,7 @@ JSON_NAME, PLOT_NAME = "aiogguf-bench.json", "aiogguf-bench.png"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` command's flags."""
     parser.add_argument(
         "--quick", action="store_true", help="small model, few points, one run (< 2 minutes)"
     )
@@ -108,6 +109,7 @@ def _modes(text: str | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Sweep the load settings over a synthetic model and print (or plot) the rates."""
     from aiogguf.testing.bench import grid, plot_sweep, run_sweep
 
     console = Console()

@@ -12,6 +12,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``config`` command's actions and flags."""
     sub = parser.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = sub.add_parser(
         "show",
@@ -28,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the effective configuration (TOML, or JSON with ``--json``)."""
     config = config_from_args(args)
     if args.json:
         print(json.dumps(config.to_dict(), indent=2))

@@ -24,6 +24,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``demo`` command's flags."""
     parser.add_argument("--size", default="1GiB", help="model size (default 1GiB)")
     parser.add_argument(
         "--dir", help="where to keep the model (default: $XDG_CACHE_HOME/aiogguf or ~/.cache)"
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Make (or reuse) the synthetic demo model and load it."""
     with needs_demo_extra("the demo's synthetic model"):
         from aiogguf.testing.synth_cache import default_demo_path, ensure_synthetic_model
     console = Console()

@@ -31,6 +31,7 @@ SUFFIXES = {"aiogguf": SIDECAR_SUFFIX, "llama": ".gguf-hash.txt"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``hash`` command's flags."""
     parser.add_argument(
         "path", help="GGUF file, URL or hf:// name (the first split of a split model)"
     )
@@ -78,6 +79,7 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Write a file's hash manifest (beside it, to ``-o`` or to stdout)."""
     to_stdout = args.output == "-"
     console = Console(stderr=True) if to_stdout else Console()
     path = os.fspath(args.path)

@@ -30,6 +30,7 @@ _PREVIEW_CHARS = 80
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``inspect`` command's flags."""
     parser.add_argument(
         "path", help="a .gguf file, URL or hf:// name (the first split of a split model)"
     )
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print a model's header and tensor index (a summary, or JSON)."""
     index = inspect_sync(args.path)
     if args.json:
         sys.stdout.write(json.dumps(inspect_json(index), allow_nan=False) + "\n")

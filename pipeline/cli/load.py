@@ -14,6 +14,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``load`` command's flags."""
     parser.add_argument("path", help="GGUF file (the first split of a split model)")
     add_placement_options(parser)
     add_manifest_option(parser)
@@ -23,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Load a model as configured and print the load's report."""
     config = config_from_args(args, check_tensors=False if args.no_check else None)
     say_missing_gpu_extra(args, config)
     console = Console(stderr=False)

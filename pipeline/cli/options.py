@@ -41,6 +41,8 @@ def positive_int(value: int, flag: str) -> int:
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """The flags every loading command shares: ``--config`` and the settings
+    that override it."""
     parser.add_argument("--config", metavar="FILE", help="TOML file (see configs/)")
     parser.add_argument(
         "--mode",
@@ -107,6 +109,7 @@ def _add_not_applicable(parser: argparse.ArgumentParser) -> None:
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    """The configuration flags and llama.cpp's placement flags."""
     add_config_options(parser)
     _add_not_applicable(parser)
     g = parser.add_argument_group("placement (as in llama.cpp)")

@@ -31,6 +31,7 @@ CPU_EXTRA_BUFFER_TYPES = ("AMX", "CPU_REPACK")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` command's flags."""
     parser.add_argument(
         "path",
         metavar="PATH",
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print where each tensor would go, without loading anything."""
     config = config_from_args(args)
     say_missing_gpu_extra(args, config)
     plan = plan_sync(args.path, config)

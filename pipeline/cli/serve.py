@@ -52,6 +52,7 @@ _MAX_TOKEN_FILE_BYTES = 4096
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` command's flags."""
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
     )
@@ -270,6 +271,7 @@ def _checked(
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve loads over HTTP until interrupted."""
     # aiohttp is the optional ``server`` extra: imported only when serving.
     with needs_extra("the server", "aiohttp"):
         from aiogguf.server._app import LoadLimiter, RemoteAccess, ServerPolicy, create_app, serve

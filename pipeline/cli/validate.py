@@ -18,12 +18,14 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``validate`` command's flags."""
     parser.add_argument("path", help="GGUF file (the first split of a split model)")
     add_placement_options(parser)
     add_manifest_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Load a model with every tensor checked; exit 2 if any is invalid."""
     config = config_from_args(args, check_tensors=True, keep_invalid=False)
     say_missing_gpu_extra(args, config)
     console = Console()

@@ -19,6 +19,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``verify`` command's flags."""
     parser.add_argument(
         "path", help="GGUF file, URL or hf:// name (the first split of a split model)"
     )
@@ -30,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check a file against a sha256 or a hash manifest."""
     console = Console()
     with byte_progress(console, file_name(os.fspath(args.path))) as progress:
         if args.sha256 is not None:

@@ -87,7 +87,7 @@ class CompatOSError(LoadError, OSError):
         super().__init__(path, offset, problem)
         self.errno = os_errno
         self.strerror = strerror
-        self.filename = self.path
+        self.filename: str | None = self.path
 
     def __str__(self) -> str:
         # OSError's would be "[Errno 2] ...": keep the one wording of every LoadError.
@@ -314,7 +314,7 @@ class GGUFReader:
     ) -> None:
         if mode not in ("r", "c"):
             raise ValueError(f"mode {mode!r}: aiogguf's reader loads a copy; use 'r' or 'c'")
-        self.path = os.fspath(path)
+        self.path: str = os.fspath(path)
         try:
             self._read(mode, load_options)
         except GGUFFormatError as exc:
@@ -331,7 +331,7 @@ class GGUFReader:
         self.byte_order = "S" if swapped else "I"
         self.alignment = parsed.alignment
         self.data_offset: int = parsed.data_offset
-        self.endianess = _endianness(swapped)
+        self.endianess: GGUFEndian = _endianness(swapped)
         with os_errors(self.path, 0, "cannot read the header"), open(self.path, "rb") as f:
             raw = np.frombuffer(f.read(parsed.data_offset), dtype=np.uint8)
         header = _Header(raw, self.byte_order)
@@ -346,9 +346,11 @@ class GGUFReader:
             ]
 
     def get_field(self, key: str) -> ReaderField | None:
+        """The field ``key``, or ``None`` (as gguf-py's)."""
         return self.fields.get(key)
 
     def get_tensor(self, idx: int) -> ReaderTensor:
+        """The tensor at ``idx`` in file order (as gguf-py's)."""
         return self.tensors[idx]
 
 

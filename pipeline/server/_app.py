@@ -107,6 +107,8 @@ logger: logging.Logger = logging.getLogger("aiogguf.server._app")
 
 
 class LoadState(StrEnum):
+    """Where one load the server knows stands."""
+
     LOADING = "loading"
     READY = "ready"
     FAILED = "failed"
@@ -143,6 +145,7 @@ class _Entry:
         return self.state is not LoadState.LOADING
 
     def snapshot(self) -> dict[str, Any]:
+        """The load's state and progress, as the server sends it (JSON)."""
         p = self.progress
         gbps = p.gbps if p is not None else math.nan
         data: dict[str, Any] = {
@@ -170,6 +173,7 @@ class _Entry:
 
     # Progress arrives on the loop thread, from the load's own task.
     def on_progress(self, progress: Progress) -> None:
+        """Keep the load's latest progress and publish it to the subscribers."""
         self.progress = progress
         # The engine's final event (done / failed / cancelled) is followed at once by the state
         # change, which publishes the snapshot that ends the stream.
@@ -177,6 +181,7 @@ class _Entry:
             self.publish()
 
     def publish(self) -> None:
+        """Send the current snapshot to every subscriber."""
         # A slow client misses intermediate snapshots, never the end.
         self._fan.publish(self.snapshot(), final=self.settled)
         self._notify()
@@ -188,6 +193,7 @@ class _Entry:
         return self._fan.subscribe(buffer, self.snapshot())
 
     def close_subscribers(self) -> None:
+        """End every subscriber's stream."""
         self._fan.close()
         self._notify()
 
@@ -282,6 +288,7 @@ class LoaderRegistry:
         return self._tg is not None and not self._closing
 
     async def start(self) -> None:
+        """Start the task that supervises the loads (``aclose`` joins it)."""
         self._stop = anyio.Event()
         started = anyio.Event()
         # The one task the registry creates outside a task group; ``aclose`` joins it.
@@ -373,6 +380,7 @@ class LoaderRegistry:
             self._ended.move_to_end(entry.id)
 
     def forget(self, entry: _Entry) -> None:
+        """Drop the record of the load ``entry``."""
         self.entries.pop(entry.id, None)
         self._ended.pop(entry.id, None)
 

@@ -13,6 +13,8 @@ __all__ = ["LimiterStats", "LoadLimiter"]
 
 @dataclass(frozen=True, slots=True)
 class LimiterStats:
+    """What the admitted loads hold, and how many loads wait."""
+
     loads: int
     readers: int
     staging_bytes: int
@@ -53,6 +55,7 @@ class LoadLimiter:
         self._freed: anyio.Event | None = None
 
     def statistics(self) -> LimiterStats:
+        """What the admitted loads hold now, and how many wait."""
         return LimiterStats(self._loads, self._readers, self._staging, self._waiting)
 
     def _fits(self, readers: int, staging_bytes: int) -> bool:

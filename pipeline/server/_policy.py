@@ -264,6 +264,7 @@ class PreOpened:
             raise
 
     def open(self, path: str) -> int:
+        """A duplicate of the descriptor opened for ``path``, or a new open of it."""
         with self._lock:
             fd = self._fds.get(path)
             if fd is not None:
@@ -271,6 +272,7 @@ class PreOpened:
         return self._opener.open(path)
 
     def close(self) -> None:
+        """Close the descriptors opened for the request."""
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():

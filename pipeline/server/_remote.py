@@ -187,8 +187,8 @@ class RemoteFiles:
         self._held: dict[str, _Opened] = {}
         self._opening: set[HttpSource] = set()  # made, first request under way
         self._closed = False
-        self.size_bytes = 0
-        self.files = 0
+        self.size_bytes: int = 0
+        self.files: int = 0
         self._count = remote_file_count(path)
         if self._count > max_shards:  # before anything is opened
             raise SplitError(

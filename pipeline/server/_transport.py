@@ -110,6 +110,8 @@ class DescriptorBudget:
 
     @classmethod
     def for_connections(cls, max_connections: int, limit: int | None = None) -> DescriptorBudget:
+        """The budget of a server that takes ``max_connections`` connections, out of
+        ``limit`` descriptors (the process's limit if ``None``)."""
         limit = descriptor_limit() if limit is None else limit
         return cls(limit, max_connections + ACCEPT_BACKLOG + _SERVER_OWN_FDS)
 

@@ -117,6 +117,7 @@ class PageCache:
         self._made: dict[Path, str] = {}
 
     def make(self, path: str | os.PathLike[str], state: str) -> None:
+        """Put the page cache of ``path`` in the state ``state``."""
         p = Path(path)
         size = p.stat().st_size
         if state == "cold":

@@ -89,6 +89,7 @@ class LagStats:
 
     @classmethod
     def from_seconds(cls, lags_s: Sequence[float]) -> LagStats:
+        """The median, 99th percentile and maximum, in ms, of loop lags in seconds."""
         if not lags_s:
             return cls(0.0, 0.0, 0.0, 0)
         ms = np.asarray(lags_s) * 1e3
@@ -123,12 +124,14 @@ class LoadSample:
         return self.nbytes / self.seconds / GB if self.seconds > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
+        """The sample as a JSON object (its GB/s included)."""
         data = asdict(self)
         data["gbps"] = self.gbps
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LoadSample:
+        """A sample from ``to_json``'s object."""
         return cls(
             mode=data["mode"],
             seconds=data["seconds"],
@@ -440,12 +443,15 @@ def settle(
 
 @dataclass(frozen=True, slots=True)
 class SweepPoint:
+    """One point of a sweep: the load settings it measures."""
+
     mode: str
     chunk_bytes: int
     readers: int
     queue_depth: int
 
     def overrides(self, check_tensors: bool | None) -> dict[str, Any]:
+        """The load settings of this point (``check_tensors``: as given, or the default)."""
         settings: dict[str, Any] = {
             "mode": self.mode,
             "chunk_size": self.chunk_bytes,
@@ -475,6 +481,8 @@ def grid(
 
 @dataclass(frozen=True, slots=True)
 class PointResult:
+    """The samples of one point, and the bound the sweep measured beside it."""
+
     point: SweepPoint
     samples: tuple[LoadSample, ...]
     limit: str
@@ -489,6 +497,7 @@ class PointResult:
         return self.gbps / self.limit_gbps if self.limit_gbps > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
+        """The point's result as a JSON object."""
         return {
             **asdict(self.point),
             "gbps": self.gbps,
@@ -505,6 +514,8 @@ class PointResult:
 
 @dataclass(frozen=True, slots=True)
 class SweepResult:
+    """A whole sweep: the model, the conditions and every point's result."""
+
     path: str
     size_bytes: int
     runs: int
@@ -527,6 +538,7 @@ class SweepResult:
         return best
 
     def to_json(self) -> dict[str, Any]:
+        """The sweep's results as a JSON object."""
         return {
             "path": self.path,
             "size_bytes": self.size_bytes,
