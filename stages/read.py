@@ -80,16 +80,16 @@ def open_data_files(
     index: WeightIndex,
     opened: OpenFiles,
     *,
-    mode: str,
+    direct: bool,
     alignment: int,
     keep: Callable[[DataFile], None],
 ) -> None:
     """Blocking: open the load's files for reading, each handed to ``keep`` as soon as it
     opens, in order: its owner closes them, also those opened before a failure. The descriptors
     are those the parse stage read (``opened``), so the file that was parsed is the file
-    that is read, whatever its name points at now. A file that refuses ``O_DIRECT`` in
-    mode ``direct`` is read with mode ``none`` (``direct_refusals`` words it)."""
-    direct = mode == "direct"
+    that is read, whatever its name points at now. ``direct``: the mode opens with
+    ``O_DIRECT``; a file that refuses it is read with mode ``none`` (``direct_refusals``
+    words it)."""
     for parsed in index.files:
         f = open_file(parsed.path, direct=direct, alignment=alignment, fd=opened.open(parsed.path))
         keep(f)
@@ -99,9 +99,9 @@ def open_data_files(
         f.fadvise(FileAdvice.SEQUENTIAL)
 
 
-def direct_refusals(files: Sequence[DataFile], mode: str) -> list[str]:
-    """The warnings for files that refused ``O_DIRECT`` in mode ``direct``."""
-    if mode != "direct":
+def direct_refusals(files: Sequence[DataFile], *, direct: bool) -> list[str]:
+    """The warnings for files that refused ``O_DIRECT`` (``direct``: the mode asked it)."""
+    if not direct:
         return []
     return [
         f"{shown_path(f.path)}: {f.direct_refusal}; reading with mode 'none' instead"

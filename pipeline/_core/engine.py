@@ -82,7 +82,6 @@ from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import reserve_threads
 from aiogguf.remote._sources import finish_remote, is_remote, route_remote
 from aiogguf.stages.allocate import Allocation
-from aiogguf.stages.plan import MAPPED_MODES
 from aiogguf.stages.read import HostReads, direct_refusals
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 
@@ -164,7 +163,7 @@ class _Load:
         but for the images, which the model takes."""
         resources, layout, plan = self.resources, self.layout, self.layout.plan
         files = resources.files
-        for warning in direct_refusals(resources.local_files, plan.mode):
+        for warning in direct_refusals(resources.local_files, direct=plan.traits.direct):
             self._warn(warning)
         reading = self.reading
         validation, reader, progress = reading.validation, reading.reader, reading.progress
@@ -196,7 +195,7 @@ class _Load:
         # checked the files that only they read, once they left them; those the transfer
         # threads read too are checked here, and in a mapped mode every file, since the
         # checks of mapped tensors read it on the check threads after the readers left.
-        mapped_checks = validation.enabled and plan.mode in MAPPED_MODES
+        mapped_checks = validation.enabled and plan.traits.mapped
         recheck = [f for i, f in enumerate(files) if mapped_checks or i in layout.staged_files]
         if recheck:
             await resources.thread.run_sync(_check_unchanged, recheck)
@@ -335,7 +334,7 @@ def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
         total_s=load.hub.elapsed(),
         stages=stages,
         files=[
-            (parsed.path, stats, plan.mode == "direct" and direct, disk)
+            (parsed.path, stats, plan.traits.direct and direct, disk)
             for parsed, stats, direct, disk in zip(
                 files, reader.stats, reader.direct, disks, strict=True
             )

@@ -50,7 +50,7 @@ from aiogguf.io.files import DataFile
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.remote._sources import RemoteName, remote_disks, remote_pieces
 from aiogguf.stages.allocate import allocate_host_images
-from aiogguf.stages.plan import MAPPED_MODES, make_plan
+from aiogguf.stages.plan import make_plan
 from aiogguf.stages.read import ByteSwap, Disks, HostReads, Reader, find_disks, open_data_files
 from aiogguf.stages.validate import Validation
 
@@ -142,7 +142,7 @@ class Front:
             open_data_files(
                 index,
                 resources.opened,
-                mode=plan.mode,
+                direct=plan.traits.direct,
                 alignment=config.pipeline.alignment,
                 keep=resources.keep_file,
             )
@@ -181,11 +181,11 @@ class Front:
             layouts,
             files,
             resources.place,
-            mapped=plan.mode in MAPPED_MODES,
+            mapped=plan.traits.mapped,
             writable=swapped,
             alignment=alignment,
             prefetch=config.load.prefetch,
-            lock=plan.mode == "mlock",
+            lock=plan.traits.locked,
             huge_pages=config.pipeline.huge_pages,
         )
         hosted = [lay for lay in layouts if lay.plan.host]
@@ -207,14 +207,14 @@ class Front:
                 alignment,
                 # With checks on, a mapped tensor is checked once its job has landed: the
                 # reads' own size lets the checks start sooner.
-                mapped=plan.mode in MAPPED_MODES and not config.load.check_tensors,
+                mapped=plan.traits.mapped and not config.load.check_tensors,
             ),
             slot_bytes=pipeline.staging_bytes() if len(hosted) < len(layouts) else None,
-            aligned=plan.mode == "direct",
+            aligned=plan.traits.direct,
             # With a manifest, a hash block lies inside one job but at a range's edges
             # (not for swapped O_DIRECT reads: the reads of two jobs overlap, and one
             # would write file bytes over those the other has swapped).
-            blocks=block_grid(checker) if not (swapped and plan.mode == "direct") else None,
+            blocks=block_grid(checker) if not (swapped and plan.traits.direct) else None,
             alignment=alignment,
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
@@ -251,7 +251,7 @@ class Front:
         check = config.load.check_tensors
         check_threads = resources.lend(workers, "aiogguf-check") if check else threads
         # A manifest's hashing reads a mapped image's file anyway: its checks share the reads.
-        mapped_pieces = shares_mapped_reads(layout.checker, plan.mode)
+        mapped_pieces = shares_mapped_reads(layout.checker, mapped=plan.traits.mapped)
         validation = Validation(
             index,
             layouts,
@@ -259,7 +259,7 @@ class Front:
             layout.spans,
             resources.images,
             files,
-            mode=plan.mode,
+            mode=plan.traits,
             enabled=check,
             swapped=swapped,
             mapped_pieces=mapped_pieces,
@@ -293,7 +293,7 @@ class Front:
             swap=ByteSwap(index, layouts) if swapped else None,
             pieces=pieces,
             file_check=integrity.check_from_file if integrity is not None else None,
-            lock=plan.mode == "mlock",
+            lock=plan.traits.locked,
             piece_bytes=remote_pieces(files),
             # A local read into pages backed first costs the kernel less than one that
             # faults them in as it lands; a remote file's request would wait for the
