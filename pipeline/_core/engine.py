@@ -82,7 +82,7 @@ from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import reserve_threads
 from aiogguf.remote._sources import finish_remote, is_remote, route_remote
 from aiogguf.stages.allocate import Allocation
-from aiogguf.stages.read import HostReads, direct_refusals
+from aiogguf.stages.read import HostReads, direct_refusals, most_readers
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 
 __all__ = ["load_thread_count", "one_error", "run_load"]
@@ -169,11 +169,10 @@ class _Load:
         validation, reader, progress = reading.validation, reading.reader, reading.progress
         uploader: Uploader | None = None
         if any(not lay.plan.host for lay in layout.layouts):
-            # Transfer threads: as many as the busiest disk allows readers (a transfer
-            # thread reads as much as it copies).
+            # Transfer threads per device: the thread plan's.
             devices = {d.name: d for d in layout.devices}
             uploader = await resources.open_uploader(
-                devices, self.config, threads=layout.disks.busiest
+                devices, self.config, threads=layout.threads.transfer_threads
             )
         if self.ready is not None:
             # With a manifest, a tensor's last blocks may be hashed only at the end.
@@ -319,7 +318,7 @@ class _Load:
 def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
     """The finished load's report, from what each stage counted."""
     reader, validation = load.reading.reader, load.reading.validation
-    plan, disks = load.layout.plan, load.layout.disks.names
+    plan, disks = load.layout.plan, load.layout.threads.disks.names
     stages = [
         *load.stages,
         ("allocate", load.allocation.times()),
@@ -351,10 +350,7 @@ def load_thread_count(config: Config, *, uploads: bool = True, remote: bool = Fa
     """How many threads a load of ``config`` holds at once, at most: its own, readers
     (``remote``: one per connection), check threads and (``uploads``) transfer threads."""
     pipeline = config.pipeline
-    if remote:
-        readers = pipeline.remote_in_flight
-    else:
-        readers = pipeline.reader_count(direct=config.load.mode == "direct")
+    readers = pipeline.remote_in_flight if remote else most_readers(config)
     checks = pipeline.validate_workers if config.load.check_tensors else 0
     return 1 + readers + checks + (readers if uploads else 0)
 
