@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from synthetic_index import llama_index
 
+import aiogguf
 from aiogguf._config import Config, LoadMode
 from aiogguf._jobs import MIN_MAPPED_JOB_BYTES, MIN_SPREAD_BYTES, BufferLayout, layout_buffers
 from aiogguf._records import ModeTraits
@@ -18,6 +19,7 @@ from aiogguf.errors import PlacementError
 from aiogguf.io._devices import CpuDevice, SimDevice
 from aiogguf.stages.plan import make_plan, resolve_mode
 from aiogguf.stages.read import Disks, ThreadPlan, most_readers, plan_threads
+from aiogguf.testing.synth import write_synthetic_model
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -63,6 +65,13 @@ def test_the_plan_carries_the_resolved_modes_traits(mode: str) -> None:
     resolved = LoadMode.MMAP if mode == "auto" else LoadMode(mode)
     assert plan.mode is resolved
     assert plan.traits is ModeTraits.of(resolved)
+
+
+@pytest.mark.parametrize("mode", ["auto", "direct"])
+def test_the_dry_run_plans_the_traits_a_load_would(tmp_path: Path, mode: str) -> None:
+    model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="2MiB", seed=1, n_layer=2)
+    planned = aiogguf.plan_sync(model.path, mode=mode, n_gpu_layers=0)
+    assert planned.traits is ModeTraits.of("mmap" if mode == "auto" else mode)
 
 
 def test_a_device_without_mapped_memory_resolves_auto_to_copies() -> None:
