@@ -23,7 +23,7 @@ import anyio._backends._asyncio
 import numpy as np
 
 from aiogguf._checks import PieceCheck
-from aiogguf._config import Config, load_config
+from aiogguf._config import Config, LoadMode, load_config
 from aiogguf._core.engine import load_thread_count, one_error, run_load
 from aiogguf._core.ready import ReadyTensors, TensorStream
 from aiogguf._core.rehearsal import NAME as REHEARSAL_NAME
@@ -39,6 +39,7 @@ from aiogguf.io.buffers import memory_held_by_views
 from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.io.opener import FileOpener
 from aiogguf.io.workers import LoadThreads
+from aiogguf.stages.read import most_readers
 
 __all__ = [
     "LoadHandle",
@@ -321,7 +322,7 @@ def _prepare_devices(
     checks run once; returns the devices' names and the bytes pinned."""
     found = tuple(devices) if devices is not None else enumerate_devices(config)
     pipeline = config.pipeline
-    threads = pipeline.reader_count(direct=config.load.mode == "direct")
+    threads = most_readers(config)
     pinned = 0
     targets = [d for d in found if isinstance(d, UploadTarget)]
     for target in targets:
@@ -376,7 +377,7 @@ async def _rehearse(
     """Load the rehearsal model as ``config`` loads a model, and free it. An anonymous
     file takes no ``O_DIRECT``: mode ``direct`` rehearses with ``none``, its buffered
     path (the direct path reads whole aligned chunks into the same memory)."""
-    if config.load.mode == "direct":
+    if config.load.mode is LoadMode.DIRECT:
         config = config.with_overrides(mode="none")
     async with LoadHandle(REHEARSAL_NAME, config, devices=devices, opener=rehearsal):
         pass

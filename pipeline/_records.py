@@ -31,6 +31,7 @@ __all__ = [
     "LayerAssignment",
     "MetadataEntry",
     "MetadataValue",
+    "ModeTraits",
     "MovedSummary",
     "ParsedFile",
     "Plan",
@@ -411,6 +412,47 @@ class MovedSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class ModeTraits:
+    """What a resolved load mode means to the stages (design §1.5): made once, by the
+    plan (``ModeTraits.of``), and read by every stage instead of the mode's name.
+
+    ``mapped``: host images are mappings of the file (``mmap``, ``mlock``): what is
+    read lands in the page cache, and a mapped tensor's check reads its file.
+    ``locked``: mapped pages are locked as they are read in (``mlock``).
+    ``direct``: files are opened with ``O_DIRECT`` and host jobs are aligned (``direct``).
+    ``copies``: host tensors are read into memory of the load's own (``none``,
+    ``direct``), where each is checked piece by piece as its bytes land.
+    """
+
+    name: LoadMode
+    mapped: bool
+    locked: bool
+    direct: bool
+    copies: bool
+
+    @staticmethod
+    def of(mode: LoadMode | str) -> ModeTraits:
+        """The traits of a resolved mode; ``ValueError`` for ``auto`` (the plan resolves
+        it) or a name that is no mode."""
+        traits = _MODE_TRAITS.get(LoadMode(mode))
+        if traits is None:
+            raise ValueError(f"mode {mode!r} is resolved by the plan: it has no traits")
+        return traits
+
+
+_MODE_TRAITS: dict[LoadMode, ModeTraits] = {
+    LoadMode.NONE: ModeTraits(LoadMode.NONE, mapped=False, locked=False, direct=False, copies=True),
+    LoadMode.DIRECT: ModeTraits(
+        LoadMode.DIRECT, mapped=False, locked=False, direct=True, copies=True
+    ),
+    LoadMode.MMAP: ModeTraits(LoadMode.MMAP, mapped=True, locked=False, direct=False, copies=False),
+    LoadMode.MLOCK: ModeTraits(
+        LoadMode.MLOCK, mapped=True, locked=True, direct=False, copies=False
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """Where every tensor goes, and which file ranges feed which buffer. No I/O was done."""
 
@@ -421,7 +463,12 @@ class Plan:
     buffers: tuple[BufferPlan, ...]
     moved: MovedSummary | None
     warnings: tuple[str, ...]
-    mode: LoadMode  # the resolved load mode: never AUTO
+    traits: ModeTraits  # the resolved load mode, and what it means to each stage
+
+    @property
+    def mode(self) -> LoadMode:
+        """The resolved load mode: never ``AUTO``."""
+        return self.traits.name
 
     def placement(self, name: str) -> TensorPlacement:
         """The placement of the tensor ``name``; ``KeyError`` if the plan has none."""

@@ -22,6 +22,7 @@ from aiogguf._records import (
     DeviceSummary,
     FileRange,
     LayerAssignment,
+    ModeTraits,
     MovedSummary,
     Plan,
     TensorClass,
@@ -43,8 +44,6 @@ __all__ = [
     "select_devices",
     "split_fractions",
 ]
-
-MAPPED_MODES: frozenset[str] = frozenset({"mmap", "mlock"})
 
 _ROLE_ORDER = {BufferRole.SPLIT: 0, BufferRole.DEFAULT: 1, BufferRole.EXTRA: 2, BufferRole.HOST: 3}
 
@@ -105,7 +104,7 @@ def resolve_mode(mode: LoadMode | str, devices: Sequence[Device]) -> LoadMode:
     unmappable = [d.name for d in devices if not d.caps.mmap]
     if mode is LoadMode.AUTO:
         return LoadMode.NONE if unmappable else LoadMode.MMAP
-    if mode in MAPPED_MODES and unmappable:
+    if ModeTraits.of(mode).mapped and unmappable:
         raise PlacementError(
             f"mode = '{mode}' needs mapped memory, which device(s) {', '.join(unmappable)} "
             "cannot use; use mode = 'auto' or 'none'"
@@ -328,8 +327,8 @@ def make_plan(index: WeightIndex, devices: Sequence[Device], config: Config) -> 
     cpu = cpus[0]
     accels = [d for d in devices if d.kind == "accel"]
     offload = select_devices(devices, placement)
-    mode = resolve_mode(config.load.mode, offload)
-    use_mmap = mode in MAPPED_MODES
+    traits = ModeTraits.of(resolve_mode(config.load.mode, offload))
+    use_mmap = traits.mapped
 
     memory: dict[str, tuple[int, int]] = {cpu.name: cpu.memory()}
     for device in (*accels, *offload):
@@ -409,7 +408,7 @@ def make_plan(index: WeightIndex, devices: Sequence[Device], config: Config) -> 
         moved = MovedSummary(n_moved, first.name, first.type.name, from_name, to_name)
     if lazy_refused:
         warnings.add(
-            f"lazy = '{lazy_mode}' needs a mapped load mode (mode = '{mode}'); "
+            f"lazy = '{lazy_mode}' needs a mapped load mode (mode = '{traits.name}'); "
             f"{counted(len(lazy_refused), 'tensor is', 'tensors are')} loaded in full, "
             f"first '{lazy_refused[0]}'"
         )
@@ -421,7 +420,7 @@ def make_plan(index: WeightIndex, devices: Sequence[Device], config: Config) -> 
         if name not in memory:
             summary_devices.append(by_name[name])
             memory[name] = by_name[name].memory()
-    _memory_warnings(buffers, cpu, memory, mode, warnings)
+    _memory_warnings(buffers, cpu, memory, traits, warnings)
 
     return Plan(
         devices=tuple(
@@ -437,7 +436,7 @@ def make_plan(index: WeightIndex, devices: Sequence[Device], config: Config) -> 
         buffers=buffers,
         moved=moved,
         warnings=tuple(warnings.items),
-        mode=mode,
+        traits=traits,
     )
 
 
@@ -559,7 +558,7 @@ def _memory_warnings(
     buffers: Sequence[BufferPlan],
     cpu: Device,
     memory: dict[str, tuple[int, int]],
-    mode: str,
+    mode: ModeTraits,
     warnings: _Warnings,
 ) -> None:
     """A shortfall of memory, in every mode. Copied host buffers (and device buffers)
@@ -573,7 +572,7 @@ def _memory_warnings(
         if b.host:
             if b.lazy:
                 continue  # read on demand: nothing has to be resident
-            if mode in MAPPED_MODES and b.buffer_type == cpu.buffer_type.name:
+            if mode.mapped and b.buffer_type == cpu.buffer_type.name:
                 mapped_bytes += b.nbytes
             else:
                 need[cpu.name] = need.get(cpu.name, 0) + b.nbytes
@@ -591,11 +590,11 @@ def _memory_warnings(
     resident = mapped_bytes + need.get(cpu.name, 0)
     if resident > total:
         warnings.add(
-            f"mode {mode}: {format_bytes(resident)} must be resident in memory "
+            f"mode {mode.name}: {format_bytes(resident)} must be resident in memory "
             f"({format_bytes(mapped_bytes)} mapped) but the host has {format_bytes(total)} "
             "of RAM: pages will be read again and again"
         )
-    if mode != "mlock":
+    if not mode.locked:
         return
     limit = memlock_limit()
     if limit is not None and mapped_bytes > limit and not may_lock_past_limit():

@@ -33,10 +33,10 @@ import anyio
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from aiogguf._config import Config
+from aiogguf._config import Config, LoadMode
 from aiogguf._images import HostImage, Image, MappedImage
-from aiogguf._jobs import BufferLayout, PieceSink, ReadJob, StageTimes
-from aiogguf._records import Plan, WeightIndex
+from aiogguf._jobs import BufferLayout, PieceSink, ReadJob, StageTimes, job_bytes
+from aiogguf._records import ModeTraits, Plan, WeightIndex
 from aiogguf.errors import BigEndianError, shown_path
 from aiogguf.io.byteswap import can_convert, to_native
 from aiogguf.io.files import DataFile, FileAdvice, open_file
@@ -52,9 +52,12 @@ __all__ = [
     "FileStats",
     "HostReads",
     "Reader",
+    "ThreadPlan",
     "direct_refusals",
     "find_disks",
+    "most_readers",
     "open_data_files",
+    "plan_threads",
 ]
 
 
@@ -80,16 +83,16 @@ def open_data_files(
     index: WeightIndex,
     opened: OpenFiles,
     *,
-    mode: str,
+    direct: bool,
     alignment: int,
     keep: Callable[[DataFile], None],
 ) -> None:
     """Blocking: open the load's files for reading, each handed to ``keep`` as soon as it
     opens, in order: its owner closes them, also those opened before a failure. The descriptors
     are those the parse stage read (``opened``), so the file that was parsed is the file
-    that is read, whatever its name points at now. A file that refuses ``O_DIRECT`` in
-    mode ``direct`` is read with mode ``none`` (``direct_refusals`` words it)."""
-    direct = mode == "direct"
+    that is read, whatever its name points at now. ``direct``: the mode opens with
+    ``O_DIRECT``; a file that refuses it is read with mode ``none`` (``direct_refusals``
+    words it)."""
     for parsed in index.files:
         f = open_file(parsed.path, direct=direct, alignment=alignment, fd=opened.open(parsed.path))
         keep(f)
@@ -99,9 +102,9 @@ def open_data_files(
         f.fadvise(FileAdvice.SEQUENTIAL)
 
 
-def direct_refusals(files: Sequence[DataFile], mode: str) -> list[str]:
-    """The warnings for files that refused ``O_DIRECT`` in mode ``direct``."""
-    if mode != "direct":
+def direct_refusals(files: Sequence[DataFile], *, direct: bool) -> list[str]:
+    """The warnings for files that refused ``O_DIRECT`` (``direct``: the mode asked it)."""
+    if not direct:
         return []
     return [
         f"{shown_path(f.path)}: {f.direct_refusal}; reading with mode 'none' instead"
@@ -149,6 +152,64 @@ def find_disks(files: Sequence[DataFile], config: Config) -> Disks:
             limits[disk] = config.pipeline.readers_for(f.path, direct=f.direct_ok)
         names.append(disk)
     return Disks(tuple(names), tuple(limits[name] for name in names))
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadPlan:
+    """What ``readers`` decides for one load, decided once with its layout
+    (``plan_threads``) and read by every stage: ``disks`` (each file's disk and its
+    reader limit), ``readers`` (reader threads, over every disk), ``transfer_threads``
+    (per device: as many as the busiest disk allows readers, as a transfer thread reads
+    as much as it copies), ``job_bytes`` (a host job's size: ``job_bytes``),
+    ``check_threads`` (lent for the checks: 0 with checks off, where the readers'
+    threads stand in) and ``checks_apart`` (a landed job is checked on a check thread
+    while its reader reads the next, instead of by the reader in turn)."""
+
+    disks: Disks
+    readers: int
+    transfer_threads: int
+    job_bytes: int
+    check_threads: int
+    checks_apart: bool
+
+
+def plan_threads(
+    disks: Disks,
+    layouts: Sequence[BufferLayout],
+    config: Config,
+    mode: ModeTraits,
+    *,
+    cores: int,
+) -> ThreadPlan:
+    """The thread plan of a load of ``layouts`` in ``mode`` from ``disks``, on a machine
+    of ``cores`` usable cores."""
+    pipeline, check = config.pipeline, config.load.check_tensors
+    readers = disks.total_readers
+    workers = pipeline.validate_workers
+    return ThreadPlan(
+        disks,
+        readers,
+        transfer_threads=disks.busiest,
+        job_bytes=job_bytes(
+            pipeline.chunk_size,
+            layouts,
+            readers,
+            pipeline.alignment,
+            # With checks on, a mapped tensor is checked once its job has landed: the
+            # reads' own size lets the checks start sooner.
+            mapped=mode.mapped and not check,
+        ),
+        check_threads=workers if check else 0,
+        # Checks apart only where the check threads outnumber the readers and a core is
+        # left for them: there they keep up; many readers check in parallel themselves.
+        checks_apart=readers < min(cores, workers),
+    )
+
+
+def most_readers(config: Config) -> int:
+    """The reader threads a load of ``config`` runs at most on one disk, known before its
+    plan: only mode ``direct`` asks fewer by default (``auto`` never resolves to it)."""
+    return config.pipeline.reader_count(direct=config.load.mode is LoadMode.DIRECT)
 
 
 class ByteSwap:

@@ -32,7 +32,7 @@ from aiogguf._jobs import (
     TensorSlot,
     TensorSpans,
 )
-from aiogguf._records import WeightIndex
+from aiogguf._records import ModeTraits, WeightIndex
 from aiogguf.errors import TensorFailure
 from aiogguf.io.ggml_types import GGMLType
 from aiogguf.io.source import ByteSource
@@ -310,7 +310,7 @@ class Validation:
         images: Sequence[Image | None],
         files: Sequence[ByteSource],
         *,
-        mode: str,
+        mode: ModeTraits,
         enabled: bool,
         swapped: bool,
         mapped_pieces: bool = False,
@@ -324,7 +324,8 @@ class Validation:
         index, layouts, slots, spans: the load's tensors and where they sit.
         ``images``: the load's images, indexed by buffer (filled in as allocated).
         ``files``: the load's open files (mapped tensors are checked through them).
-        ``mode``: the resolved load mode.
+        ``mode``: the resolved load mode's traits (host tensors that are copies are
+            checked by pieces as they land).
         ``enabled``: ``load.check_tensors``; when False nothing is checked.
         ``swapped``: whether bytes are swapped after the read (no piece checks then).
         ``mapped_pieces``: mapped tensors are checked piece by piece too: something
@@ -348,7 +349,7 @@ class Validation:
             workers, threads=threads, meter=self._meter, passed=passed
         )
         self._threads = threads
-        host_read = mode in ("none", "direct") or mapped_pieces
+        host_read = mode.copies or mapped_pieces
         self._pieces = {
             name: PieceCheck(name, index[name].type, index[name].nbytes, offset=index[name].offset)
             for layout in layouts

@@ -82,8 +82,7 @@ from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import reserve_threads
 from aiogguf.remote._sources import finish_remote, is_remote, route_remote
 from aiogguf.stages.allocate import Allocation
-from aiogguf.stages.plan import MAPPED_MODES
-from aiogguf.stages.read import HostReads, direct_refusals
+from aiogguf.stages.read import HostReads, direct_refusals, most_readers
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 
 __all__ = ["load_thread_count", "one_error", "run_load"]
@@ -164,17 +163,16 @@ class _Load:
         but for the images, which the model takes."""
         resources, layout, plan = self.resources, self.layout, self.layout.plan
         files = resources.files
-        for warning in direct_refusals(resources.local_files, plan.mode):
+        for warning in direct_refusals(resources.local_files, direct=plan.traits.direct):
             self._warn(warning)
         reading = self.reading
         validation, reader, progress = reading.validation, reading.reader, reading.progress
         uploader: Uploader | None = None
         if any(not lay.plan.host for lay in layout.layouts):
-            # Transfer threads: as many as the busiest disk allows readers (a transfer
-            # thread reads as much as it copies).
+            # Transfer threads per device: the thread plan's.
             devices = {d.name: d for d in layout.devices}
             uploader = await resources.open_uploader(
-                devices, self.config, threads=layout.disks.busiest
+                devices, self.config, threads=layout.threads.transfer_threads
             )
         if self.ready is not None:
             # With a manifest, a tensor's last blocks may be hashed only at the end.
@@ -196,7 +194,7 @@ class _Load:
         # checked the files that only they read, once they left them; those the transfer
         # threads read too are checked here, and in a mapped mode every file, since the
         # checks of mapped tensors read it on the check threads after the readers left.
-        mapped_checks = validation.enabled and plan.mode in MAPPED_MODES
+        mapped_checks = validation.enabled and plan.traits.mapped
         recheck = [f for i, f in enumerate(files) if mapped_checks or i in layout.staged_files]
         if recheck:
             await resources.thread.run_sync(_check_unchanged, recheck)
@@ -320,7 +318,7 @@ class _Load:
 def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
     """The finished load's report, from what each stage counted."""
     reader, validation = load.reading.reader, load.reading.validation
-    plan, disks = load.layout.plan, load.layout.disks.names
+    plan, disks = load.layout.plan, load.layout.threads.disks.names
     stages = [
         *load.stages,
         ("allocate", load.allocation.times()),
@@ -335,7 +333,7 @@ def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
         total_s=load.hub.elapsed(),
         stages=stages,
         files=[
-            (parsed.path, stats, plan.mode == "direct" and direct, disk)
+            (parsed.path, stats, plan.traits.direct and direct, disk)
             for parsed, stats, direct, disk in zip(
                 files, reader.stats, reader.direct, disks, strict=True
             )
@@ -352,10 +350,7 @@ def load_thread_count(config: Config, *, uploads: bool = True, remote: bool = Fa
     """How many threads a load of ``config`` holds at once, at most: its own, readers
     (``remote``: one per connection), check threads and (``uploads``) transfer threads."""
     pipeline = config.pipeline
-    if remote:
-        readers = pipeline.remote_in_flight
-    else:
-        readers = pipeline.reader_count(direct=config.load.mode == "direct")
+    readers = pipeline.remote_in_flight if remote else most_readers(config)
     checks = pipeline.validate_workers if config.load.check_tensors else 0
     return 1 + readers + checks + (readers if uploads else 0)
 

@@ -27,7 +27,6 @@ from aiogguf._jobs import (
     StageTimes,
     TensorSlot,
     TensorSpans,
-    job_bytes,
     layout_buffers,
     split_jobs,
     tensor_slots,
@@ -50,8 +49,16 @@ from aiogguf.io.files import DataFile
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.remote._sources import RemoteName, remote_disks, remote_pieces
 from aiogguf.stages.allocate import allocate_host_images
-from aiogguf.stages.plan import MAPPED_MODES, make_plan
-from aiogguf.stages.read import ByteSwap, Disks, HostReads, Reader, find_disks, open_data_files
+from aiogguf.stages.plan import make_plan
+from aiogguf.stages.read import (
+    ByteSwap,
+    HostReads,
+    Reader,
+    ThreadPlan,
+    find_disks,
+    open_data_files,
+    plan_threads,
+)
 from aiogguf.stages.validate import Validation
 
 __all__ = ["Front", "Layout", "ReadSide"]
@@ -62,7 +69,8 @@ class Layout:
     """How one load lies out, made on the load's thread before its first read: the
     devices and plan (``planned``: when, on the load's clock), the buffer layouts,
     where each tensor sits (``slots``, ``spans``), when the host images were allocated,
-    each file's disk, the jobs, and the files the transfer threads read from too. A
+    the thread plan (each file's disk and its readers, the transfer and check threads,
+    the jobs' size), the jobs, and the files the transfer threads read from too. A
     record: nothing in it is open or running (that is the ``LoadResources``')."""
 
     devices: tuple[Device, ...]
@@ -72,7 +80,7 @@ class Layout:
     slots: dict[str, TensorSlot]
     spans: TensorSpans
     host_times: StageTimes
-    disks: Disks
+    threads: ThreadPlan
     jobs: list[list[ReadJob]]  # host jobs, per file
     device_jobs: list[ReadJob]
     staged_files: tuple[int, ...]
@@ -142,7 +150,7 @@ class Front:
             open_data_files(
                 index,
                 resources.opened,
-                mode=plan.mode,
+                direct=plan.traits.direct,
                 alignment=config.pipeline.alignment,
                 keep=resources.keep_file,
             )
@@ -181,11 +189,11 @@ class Front:
             layouts,
             files,
             resources.place,
-            mapped=plan.mode in MAPPED_MODES,
+            mapped=plan.traits.mapped,
             writable=swapped,
             alignment=alignment,
             prefetch=config.load.prefetch,
-            lock=plan.mode == "mlock",
+            lock=plan.traits.locked,
             huge_pages=config.pipeline.huge_pages,
         )
         hosted = [lay for lay in layouts if lay.plan.host]
@@ -195,26 +203,19 @@ class Front:
         )
         remote = self.remote  # no disk to find: a reader limit of its own
         disks = remote_disks(resources.files, config) if remote else find_disks(files, config)
+        threads = plan_threads(disks, layouts, config, plan.traits, cores=usable_cores())
         pipeline = config.pipeline
         jobs, device_jobs = split_jobs(
             index,
             layouts,
             pipeline.chunk_size,
-            host_bytes=job_bytes(
-                pipeline.chunk_size,
-                layouts,
-                disks.total_readers,
-                alignment,
-                # With checks on, a mapped tensor is checked once its job has landed: the
-                # reads' own size lets the checks start sooner.
-                mapped=plan.mode in MAPPED_MODES and not config.load.check_tensors,
-            ),
+            host_bytes=threads.job_bytes,
             slot_bytes=pipeline.staging_bytes() if len(hosted) < len(layouts) else None,
-            aligned=plan.mode == "direct",
+            aligned=plan.traits.direct,
             # With a manifest, a hash block lies inside one job but at a range's edges
             # (not for swapped O_DIRECT reads: the reads of two jobs overlap, and one
             # would write file bytes over those the other has swapped).
-            blocks=block_grid(checker) if not (swapped and plan.mode == "direct") else None,
+            blocks=block_grid(checker) if not (swapped and plan.traits.direct) else None,
             alignment=alignment,
         )
         staged = tuple(sorted({job.file_index for job in device_jobs}))
@@ -226,7 +227,7 @@ class Front:
             slots,
             spans,
             host_times,
-            disks,
+            threads,
             jobs,
             device_jobs,
             staged,
@@ -238,20 +239,22 @@ class Front:
         started: their images exist, and the reads then run while the loop sets up the
         rest (device buffers, transfers) instead of after it."""
         config, resources, clock = self.config, self.resources, self.clock
-        plan, layouts, disks, jobs = layout.plan, layout.layouts, layout.disks, layout.jobs
+        plan, layouts, jobs = layout.plan, layout.layouts, layout.jobs
+        thread_plan = layout.threads
         files = resources.files
         # Big-endian bytes are swapped as they land.
         swapped = needs_swap(index.byte_order)
-        threads = resources.lend(disks.total_readers, "aiogguf-reader")
-        # Checks apart only where the check threads outnumber the readers and a core is
-        # left for them: there they keep up; many readers check in parallel themselves.
+        threads = resources.lend(thread_plan.readers, "aiogguf-reader")
         workers = config.pipeline.validate_workers
-        spare_core = disks.total_readers < min(usable_cores(), workers)
         # With checks off nothing runs on check threads: the readers' stand in.
         check = config.load.check_tensors
-        check_threads = resources.lend(workers, "aiogguf-check") if check else threads
+        check_threads = (
+            resources.lend(thread_plan.check_threads, "aiogguf-check")
+            if thread_plan.check_threads
+            else threads
+        )
         # A manifest's hashing reads a mapped image's file anyway: its checks share the reads.
-        mapped_pieces = shares_mapped_reads(layout.checker, plan.mode)
+        mapped_pieces = shares_mapped_reads(layout.checker, mapped=plan.traits.mapped)
         validation = Validation(
             index,
             layouts,
@@ -259,7 +262,7 @@ class Front:
             layout.spans,
             resources.images,
             files,
-            mode=plan.mode,
+            mode=plan.traits,
             enabled=check,
             swapped=swapped,
             mapped_pieces=mapped_pieces,
@@ -293,7 +296,7 @@ class Front:
             swap=ByteSwap(index, layouts) if swapped else None,
             pieces=pieces,
             file_check=integrity.check_from_file if integrity is not None else None,
-            lock=plan.mode == "mlock",
+            lock=plan.traits.locked,
             piece_bytes=remote_pieces(files),
             # A local read into pages backed first costs the kernel less than one that
             # faults them in as it lands; a remote file's request would wait for the
@@ -301,7 +304,7 @@ class Front:
             back_first=[isinstance(f, DataFile) for f in files],
             # A core the readers leave idle checks each landed job while its reader
             # reads the next, instead of the reader checking in turn.
-            apart=[isinstance(f, DataFile) and spare_core for f in files],
+            apart=[isinstance(f, DataFile) and thread_plan.checks_apart for f in files],
             # A manifest's blocks hashed as each local read lands, in the core's cache
             # (a remote file's reads are its requests, which stay whole).
             stream=[
@@ -328,5 +331,5 @@ class Front:
         # The files the transfer threads read from too are checked by the engine.
         staged = layout.staged_files
         verify = [None if i in staged else f.check_unchanged for i, f in enumerate(files)]
-        reads.start(jobs, disks, verify=verify, landed=progress.host_landed)
+        reads.start(jobs, thread_plan.disks, verify=verify, landed=progress.host_landed)
         return ReadSide(validation, reader, reads, progress, integrity)

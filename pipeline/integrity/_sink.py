@@ -169,10 +169,11 @@ def load_sink(
     return IntegritySink(checker, files, images, layouts, slots, swapped=swapped, feed=feed)
 
 
-def shares_mapped_reads(checker: IntegrityChecker | LlamaCheck | None, mode: str) -> bool:
-    """Whether the checks of mapped tensors take their pieces from the manifest's
-    reads of the file (``IntegritySink``'s ``feed``)."""
-    return isinstance(checker, IntegrityChecker) and mode in ("mmap", "mlock")
+def shares_mapped_reads(checker: IntegrityChecker | LlamaCheck | None, *, mapped: bool) -> bool:
+    """Whether the checks of mapped tensors (``mapped``: the mode maps host images)
+    take their pieces from the manifest's reads of the file (``IntegritySink``'s
+    ``feed``)."""
+    return isinstance(checker, IntegrityChecker) and mapped
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
-from aiogguf._config import Config
+from aiogguf._config import Config, LoadMode
 from aiogguf._jobs import ReadJob
 from aiogguf._records import ParsedFile, WeightIndex
 from aiogguf.errors import LoadError, PathNotAllowedError, SplitError
@@ -98,10 +98,10 @@ def remote_config(url: str, config: Config, opener: FileOpener | None) -> Config
     ``PathNotAllowedError``."""
     if opener is not None and not isinstance(opener, (AnyPathOpener, RemoteOpener)):
         raise PathNotAllowedError(redact_url(url))
-    mode = str(config.load.mode)
-    if mode == "auto":
-        return config.with_overrides(mode="none")
-    if mode != "none":
+    mode = config.load.mode
+    if mode is LoadMode.AUTO:
+        return config.with_overrides(mode=LoadMode.NONE)
+    if mode is not LoadMode.NONE:
         raise LoadError(
             redact_url(url), None, f"mode '{mode}' needs a local file; a URL loads with 'none'"
         )
