@@ -202,12 +202,31 @@ class DataFile(Closeable):
             self.close()
             raise
 
-    # -- lifecycle ---------------------------------------------------------------
+    # -- what a load does with it (``ByteSource``) -------------------------------
+
+    local = True  # read by system calls, from a disk of this machine
+    piece_bytes: int | None = None  # the read stage's default
 
     @property
     def direct_ok(self) -> bool:
         """True while ``read_direct_into`` really uses ``O_DIRECT``."""
         return self._direct_enabled
+
+    @property
+    def direct(self) -> DataFile | None:
+        """Itself while its reads bypass the page cache, else None."""
+        return self if self._direct_enabled else None
+
+    @property
+    def mappable(self) -> DataFile:
+        return self
+
+    def disk(self) -> str:
+        """The filesystem device it lives on (a ``stat``)."""
+        dev = os.fstat(self.fileno()).st_dev
+        return f"dev {os.major(dev)}:{os.minor(dev)}"
+
+    # -- lifecycle ---------------------------------------------------------------
 
     def fileno(self) -> int:
         """The buffered descriptor (for ``mmap`` or ``fadvise``); valid until ``close``."""
@@ -266,7 +285,8 @@ class DataFile(Closeable):
             raise ValueError(f"offset must be >= 0, got {offset}")
         self._enter()
         try:
-            done = _pread_loop(self._fd, view, offset, self.path, max_call=max_call)
+            calls = max_call or MAX_CALL_BYTES  # 0: the default, as ``ByteSource`` says
+            done = _pread_loop(self._fd, view, offset, self.path, max_call=calls)
         finally:
             self._leave()
         if done < len(view):

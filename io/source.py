@@ -1,22 +1,20 @@
-"""Where a load's bytes come from: what the read and validate hot paths ask of a file.
+"""Where a load's bytes come from: everything the core and the stages ask of a file.
 
-The read stage's ``Reader`` and the validate stage's ``FileBytes`` read through a
-``ByteSource``: positional reads into memory the caller owns, a check that the source
-did not change under the load, and a close. Two kinds: a local file opened beneath its
-root (``aiogguf.io.opener``), ``DataFile``, and a file read by HTTP ranges,
-``aiogguf.remote._http_source.HttpSource``.
+The read and validate stages read through a ``ByteSource``: positional reads into
+memory the caller owns, a check that the source did not change under the load, and a
+close. A source also says what a load does differently with it, so that no one asks
+which kind it is: whether its reads may bypass the page cache (``direct``), whether it
+can be mapped (``mappable``), whether it is this machine's storage (``local``: reads
+are system calls, a disk's reader limit, pages backed before a read, landed jobs
+checked apart where a core is spare, a manifest's blocks hashed as each read lands) or
+the network's (each read one request, kept whole; the connections' limit), how much a
+checked piece holds (``piece_bytes``) and where its reads queue (``disk``).
 
-The rest of a load still asks for a local file by name, never through this protocol:
-the parse stage reads the descriptors of the file table (``OpenFiles``);
-``open_data_files`` opens ``DataFile``s and advises them (``fadvise``); ``find_disks``
-finds each file's disk (``fileno``, ``stat``) for its reader limit; the engine asks each
-file whether ``O_DIRECT`` works (``direct_ok``, ``direct_refusal``; ``DirectSource``);
-the mapped modes map it (``allocate_mapped``); ``LoadResources`` holds ``DataFile``s;
-and ``resolve_mode`` makes ``auto`` ``mmap``. So the remote kind needs more than being a
-``ByteSource``; ``aiogguf.remote._sources`` has it all in one place: the parse stage reads it
-through ``read_header_from``, the front opens it and ``LoadResources`` holds it in place
-of a ``DataFile``, its reader limit is ``remote_in_flight`` (no disk), and its mode is
-``none`` (no mappings, no ``O_DIRECT``, no ``fadvise``).
+Two kinds: a local file opened beneath its root (``aiogguf.io.opener``), ``DataFile``,
+and a file read by HTTP ranges, ``aiogguf.remote._http_source.HttpSource`` (and the
+hub's ``HubSource``). The parse stage reads a local file's header through the load's
+table of descriptors (``OpenFiles``), a remote one through ``read_header_from``; the
+core's assembler (``aiogguf._core.assemble``) opens the sources of a load.
 """
 
 from __future__ import annotations
@@ -25,6 +23,8 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+    from aiogguf.io.files import DataFile
 
 __all__ = ["ByteSource", "DirectSource"]
 
@@ -37,10 +37,49 @@ class ByteSource(Protocol):
         """The file's name, in messages and errors."""
         ...
 
-    def read_into(self, dest: Buffer, offset: int) -> None:
+    def read_into(self, dest: Buffer, offset: int, *, max_call: int = 0) -> None:
         """Blocking: fill all of ``dest`` with the bytes at ``[offset, offset +
-        len(dest))``. Raises ``LoadError`` (naming the path and offset) if the source
-        ends first or the read fails."""
+        len(dest))``, a local file in system calls of at most ``max_call`` bytes (0:
+        its own). Raises ``LoadError`` (naming the path and offset) if the source ends
+        first or the read fails."""
+        ...
+
+    @property
+    def direct_ok(self) -> bool:
+        """True while its reads really bypass the page cache (``O_DIRECT``)."""
+        ...
+
+    @property
+    def direct_refusal(self) -> str | None:
+        """Why a read that was asked to bypass the page cache does not (None: it does,
+        or was not asked to)."""
+        ...
+
+    @property
+    def direct(self) -> DirectSource | None:
+        """The source's reads around the page cache, where they work (None: reads are
+        buffered)."""
+        ...
+
+    @property
+    def mappable(self) -> DataFile | None:
+        """The local file the mapped modes map (None: nothing to map)."""
+        ...
+
+    @property
+    def local(self) -> bool:
+        """Whether its bytes are this machine's storage: reads are system calls at
+        memory pace (else network requests, each read one request, kept whole)."""
+        ...
+
+    @property
+    def piece_bytes(self) -> int | None:
+        """The most a checked piece of it holds (None: the read stage's default)."""
+        ...
+
+    def disk(self) -> str:
+        """Blocking (a ``stat``): where its reads queue, named (a filesystem's device,
+        a remote host)."""
         ...
 
     def check_unchanged(self) -> None:

@@ -15,6 +15,8 @@ of the package uses) and may change.
 from __future__ import annotations
 
 import gc
+import importlib
+from typing import TYPE_CHECKING, Any
 
 if __name__ != "aiogguf":
     # The folder pipeline/ is the package aiogguf; imported by its folder's name (from the
@@ -67,17 +69,47 @@ from aiogguf.errors import PlacementError as PlacementError
 from aiogguf.errors import SplitError as SplitError
 from aiogguf.errors import TensorFailure as TensorFailure
 from aiogguf.errors import TensorValidationError as TensorValidationError
-from aiogguf.integrity._hashing import VerifyReport as VerifyReport
-from aiogguf.integrity._hashing import hash_model as hash_model
-from aiogguf.integrity._hashing import hash_model_sync as hash_model_sync
-from aiogguf.integrity._hashing import verify_model as verify_model
-from aiogguf.integrity._hashing import verify_model_sync as verify_model_sync
-from aiogguf.integrity._hashing import verify_sha256 as verify_sha256
-from aiogguf.integrity._hashing import verify_sha256_sync as verify_sha256_sync
-from aiogguf.integrity._manifest import Manifest as Manifest
 from aiogguf.io._devices.base import DeviceKind as DeviceKind
 from aiogguf.io.opener import FileOpener as FileOpener
 from aiogguf.io.opener import RootedOpener as RootedOpener
+
+if TYPE_CHECKING:
+    from aiogguf.integrity import Manifest as Manifest
+    from aiogguf.integrity import VerifyReport as VerifyReport
+    from aiogguf.integrity import hash_model as hash_model
+    from aiogguf.integrity import hash_model_sync as hash_model_sync
+    from aiogguf.integrity import verify_model as verify_model
+    from aiogguf.integrity import verify_model_sync as verify_model_sync
+    from aiogguf.integrity import verify_sha256 as verify_sha256
+    from aiogguf.integrity import verify_sha256_sync as verify_sha256_sync
+
+# The integrity wing's public names, imported on first use: a load without a manifest
+# never needs the wing (``aiogguf._core.assemble`` imports it for one that has).
+_INTEGRITY = frozenset(
+    {
+        "Manifest",
+        "VerifyReport",
+        "hash_model",
+        "hash_model_sync",
+        "verify_model",
+        "verify_model_sync",
+        "verify_sha256",
+        "verify_sha256_sync",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _INTEGRITY:
+        raise AttributeError(f"module 'aiogguf' has no attribute {name!r}")
+    value = getattr(importlib.import_module("aiogguf.integrity"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_INTEGRITY})
+
 
 __version__ = "0.1.0"
 

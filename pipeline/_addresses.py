@@ -35,6 +35,7 @@ __all__ = [
     "blocked_reason",
     "checked_network",
     "checked_prefix",
+    "is_remote",
     "parse_network",
     "url_refusal",
 ]
@@ -259,3 +260,13 @@ def _host(host: str, shown: str) -> str:
     if host.rsplit(".", 1)[-1][:1].isdigit():
         raise ValueError(f"{shown!r}: write an IP address in full (a.b.c.d)")
     return host
+
+
+# The names a load reads remotely, by scheme (any case): URLs and the hub's names.
+REMOTE_SCHEMES = ("http://", "https://", "hf://")
+
+
+def is_remote(path: str) -> bool:
+    """True for a name a load reads remotely: ``http(s)://`` or ``hf://`` (a string
+    test: which wing reads it is the core's assembler's business)."""
+    return path[:8].lower().startswith(REMOTE_SCHEMES)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
@@ -26,8 +27,6 @@ from aiogguf._checks import PieceCheck
 from aiogguf._config import Config, LoadMode, load_config
 from aiogguf._core.engine import load_thread_count, one_error, run_load
 from aiogguf._core.ready import ReadyTensors, TensorStream
-from aiogguf._core.rehearsal import NAME as REHEARSAL_NAME
-from aiogguf._core.rehearsal import RehearsalFile
 from aiogguf._devices import enumerate_devices
 from aiogguf._events import Progress, ProgressCallback, ProgressHub, Stage
 from aiogguf._model import Model
@@ -40,6 +39,9 @@ from aiogguf.io.ggml_types import GGML_TYPES
 from aiogguf.io.opener import FileOpener
 from aiogguf.io.workers import LoadThreads
 from aiogguf.stages.read import most_readers
+
+if TYPE_CHECKING:
+    from aiogguf._core.rehearsal import RehearsalFile
 
 __all__ = [
     "LoadHandle",
@@ -321,6 +323,7 @@ def _prepare_devices(
     """Blocking: the devices that take uploads, their staging pools filled, and the
     checks run once; returns the devices' names and the bytes pinned."""
     found = tuple(devices) if devices is not None else enumerate_devices(config)
+    _import_wings(config)
     pipeline = config.pipeline
     threads = most_readers(config)
     pinned = 0
@@ -346,6 +349,17 @@ def _prepare_devices(
     return tuple(t.name for t in targets), pinned
 
 
+def _import_wings(config: Config) -> None:
+    """Blocking: the wings loads of ``config`` will use, imported now rather than by the
+    first such load's thread: a manifest's checks, and the remote sources a server lets
+    its clients name (a load imports them through ``aiogguf._core.assemble``)."""
+    if config.load.manifest is not None:
+        importlib.import_module("aiogguf.integrity._sink")
+    server = config.server
+    if server.allow_remote or server.allow_url_prefixes:
+        importlib.import_module("aiogguf.remote._sources")
+
+
 _collected = False
 
 
@@ -365,6 +379,10 @@ def _open_rehearsal() -> RehearsalFile | None:
     rehearsal, which only saves time."""
     if not hasattr(os, "memfd_create"):
         return None
+    # Imported here, on a thread of ``warm_up``'s, not with the loader: only a server,
+    # or a process that warms up, rehearses.
+    from aiogguf._core.rehearsal import RehearsalFile
+
     try:
         return RehearsalFile()
     except OSError:
@@ -379,7 +397,7 @@ async def _rehearse(
     path (the direct path reads whole aligned chunks into the same memory)."""
     if config.load.mode is LoadMode.DIRECT:
         config = config.with_overrides(mode="none")
-    async with LoadHandle(REHEARSAL_NAME, config, devices=devices, opener=rehearsal):
+    async with LoadHandle(rehearsal.name, config, devices=devices, opener=rehearsal):
         pass
 
 

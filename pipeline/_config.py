@@ -41,11 +41,12 @@ from pydantic_core import ErrorDetails
 from aiogguf._addresses import checked_network, checked_prefix
 from aiogguf._units import format_size, parse_size
 from aiogguf.errors import ConfigError
-from aiogguf.io._devices.sim import SIM_COPY_BYTES_PER_S, SIM_COPY_LATENCY_US, SIM_PIN_S_PER_GIB
+from aiogguf.io._devices.base import SIM_COPY_BYTES_PER_S, SIM_COPY_LATENCY_US, SIM_PIN_S_PER_GIB
 from aiogguf.io.ggml_types import ggml_type_by_name
 
 __all__ = [
     "FORMER_NAMES",
+    "MANIFEST_SUFFIX",
     "Config",
     "HugePages",
     "LoadConfig",
@@ -59,6 +60,7 @@ __all__ = [
     "SimDeviceConfig",
     "compile_pattern",
     "load_config",
+    "manifest_beside",
 ]
 
 
@@ -811,3 +813,14 @@ def load_config(config: Config | str | os.PathLike[str] | None = None, **overrid
     else:
         base = Config.from_toml(config)
     return base.with_overrides(**overrides) if overrides else base
+
+
+# The manifest ``load.manifest = "auto"`` looks for beside a model's first file (and
+# ``aiogguf hash`` writes there by default).
+MANIFEST_SUFFIX = ".manifest.json"
+
+
+def manifest_beside(model_path: str | os.PathLike[str]) -> str:
+    """Where a model's manifest is looked for and written by default: beside its
+    (first) file, ``MODEL.gguf.manifest.json``."""
+    return os.fspath(model_path) + MANIFEST_SUFFIX

@@ -12,13 +12,15 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from aiogguf._config import Config, SimDeviceConfig
 from aiogguf.errors import ConfigError
 from aiogguf.io._devices.base import Device, all_buffer_types
 from aiogguf.io._devices.cpu import CpuDevice
-from aiogguf.io._devices.cupy_backend import cupy_devices
-from aiogguf.io._devices.sim import SimDevice
+
+if TYPE_CHECKING:
+    from aiogguf.io._devices.sim import SimDevice
 
 __all__ = ["enumerate_devices", "sim_device", "sim_devices"]
 
@@ -33,6 +35,10 @@ def sim_device(config: SimDeviceConfig, index: int) -> SimDevice:
     """A new device for one ``[[device]]`` entry, ``index`` naming it ``g<index>``. The
     entry's fields are the device's settings, by the same names (``id`` is its
     ``device_id``)."""
+    # The backends are imported by the thread that first finds such a device (a load's,
+    # ``warm_up``'s), not with the loader: a CPU load needs neither.
+    from aiogguf.io._devices.sim import SimDevice
+
     settings = config.model_dump(exclude={"name", "id"})
     name = config.name if config.name is not None else f"g{index}"
     return SimDevice(name, device_id=config.id, **settings)
@@ -73,6 +79,8 @@ def enumerate_devices(
         cupy = not config.device
     devices: list[Device] = [CpuDevice()]
     if cupy:
+        from aiogguf.io._devices.cupy_backend import cupy_devices
+
         devices.extend(cupy_devices())
     devices.extend(sim_devices(config.device))
     owners: dict[str, Device] = {}

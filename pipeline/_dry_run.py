@@ -15,20 +15,23 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from aiogguf._addresses import is_remote
 from aiogguf._config import Config, load_config
-from aiogguf._core.headers import open_index
+from aiogguf._core.assemble import open_index
 from aiogguf._devices import enumerate_devices
 from aiogguf._records import Plan, WeightIndex
 from aiogguf._run import run
 from aiogguf.io._devices.base import Device
 from aiogguf.io.opener import FileOpener, OpenFiles
 from aiogguf.io.workers import LoadThreads
-from aiogguf.remote._sources import is_remote, open_remote_model
 from aiogguf.stages.plan import make_plan
+
+if TYPE_CHECKING:
+    from aiogguf.remote._sources import RemoteModel
 
 __all__ = ["inspect", "inspect_sync", "plan", "plan_sync"]
 
@@ -116,7 +119,7 @@ async def _index(
     name the hub's cache holds is read from there."""
     fspath = os.fspath(path)
     if is_remote(fspath):
-        remote = await threads.run_sync(open_remote_model, fspath, config, opener)
+        remote = await threads.run_sync(_open_remote, fspath, config, opener)
         try:
             if remote.index is not None:
                 return remote.index, remote.config
@@ -135,3 +138,11 @@ async def _index(
         # done even while the caller is being cancelled.
         with anyio.CancelScope(shield=True):
             await threads.run_sync(files.close)
+
+
+def _open_remote(path: str, config: Config, opener: FileOpener | None) -> RemoteModel:
+    """Blocking: ``open_remote_model``, its wing imported by the calling thread (a look
+    at a local model never imports it)."""
+    from aiogguf.remote._sources import open_remote_model
+
+    return open_remote_model(path, config, opener)

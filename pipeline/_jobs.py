@@ -25,6 +25,7 @@ from aiogguf.io.workers import raise_if_stopped
 
 __all__ = [
     "BufferLayout",
+    "LandedWatcher",
     "Passed",
     "PieceSink",
     "RangeSlot",
@@ -34,6 +35,9 @@ __all__ = [
     "StageTimes",
     "TensorSlot",
     "TensorSpans",
+    "Watcher",
+    "each_job",
+    "each_piece",
     "job_bytes",
     "layout_buffers",
     "load_order",
@@ -109,6 +113,72 @@ class PieceSink(Protocol):
 
     def __call__(self, job: ReadJob, file_offset: int, piece: memoryview, /) -> None:
         """``piece``: the bytes of ``job``'s file from ``file_offset`` on, landed."""
+
+
+class LandedWatcher(Protocol):
+    """One of the things that look at a load's bytes as they land (the tensor checks,
+    a manifest's block hashes, a llama manifest's tensor hashes, the ready stream's
+    checked jobs). Each hook is None where it does not watch that way; the front
+    composes the load's list, and the reader calls it, each hook in the list's order,
+    on the thread that landed the bytes."""
+
+    @property
+    def piece(self) -> PieceSink | None:
+        """Gets each landed piece of file bytes, right after its read."""
+        ...
+
+    @property
+    def stream(self) -> PieceSink | None:
+        """Gets a local file's buffered reads in parts small enough to be in the core's
+        cache, in order within a job, each right after it landed (before ``piece``)."""
+        ...
+
+    @property
+    def from_file(self) -> Callable[[ReadJob], None] | None:
+        """Gets each job whose landed bytes are not the file's as a piece would show
+        them (a mapped image, which it must not read; swapped bytes), once it landed."""
+        ...
+
+    @property
+    def checked(self) -> Callable[[ReadJob], None] | None:
+        """Told each host job whose every piece went to the ``piece`` hooks, once the
+        last of them returned."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Watcher:
+    """A ``LandedWatcher`` made of the hooks it has."""
+
+    piece: PieceSink | None = None
+    stream: PieceSink | None = None
+    from_file: Callable[[ReadJob], None] | None = None
+    checked: Callable[[ReadJob], None] | None = None
+
+
+def each_piece(sinks: Sequence[PieceSink]) -> PieceSink | None:
+    """One piece sink that hands each piece to every one of ``sinks`` in order (None:
+    no sink; the one sink itself: no call more per piece)."""
+    if len(sinks) <= 1:
+        return sinks[0] if sinks else None
+
+    def sink(job: ReadJob, file_offset: int, piece: memoryview) -> None:
+        for each in sinks:
+            each(job, file_offset, piece)
+
+    return sink
+
+
+def each_job(calls: Sequence[Callable[[ReadJob], None]]) -> Callable[[ReadJob], None] | None:
+    """As ``each_piece``, for the hooks told of a whole job."""
+    if len(calls) <= 1:
+        return calls[0] if calls else None
+
+    def call(job: ReadJob) -> None:
+        for each in calls:
+            each(job)
+
+    return call
 
 
 class SlotFill(Protocol):

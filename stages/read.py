@@ -23,7 +23,6 @@ the loop awaits them in ``finish``.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -35,7 +34,16 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from aiogguf._config import Config, LoadMode
 from aiogguf._images import HostImage, Image, MappedImage
-from aiogguf._jobs import BufferLayout, PieceSink, ReadJob, StageTimes, job_bytes
+from aiogguf._jobs import (
+    BufferLayout,
+    LandedWatcher,
+    PieceSink,
+    ReadJob,
+    StageTimes,
+    each_job,
+    each_piece,
+    job_bytes,
+)
 from aiogguf._records import ModeTraits, Plan, WeightIndex
 from aiogguf.errors import BigEndianError, shown_path
 from aiogguf.io.byteswap import can_convert, to_native
@@ -51,6 +59,7 @@ __all__ = [
     "Disks",
     "FileStats",
     "HostReads",
+    "ReadOptions",
     "Reader",
     "ThreadPlan",
     "direct_refusals",
@@ -102,7 +111,7 @@ def open_data_files(
         f.fadvise(FileAdvice.SEQUENTIAL)
 
 
-def direct_refusals(files: Sequence[DataFile], *, direct: bool) -> list[str]:
+def direct_refusals(files: Sequence[ByteSource], *, direct: bool) -> list[str]:
     """The warnings for files that refused ``O_DIRECT`` (``direct``: the mode asked it)."""
     if not direct:
         return []
@@ -113,14 +122,13 @@ def direct_refusals(files: Sequence[DataFile], *, direct: bool) -> list[str]:
     ]
 
 
-def disk_of(file: DataFile, config: Config) -> str:
-    """The disk a file is read from: its ``[[pipeline.path]]`` prefix, else the
-    filesystem device it lives on."""
-    limit = config.pipeline.path_limit(file.path)
+def disk_of(file: ByteSource, config: Config) -> str:
+    """The disk a file is read from: a local file's ``[[pipeline.path]]`` prefix, else
+    where the source says its reads queue (the filesystem device, the remote host)."""
+    limit = config.pipeline.path_limit(file.path) if file.local else None
     if limit is not None:
         return limit.prefix
-    dev = os.stat(file.fileno()).st_dev
-    return f"dev {os.major(dev)}:{os.minor(dev)}"
+    return file.disk()
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,14 +150,20 @@ class Disks:
         return max(self.readers, default=1)
 
 
-def find_disks(files: Sequence[DataFile], config: Config) -> Disks:
-    """Blocking (a ``stat`` per file): the disk of each file and its reader limit."""
+def find_disks(files: Sequence[ByteSource], config: Config) -> Disks:
+    """Blocking (a ``stat`` per local file): the disk of each file and its reader limit
+    (a remote file's: ``remote_in_flight`` per host)."""
+    pipeline = config.pipeline
     limits: dict[str, int] = {}
     names: list[str] = []
     for f in files:
         disk = disk_of(f, config)
         if disk not in limits:
-            limits[disk] = config.pipeline.readers_for(f.path, direct=f.direct_ok)
+            limits[disk] = (
+                pipeline.readers_for(f.path, direct=f.direct_ok)
+                if f.local
+                else pipeline.remote_in_flight
+            )
         names.append(disk)
     return Disks(tuple(names), tuple(limits[name] for name in names))
 
@@ -267,63 +281,73 @@ class FileStats:
     last_end: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ReadOptions:
+    """How a load's reader treats what lands: ``swap`` (big-endian files) converts the
+    bytes of a landed job in place before anyone else sees them; ``lock`` (mode
+    ``mlock``) locks a mapped job's pages as it reads them in; ``spare_core``: a core
+    the readers leave idle checks each landed job of a local file while its reader
+    reads the next, instead of the reader checking in turn."""
+
+    swap: Callable[[ReadJob, memoryview], None] | None = None
+    lock: bool = False
+    spare_core: bool = False
+
+
 class Reader:
     """Executes one load's read jobs, one at a time, on the calling thread (``HostReads``
     runs the host ones; the upload stage's transfer threads call ``fill_slot``), and
     counts what landed. It reads each file through its ``ByteSource`` (``files``), and
-    through ``direct[i]`` where file ``i``'s reads bypass the page cache (None: they do
-    not). ``swap`` (big-endian files) converts the bytes of a landed job in
-    place before anyone else sees them; ``pieces`` (a ``PieceSink``, the engine's
-    choice) gets each piece as soon as it has landed: buffered reads on the reader's own
-    thread, right after its read; ``O_DIRECT`` reads (which land
-    by DMA, not through the cache) once landed (``check_landed``), on a check thread,
-    so that the disk gets its next read while the last one is checked. ``file_check``
-    gets each job whose landed bytes are not the file's bytes as the piece sink would
-    see them (mapped images, which it must not read; swapped bytes), once it landed,
-    on the thread that landed it. ``piece_bytes``: per file, the most a checked piece
-    holds (default ``CHECK_PIECE_BYTES``). ``back_first``: per file, whether a job's
-    pages in a host image are backed with memory in one call before its read
-    (``HostImage.back``) rather than faulted in one by one by the read itself (a job
-    whose pages another reader is still backing is read in calls of at most
-    ``FAULTING_CALL_BYTES``).
-    ``apart``: per file, whether its buffered reads are checked apart too, as
-    ``O_DIRECT`` ones are (a core the readers leave free checks one job while the
-    reader reads the next). ``stream``: per file, a sink that gets its buffered reads
+    through its ``direct`` twin where the file's reads bypass the page cache.
+
+    ``watchers`` look at the bytes as they land, each hook in the list's order
+    (``LandedWatcher``): the ``piece`` hooks get each piece as soon as it has landed:
+    buffered reads on the reader's own thread, right after its read; ``O_DIRECT`` reads
+    (which land by DMA, not through the cache) and a local file's reads when
+    ``options.spare_core`` once landed (``check_landed``), on a check thread, so that
+    the disk gets its next read while the last one is checked. A piece holds at most
+    the file's ``piece_bytes`` (default ``CHECK_PIECE_BYTES``). The ``from_file`` hooks
+    get each job whose landed bytes are not the file's bytes as a piece would show them
+    (mapped images, which they must not read; swapped bytes), once it landed, on the
+    thread that landed it. The ``stream`` hooks get a local file's buffered reads,
     checked on the reader's thread in reads of ``STREAM_BYTES``, each right after it
-    landed, before the piece that holds it goes to ``pieces`` (None: reads stay whole).
-    ``checked``: told each host job whose every piece went to ``pieces``, on the thread
-    that checked it, once the last ``pieces`` call for it has returned."""
+    landed, before the piece that holds it goes to the ``piece`` hooks. The ``checked``
+    hooks are told each host job whose every piece went to the ``piece`` hooks, on the
+    thread that checked it, once the last of them has returned.
+
+    A local file's job has its pages in a host image backed with memory in one call
+    before its read (``HostImage.back``) rather than faulted in one by one by the read
+    itself (a job whose pages another reader is still backing is read in calls of at
+    most ``FAULTING_CALL_BYTES``); a remote file's request would wait for the backing,
+    where its faults overlap the network's waits. ``options``: ``ReadOptions``."""
 
     def __init__(
         self,
         files: Sequence[ByteSource],
         images: Sequence[Image | None],
+        watchers: Sequence[LandedWatcher] = (),
         *,
-        direct: Sequence[DirectSource | None],
         clock: Callable[[], float],
-        swap: Callable[[ReadJob, memoryview], None] | None = None,
-        pieces: PieceSink | None = None,
-        file_check: Callable[[ReadJob], None] | None = None,
-        lock: bool = False,
-        piece_bytes: Sequence[int] | None = None,
-        back_first: Sequence[bool] | None = None,
-        apart: Sequence[bool] | None = None,
-        stream: Sequence[PieceSink | None] | None = None,
-        checked: Callable[[ReadJob], None] | None = None,
+        options: ReadOptions = ReadOptions(),
     ) -> None:
         self._files = files
-        self._checked = checked
-        self._piece_bytes = piece_bytes or [CHECK_PIECE_BYTES for _ in files]
-        self._back_first = back_first or [False for _ in files]
-        self._apart = apart or [False for _ in files]
-        self._stream = stream or [None for _ in files]
         self._images = images
-        self._direct = direct
+        # Each hook of the watchers made one call (no loop per piece for one watcher).
+        self._pieces = each_piece([w.piece for w in watchers if w.piece is not None])
+        self._file_check = each_job([w.from_file for w in watchers if w.from_file is not None])
+        self._checked = each_job([w.checked for w in watchers if w.checked is not None])
+        stream = each_piece([w.stream for w in watchers if w.stream is not None])
+        # Per file, fixed now: a file that stops taking O_DIRECT reads later still
+        # counts as read direct (the engine warns of it).
+        self._direct: list[DirectSource | None] = [f.direct for f in files]
+        self._piece_bytes = [f.piece_bytes or CHECK_PIECE_BYTES for f in files]
+        self._back_first = [f.local for f in files]
+        self._apart = [f.local and options.spare_core for f in files]
+        # A remote file's reads are its requests, which stay whole.
+        self._stream = [stream if f.local else None for f in files]
         self._clock = clock
-        self._swap = swap
-        self._pieces = pieces
-        self._file_check = file_check
-        self._lock = lock
+        self._swap = options.swap
+        self._lock = options.lock
         self.lock_refusal: str | None = None  # the kernel's first refusal to lock
         self.stats: list[FileStats] = [FileStats() for _ in files]
 
@@ -470,9 +494,9 @@ class Reader:
 
     def _read_calls(self, file_index: int, view: memoryview, offset: int, call: int | None) -> None:
         """Fill ``view`` from ``offset`` of the file: in its source's own calls, or
-        (``call``, a ``DataFile``'s) in read calls of at most ``call`` bytes."""
+        (``call``, a local file's) in read calls of at most ``call`` bytes."""
         source = self._files[file_index]
-        if call is not None and isinstance(source, DataFile):
+        if call is not None:
             source.read_into(view, offset, max_call=call)  # one pass through its lock
         else:
             source.read_into(view, offset)

@@ -15,7 +15,7 @@ import pytest
 from gguf_fields import metadata_value_field, set_field
 
 from aiogguf._config import Config
-from aiogguf._core.headers import open_index
+from aiogguf._core.assemble import open_index
 from aiogguf._names import MAX_LAYERS
 from aiogguf._records import ParsedFile
 from aiogguf.errors import GGUFFormatError, SplitError

@@ -21,12 +21,24 @@ from aiogguf.stages.validate import FileBytes, ValidationCollector
 class _Memory:
     """A ``ByteSource`` of bytes in memory."""
 
+    # What a load does with it (``ByteSource``): a source that is not this machine's
+    # storage, with no page cache to bypass and nothing to map.
+    direct_ok = False
+    direct_refusal = None
+    direct = None
+    mappable = None
+    local = False
+    piece_bytes = None
+
     def __init__(self, data: bytes) -> None:
         self.path = "mem://model.gguf"
         self._data = data
         self.reads: list[tuple[int, int]] = []
 
-    def read_into(self, dest: Any, offset: int) -> None:
+    def disk(self) -> str:
+        return "memory"
+
+    def read_into(self, dest: Any, offset: int, *, max_call: int = 0) -> None:
         view = memoryview(dest).cast("B")
         if offset + len(view) > len(self._data):
             raise LoadError(self.path, offset, "source ended")
@@ -47,7 +59,7 @@ def _source(data: bytes) -> ByteSource:
 def test_the_reader_fills_a_slot_from_any_source() -> None:
     data = bytes(range(256)) * 16
     source = _Memory(data)
-    reader = Reader([_source(b""), source], [], direct=[None, None], clock=lambda: 0.0)
+    reader = Reader([_source(b""), source], [], clock=lambda: 0.0)
     job = ReadJob(
         seq=0,
         buffer_index=0,

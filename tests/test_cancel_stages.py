@@ -26,7 +26,7 @@ import pytest
 
 import aiogguf
 from aiogguf import _jobs as job_records
-from aiogguf._core import front
+from aiogguf._core import layout
 from aiogguf.io import _libc
 from aiogguf.io.workers import raise_if_stopped
 from aiogguf.stages import index, plan, validate
@@ -138,7 +138,7 @@ def _hold(stage: str, hold: Hold, monkeypatch: pytest.MonkeyPatch, files: dict[s
         monkeypatch.setattr(_libc, "madvise", slow_madvise)
         return files["synth"], {"mode": "mmap", "check_tensors": True, **jobs}
     assert stage == "rehearsal"
-    monkeypatch.setattr(front, "make_plan", hold.until_stopped(front.make_plan))
+    monkeypatch.setattr(layout, "make_plan", hold.until_stopped(layout.make_plan))
     return None, {"mode": "none"}
 
 

@@ -13,7 +13,7 @@ from synthetic_index import llama_index
 
 import aiogguf
 from aiogguf._config import Config, LoadConfig, PipelineConfig, PlacementConfig
-from aiogguf._core.headers import open_index
+from aiogguf._core.assemble import open_index
 from aiogguf._devices import enumerate_devices
 from aiogguf._records import Plan, WeightIndex
 from aiogguf.stages.plan import make_plan

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import aiogguf
-import aiogguf._core.headers
+import aiogguf._core.assemble
 import aiogguf._dry_run
-from aiogguf._core.headers import open_index
+from aiogguf._core.assemble import open_index
 from aiogguf.cli.plan import plan_to_json
 from aiogguf.io.opener import AnyPathOpener, RootedOpener
 from aiogguf.testing.synth import SynthModel, write_synthetic_model
@@ -121,9 +121,9 @@ async def test_blocking_work_never_runs_on_the_loop_thread(
             aiogguf._dry_run, name, on_a_thread(name, getattr(aiogguf._dry_run, name))
         )
     monkeypatch.setattr(
-        aiogguf._core.headers,
+        aiogguf._core.assemble,
         "build_index",
-        on_a_thread("build_index", aiogguf._core.headers.build_index),
+        on_a_thread("build_index", aiogguf._core.assemble.build_index),
     )
     real_close = aiogguf._dry_run.OpenFiles.close
     monkeypatch.setattr(aiogguf._dry_run.OpenFiles, "close", on_a_thread("close", real_close))

@@ -485,10 +485,10 @@ def test_a_local_buffered_load_hashes_each_block_as_its_reads_land(
 ) -> None:
     """Mode none: the reader hands each read to the hash as it lands (``stream``), so
     only the blocks that span two jobs are hashed again whole, from memory."""
-    from aiogguf._core import front
+    from aiogguf._core import layout
     from aiogguf.integrity._checker import IntegrityChecker
 
-    monkeypatch.setattr(front, "usable_cores", lambda: 2)  # readers on every core
+    monkeypatch.setattr(layout, "usable_cores", lambda: 2)  # readers on every core
     whole: list[int] = []
     check_piece = IntegrityChecker.check_piece
 

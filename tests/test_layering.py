@@ -118,7 +118,7 @@ def _backward(source: str, target: str) -> str | None:
         return f"{source} (layer {_layer(source)}) imports {target} (layer {_layer(target)})"
     a, b = _stage(source), _stage(target)
     if a is not None and b is not None and a != b:
-        # A stage depends on records and protocols; the engine (and aiogguf._core.headers)
+        # A stage depends on records and protocols; the engine (and aiogguf._core.assemble)
         # join the stages.
         return f"stage {source} imports the stage {target}"
     return None
@@ -189,3 +189,36 @@ def test_no_stage_imports_another_stages_class() -> None:
                 if a.name in _classes_of(target)
             ]
     assert reaching_in == []
+
+
+WINGS = ("aiogguf.integrity", "aiogguf.remote", "aiogguf.server", "aiogguf.compat")
+ASSEMBLER = "aiogguf._core.assemble"
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_core_imports_wings_only_through_the_assembler() -> None:
+    """The load core knows no wing: where bytes come from and who watches them land are
+    its seams, and only the assembler, which builds them for a load, imports a wing."""
+    reaching_out = [
+        f"{source} imports {target}"
+        for source, target in _edges()
+        if _in(source, ("aiogguf._core",)) and source != ASSEMBLER and _in(target, WINGS)
+    ]
+    assert reaching_out == []
+    # The rule sees such an import: the assembler has them.
+    assert any(s == ASSEMBLER and _in(t, WINGS) for s, t in _edges())
+
+
+def test_stages_never_import_the_core_the_api_or_a_wing() -> None:
+    """A stage does one job on records; the core joins the stages, the API and the
+    wings sit above them."""
+    above = ("aiogguf._core", "aiogguf._api", "aiogguf._dry_run", "aiogguf.cli", *WINGS)
+    reaching_up = [
+        f"{source} imports {target}"
+        for source, target in _edges()
+        if _in(source, ("aiogguf.stages",)) and (_in(target, above) or target == "aiogguf")
+    ]
+    assert reaching_up == []

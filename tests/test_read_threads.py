@@ -132,7 +132,8 @@ def test_the_blocking_front_of_a_load_runs_off_the_loops_thread(
     """Work that grows with the model (parsing, indexing, planning, laying out buffers,
     cutting jobs: 10^4 of them in a model of hundreds of GiB), the ``stat`` of each file
     and the start of the host reads run on the load's thread, never on the loop's."""
-    import aiogguf._core.front as front
+    import aiogguf._core.assemble as assemble
+    import aiogguf._core.layout as layout
 
     model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="4MiB", seed=6, n_layer=2)
     ran_on: dict[str, set[str]] = {}
@@ -146,13 +147,14 @@ def test_the_blocking_front_of_a_load_runs_off_the_loops_thread(
         "split_jobs",
         "HostReads",
     ):
-        original = getattr(front, name)
+        home = assemble if name == "read_whole_model" else layout
+        original = getattr(home, name)
 
         def recorded(*args: Any, __name: str = name, __fn: Any = original, **kw: Any) -> Any:
             ran_on.setdefault(__name, set()).add(threading.current_thread().name)
             return __fn(*args, **kw)
 
-        monkeypatch.setattr(front, name, recorded)
+        monkeypatch.setattr(home, name, recorded)
     with aiogguf.load_sync(model.path, mode="none", n_gpu_layers=0) as loaded:
         assert loaded.report.nbytes > 0
     assert len(ran_on) == 8, ran_on
@@ -235,7 +237,7 @@ def _check_threads_during_reads(
 ) -> tuple[dict[str, set[str]], bool]:
     """A buffered load with ``readers`` on a machine of ``cores``: the threads that read
     and checked, and whether a read started while the first check was held."""
-    from aiogguf._core import front
+    from aiogguf._core import layout
     from aiogguf.io.files import DataFile
     from aiogguf.stages.validate import Validation
 
@@ -267,7 +269,7 @@ def _check_threads_during_reads(
             read_during_check.wait(2)
         return check_piece(*args, **kwargs)
 
-    monkeypatch.setattr(front, "usable_cores", lambda: cores)
+    monkeypatch.setattr(layout, "usable_cores", lambda: cores)
     monkeypatch.setattr(DataFile, "read_into", read)
     monkeypatch.setattr(Validation, "check_piece", check)
     with aiogguf.load_sync(

@@ -19,7 +19,7 @@ import pytest
 import aiogguf
 from aiogguf import _api as api
 from aiogguf._config import Config
-from aiogguf._core.headers import read_whole_model
+from aiogguf._core.assemble import read_whole_model
 from aiogguf._core.rehearsal import NAME, RehearsalFile, rehearsal_model
 from aiogguf._devices import enumerate_devices
 from aiogguf.io.opener import OpenFiles

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import aiogguf.stages.parse as parse_stage
-from aiogguf._core.headers import open_index
+from aiogguf._core.assemble import open_index
 from aiogguf._records import ParsedFile
 from aiogguf.errors import GGUFError, SplitError
 from aiogguf.stages.index import build_index

@@ -29,6 +29,9 @@ from typing import Any, Protocol, runtime_checkable
 from aiogguf.io.ggml_types import GGMLType
 
 __all__ = [
+    "SIM_COPY_BYTES_PER_S",
+    "SIM_COPY_LATENCY_US",
+    "SIM_PIN_S_PER_GIB",
     "BufferRole",
     "BufferType",
     "CachedMemory",
@@ -43,6 +46,13 @@ __all__ = [
     "UploadTarget",
     "all_buffer_types",
 ]
+
+# The costs of an NVIDIA H200 on PCIe Gen5 x16, as measured on one (docs/performance.md),
+# a simulated device's defaults: pinning host memory (cudaHostAlloc) per GiB, pinned
+# host-to-device copies per second, and the time to queue one copy.
+SIM_PIN_S_PER_GIB = 1.1
+SIM_COPY_BYTES_PER_S = 55_000_000_000
+SIM_COPY_LATENCY_US = 10.0
 
 
 class DeviceKind(StrEnum):

@@ -65,6 +65,7 @@ from typing import Any
 import numpy
 
 from aiogguf.errors import ConfigError, GGUFError, LoadError
+from aiogguf.io._devices import base
 from aiogguf.io._devices.base import (
     BufferRole,
     BufferType,
@@ -101,12 +102,10 @@ __all__ = [
 # Fresh device memory holds this byte, so a range that no copy reached stands out.
 POISON_BYTE = 0xA5
 
-# The costs of an NVIDIA H200 on PCIe Gen5 x16, as measured on one (docs/performance.md):
-# pinning host memory (cudaHostAlloc) per GiB, pinned host-to-device copies per second,
-# and the time to queue one copy.
-SIM_PIN_S_PER_GIB = 1.1
-SIM_COPY_BYTES_PER_S = 55_000_000_000
-SIM_COPY_LATENCY_US = 10.0
+# The costs of an NVIDIA H200 (``base``: the config's defaults for a simulated device).
+SIM_PIN_S_PER_GIB = base.SIM_PIN_S_PER_GIB
+SIM_COPY_BYTES_PER_S = base.SIM_COPY_BYTES_PER_S
+SIM_COPY_LATENCY_US = base.SIM_COPY_LATENCY_US
 # Idle device memory a simulated device keeps for reuse, at most: it is host RAM.
 SIM_MEMORY_CACHE_BYTES = 4 * 1024**3
 

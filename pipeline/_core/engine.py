@@ -64,8 +64,8 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf._config import Config
+from aiogguf._core.assemble import Assembly, is_remote, open_index
 from aiogguf._core.front import Front, Layout, ReadSide
-from aiogguf._core.headers import open_index
 from aiogguf._core.load_resources import LoadResources
 from aiogguf._core.ready import ArrayOf, ReadyTensors
 from aiogguf._events import ProgressHub, Stage
@@ -74,18 +74,25 @@ from aiogguf._jobs import ReadJob, SlotFill, StageTimes, TensorSlot
 from aiogguf._model import Model, tensor_array
 from aiogguf._records import WeightIndex
 from aiogguf._report import LoadReport, build_report
-from aiogguf.errors import GGUFError, LoadError, LoadWarning, from_os_error, shown_path
-from aiogguf.integrity._sink import verdict
+from aiogguf.errors import (
+    GGUFError,
+    IntegrityError,
+    LoadError,
+    LoadWarning,
+    TensorFailure,
+    TensorValidationError,
+    from_os_error,
+    shown_path,
+)
 from aiogguf.io._devices.base import Device, DeviceBuffer
 from aiogguf.io.opener import FileOpener
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import reserve_threads
-from aiogguf.remote._sources import finish_remote, is_remote, route_remote
 from aiogguf.stages.allocate import Allocation
 from aiogguf.stages.read import HostReads, direct_refusals, most_readers
 from aiogguf.stages.upload import DeviceUploadStats, Uploader
 
-__all__ = ["load_thread_count", "one_error", "run_load"]
+__all__ = ["load_thread_count", "one_error", "run_load", "verdict"]
 
 
 @contextmanager
@@ -132,7 +139,7 @@ class _Load:
         layout: Layout,
         reading: ReadSide,
         resources: LoadResources,
-        config: Config,
+        assembly: Assembly,
         hub: ProgressHub,
         *,
         metadata_stages: Sequence[tuple[str, StageTimes]] = (),
@@ -142,7 +149,8 @@ class _Load:
         self.layout = layout
         self.reading = reading
         self.resources = resources
-        self.config = config
+        self.assembly = assembly
+        self.config = assembly.config
         self.hub = hub
         # Host images exist already; device ones are allocated by ``run``.
         self.allocation = Allocation(
@@ -163,7 +171,7 @@ class _Load:
         but for the images, which the model takes."""
         resources, layout, plan = self.resources, self.layout, self.layout.plan
         files = resources.files
-        for warning in direct_refusals(resources.local_files, direct=plan.traits.direct):
+        for warning in direct_refusals(files, direct=plan.traits.direct):
             self._warn(warning)
         reading = self.reading
         validation, reader, progress = reading.validation, reading.reader, reading.progress
@@ -198,8 +206,8 @@ class _Load:
         recheck = [f for i, f in enumerate(files) if mapped_checks or i in layout.staged_files]
         if recheck:
             await resources.thread.run_sync(_check_unchanged, recheck)
-        if not resources.local_files:  # a hub file's digest, then its cache entry
-            await resources.thread.run_sync(finish_remote, files)
+        if self.assembly.settles:  # a hub file's digest, then its cache entry
+            await resources.thread.run_sync(self.assembly.finish, resources)
         for f, was_direct in zip(files, reader.direct, strict=True):
             if was_direct and not f.direct_ok:
                 self._warn(
@@ -346,6 +354,17 @@ def _report(load: _Load, uploads: Sequence[DeviceUploadStats]) -> LoadReport:
     )
 
 
+def verdict(
+    found: IntegrityError | None, failures: tuple[TensorFailure, ...], path: str
+) -> tuple[tuple[TensorFailure, ...], TensorValidationError | None]:
+    """Every bad tensor of a load, the manifest's first (``found``: its check's error),
+    and the one error that names them all (None: none)."""
+    if found is None:
+        return failures, TensorValidationError(failures, path) if failures else None
+    failures = (*found.failures, *failures)
+    return failures, IntegrityError(failures, path)
+
+
 def load_thread_count(config: Config, *, uploads: bool = True, remote: bool = False) -> int:
     """How many threads a load of ``config`` holds at once, at most: its own, readers
     (``remote``: one per connection), check threads and (``uploads``) transfer threads."""
@@ -425,17 +444,19 @@ async def run_load(
         # open, allocate, close), is taken last (by the resources), so that it is the
         # last to start: the front is pure Python, and while it runs, a thread that
         # waits to start waits for the GIL too.
-        reserve_threads(load_thread_count(config, uploads=False, remote=is_remote(os.fspath(path))))
+        remote = is_remote(os.fspath(path))
+        reserve_threads(load_thread_count(config, uploads=False, remote=remote))
         # Each file is opened once, by the parse stage (``resources.opened``); the engine
         # reads through the same descriptors (its DataFiles hold duplicates).
         resources = await stack.enter_async_context(LoadResources(opener))
         threads = resources.thread
-        remote = None
-        if is_remote(os.fspath(path)):  # an hf:// file the hub's cache has is a local file
-            route = await threads.run_sync(route_remote, os.fspath(path), config, opener)
-            path, config, remote = route.path, route.config, route.remote
+        # Where the bytes come from and who watches them land; the remote wing is
+        # imported by the load's thread (an hf:// file the hub's cache has is local).
+        assembly = Assembly(config, opener)
+        if remote:
+            path = await threads.run_sync(assembly.route, os.fspath(path))
         passed = ready.add if ready is not None else None
-        front = Front(resources, config, devices, hub.elapsed, hub, remote, passed)
+        front = Front(resources, assembly, devices, hub.elapsed, hub, passed)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
             index, t1, layout, reading = whole
@@ -450,7 +471,7 @@ async def run_load(
             layout,
             reading,
             resources,
-            config,
+            assembly,
             hub,
             metadata_stages=[
                 ("parse+index", StageTimes(t0, t1, t1 - t0, len(index.files), 0)),

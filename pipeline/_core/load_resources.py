@@ -34,16 +34,13 @@ from aiogguf._images import Image
 from aiogguf.io._devices.base import Device
 from aiogguf.io.files import DataFile
 from aiogguf.io.opener import FileOpener, OpenFiles
+from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import LoadThreads
-from aiogguf.remote._http_source import HttpSource
 from aiogguf.stages.allocate import close_images
 from aiogguf.stages.read import HostReads
 from aiogguf.stages.upload import Uploader
 
-__all__ = ["LoadFile", "LoadResources"]
-
-# A file of a load: local, or remote (``aiogguf.remote._sources``).
-LoadFile = DataFile | HttpSource
+__all__ = ["LoadResources"]
 
 
 class LoadResources:
@@ -57,7 +54,7 @@ class LoadResources:
     def __init__(self, opener: FileOpener | None = None) -> None:
         self.opened = OpenFiles(opener)
         self._token = anyio.lowlevel.current_token()
-        self._files: list[LoadFile] = []
+        self._files: list[ByteSource] = []
         self._images: list[Image | None] = []
         self._lent: list[LoadThreads] = []
         self._reads: list[tuple[HostReads, Callable[[], None]]] = []
@@ -78,17 +75,17 @@ class LoadResources:
     # --- what the load takes --------------------------------------------------------
 
     @property
-    def files(self) -> Sequence[LoadFile]:
+    def files(self) -> Sequence[ByteSource]:
         """The load's open files, one per file of the model, in order."""
         return self._files
 
     @property
-    def local_files(self) -> Sequence[DataFile]:
-        """The local ones of ``files``: for what only a local file has (mappings, its
-        disk, ``O_DIRECT``); all of them, or none in a load of a URL."""
-        return [f for f in self._files if isinstance(f, DataFile)]
+    def mappable_files(self) -> Sequence[DataFile]:
+        """The files of ``files`` that can be mapped (``ByteSource.mappable``): all of
+        them, or none in a load of a URL."""
+        return [m for f in self._files if (m := f.mappable) is not None]
 
-    def keep_file(self, file: LoadFile) -> None:
+    def keep_file(self, file: ByteSource) -> None:
         """Own ``file``, just opened (the next file of the model)."""
         self._files.append(file)
 

@@ -25,7 +25,6 @@ from anyio.abc import TaskGroup
 
 from aiogguf._model import Model
 from aiogguf._records import TensorEntry
-from aiogguf._torch import to_torch
 from aiogguf.errors import ClosedResourceError
 
 if TYPE_CHECKING:
@@ -134,6 +133,9 @@ class ReadyTensors:
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 if torch:
                     assert self._entry is not None
+                    # With torch, which a stream of torch tensors imports anyway.
+                    from aiogguf._torch import to_torch
+
                     yield name, to_torch(array(name, private=True), self._entry(name))
                 else:
                     yield name, array(name)

@@ -139,6 +139,8 @@ class RehearsalFile(Closeable):
 
     Raises ``OSError`` where the system makes no anonymous file."""
 
+    name = NAME  # what a load of it is called
+
     def __init__(self) -> None:
         data = rehearsal_model()
         fd = os.memfd_create("aiogguf-warm-up", os.MFD_CLOEXEC)

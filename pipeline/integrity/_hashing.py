@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import anyio
 
 from aiogguf._config import Config
-from aiogguf._core.headers import open_index
+from aiogguf._core.assemble import open_index
 from aiogguf._records import WeightIndex
 from aiogguf._run import run
 from aiogguf.errors import IntegrityError, ManifestError, TensorFailure

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import xxhash
 
+from aiogguf._config import MANIFEST_SUFFIX, manifest_beside
 from aiogguf.errors import ManifestError, os_errors
 from aiogguf.io.files import open_readable
 from aiogguf.io.workers import raise_if_stopped
@@ -65,7 +66,7 @@ MAX_BLOCK_BYTES: Final = 1 << 30
 # Room for 10^5 tensors and the blocks of a few TB, and a cap on what a hostile file
 # makes the JSON decoder allocate.
 MAX_MANIFEST_BYTES: Final = 32 << 20
-SIDECAR_SUFFIX: Final = ".manifest.json"
+SIDECAR_SUFFIX: Final = MANIFEST_SUFFIX
 MAX_FILES: Final = 65535  # split.count is a u16
 MAX_NAME_CHARS: Final = 4096
 MAX_TENSOR_NAME_BYTES: Final = 63  # ggml's C reader (format §1.6)
@@ -124,7 +125,7 @@ class Manifest:
 def sidecar_path(model_path: str | os.PathLike[str]) -> str:
     """Where a model's manifest is looked for and written by default: beside its
     (first) file, ``MODEL.gguf.manifest.json``."""
-    return os.fspath(model_path) + SIDECAR_SUFFIX
+    return manifest_beside(model_path)
 
 
 def block_span(file: FileHashes, block: int, block_bytes: int) -> tuple[int, int]:

@@ -39,14 +39,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiogguf._images import HostImage, tensor_chunks
-from aiogguf._jobs import BufferLayout, PieceSink, ReadJob, TensorSlot
+from aiogguf._jobs import BufferLayout, PieceSink, ReadJob, TensorSlot, Watcher
 from aiogguf._records import WeightIndex
-from aiogguf.errors import (
-    IntegrityError,
-    ManifestMismatchError,
-    TensorFailure,
-    TensorValidationError,
-)
+from aiogguf.errors import IntegrityError, ManifestMismatchError
 from aiogguf.integrity._checker import IntegrityChecker, Mismatch, match_manifest
 from aiogguf.integrity._llama_check import LlamaCheck, LlamaSink
 from aiogguf.integrity._manifest import (
@@ -54,7 +49,6 @@ from aiogguf.integrity._manifest import (
     is_json_manifest,
     parse_manifest,
     read_manifest_text,
-    sidecar_path,
 )
 from aiogguf.io.opener import OpenFiles
 from aiogguf.io.source import ByteSource
@@ -68,29 +62,15 @@ if TYPE_CHECKING:
 __all__ = [
     "IntegritySink",
     "block_grid",
-    "both",
-    "find_manifest",
     "load_sink",
     "open_manifest",
     "shares_mapped_reads",
-    "verdict",
+    "watch",
 ]
 
-AUTO = "auto"
 # A mapped load's blocks are read from the file in chunks this big, each hashed while
 # it is in the CPU's cache: the copy costs a pass over memory less than a whole block.
 FILE_CHUNK_BYTES = 1 << 20
-
-
-def find_manifest(setting: str | None, model_path: str) -> str | None:
-    """The manifest a load checks against: ``setting`` (``load.manifest``) as a path,
-    or for ``"auto"`` the sidecar beside the model's first file when it exists."""
-    if setting is None:
-        return None
-    if setting != AUTO:
-        return setting
-    sidecar = sidecar_path(model_path)
-    return sidecar if os.path.isfile(sidecar) else None
 
 
 def open_manifest(
@@ -131,27 +111,6 @@ def block_grid(checker: IntegrityChecker | LlamaCheck | None) -> list[tuple[int,
     return [(f.header_bytes, manifest.block_bytes) for f in manifest.files]
 
 
-def verdict(
-    found: IntegrityError | None, failures: tuple[TensorFailure, ...], path: str
-) -> tuple[tuple[TensorFailure, ...], TensorValidationError | None]:
-    """Every bad tensor of a load, the manifest's first, and the one error that names
-    them all (None: none)."""
-    if found is None:
-        return failures, TensorValidationError(failures, path) if failures else None
-    failures = (*found.failures, *failures)
-    return failures, IntegrityError(failures, path)
-
-
-def both(first: PieceSink, second: PieceSink) -> PieceSink:
-    """A piece sink that hands each piece to ``first``, then to ``second``."""
-
-    def sink(job: ReadJob, file_offset: int, piece: memoryview) -> None:
-        first(job, file_offset, piece)
-        second(job, file_offset, piece)
-
-    return sink
-
-
 def load_sink(
     checker: IntegrityChecker | LlamaCheck,
     index: WeightIndex,
@@ -167,6 +126,29 @@ def load_sink(
     if isinstance(checker, LlamaCheck):
         return LlamaSink(checker, index, files, images, layouts, slots, swapped=swapped)
     return IntegritySink(checker, files, images, layouts, slots, swapped=swapped, feed=feed)
+
+
+def watch(
+    checker: IntegrityChecker | LlamaCheck,
+    index: WeightIndex,
+    files: Sequence[ByteSource],
+    images: Sequence[Image | None],
+    layouts: Sequence[BufferLayout],
+    slots: dict[str, TensorSlot],
+    *,
+    swapped: bool,
+    feed: PieceSink | None,
+) -> tuple[IntegritySink | LlamaSink, Watcher]:
+    """The load's side of ``checker`` (``load_sink``) and how it watches the bytes
+    land: the pieces it hashes (not swapped bytes, which are not the file's: it reads
+    the file instead), a local file's reads streamed through its block hashes, and the
+    jobs it reads back from the file (mapped images, swapped bytes)."""
+    sink = load_sink(checker, index, files, images, layouts, slots, swapped=swapped, feed=feed)
+    return sink, Watcher(
+        piece=sink if not swapped and sink.takes_pieces else None,
+        stream=sink.stream if isinstance(sink, IntegritySink) and not swapped else None,
+        from_file=sink.check_from_file,
+    )
 
 
 def shares_mapped_reads(checker: IntegrityChecker | LlamaCheck | None, *, mapped: bool) -> bool:

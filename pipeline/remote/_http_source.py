@@ -392,8 +392,13 @@ class HttpSource:
     """A remote file, read by ranges from any number of threads at once (one connection
     each). Opening it makes the first request (blocking): ``size_bytes`` and the ETag."""
 
+    # What a load does with it (``ByteSource``): no page cache to bypass, nothing to
+    # map; each read is a request, kept whole.
     direct_ok = False
     direct_refusal: str | None = None
+    direct = None
+    mappable = None
+    local = False
 
     def __init__(self, url: str, options: RemoteOptions | None = None, *, name: str = "") -> None:
         self.options = options if options is not None else RemoteOptions()
@@ -420,14 +425,26 @@ class HttpSource:
         """The host the URL names (before any redirect)."""
         return self._first.host
 
+    @property
+    def piece_bytes(self) -> int:
+        """One request: each request's bytes are checked while the other connections
+        wait on the network (the checks of a job's bytes would otherwise all fall after
+        its last request, when every connection finishes at once)."""
+        return self.options.request_bytes
+
+    def disk(self) -> str:
+        """Its host: the reads queue on its connections."""
+        return f"remote {self.host}"
+
     def __repr__(self) -> str:
         return f"<HttpSource {self.path!r} size={self.size_bytes} etag={self.etag!r}>"
 
     # -- the ByteSource protocol ---------------------------------------------------
 
-    def read_into(self, dest: Buffer, offset: int) -> None:
-        """Fill all of ``dest`` with the bytes at ``offset`` (blocking); raises
-        ``LoadError`` naming the URL and the offset where it failed."""
+    def read_into(self, dest: Buffer, offset: int, *, max_call: int = 0) -> None:
+        """Fill all of ``dest`` with the bytes at ``offset`` (blocking), in requests of
+        ``request_bytes`` (``max_call`` is a local file's); raises ``LoadError`` naming
+        the URL and the offset where it failed."""
         view = builtins.memoryview(dest).cast("B")
         if view.readonly:
             raise ValueError("destination buffer is read-only")

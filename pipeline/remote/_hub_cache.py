@@ -206,7 +206,7 @@ class HubSource(HttpSource):
         """Bytes of the file the partial file held when the load began (resumed)."""
         return self._tap.resumed
 
-    def read_into(self, dest: Buffer, offset: int) -> None:
+    def read_into(self, dest: Buffer, offset: int, *, max_call: int = 0) -> None:
         view = builtins.memoryview(dest).cast("B")
         tap = getattr(self, "_tap", None)
         if tap is None:

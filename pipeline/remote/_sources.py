@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
+from aiogguf._addresses import is_remote
 from aiogguf._config import Config, LoadMode
 from aiogguf._jobs import ReadJob
 from aiogguf._records import ParsedFile, WeightIndex
@@ -53,7 +54,6 @@ from aiogguf.remote._hub import HubFile, is_hub_name, parse_hub_name, resolve_hu
 from aiogguf.remote._hub_cache import Digest, HubSource, cache_entry, find_cached
 from aiogguf.stages.index import build_index
 from aiogguf.stages.parse import SPLIT_MAX_COUNT, is_split, read_header_from, split_paths
-from aiogguf.stages.read import CHECK_PIECE_BYTES, Disks
 
 __all__ = [
     "RemoteModel",
@@ -67,7 +67,6 @@ __all__ = [
     "open_remote_model",
     "read_remote_model",
     "remote_config",
-    "remote_disks",
     "route_remote",
     "split_names",
 ]
@@ -84,11 +83,6 @@ class RemoteOpener(Protocol):
     def open_remote(self, name: str, config: Config) -> tuple[HttpSource, str]:
         """As ``open_remote``; raises ``PathNotAllowedError`` for a name it refuses."""
         ...
-
-
-def is_remote(path: str) -> bool:
-    """True for a name the load reads remotely: ``http(s)://`` or ``hf://``."""
-    return is_url(path) or is_hub_name(path)
 
 
 def remote_config(url: str, config: Config, opener: FileOpener | None) -> Config:
@@ -378,24 +372,6 @@ def split_names(pinned: str, count: int, shown: str) -> list[str]:
         return split_paths(pinned, 0, count)[1:]
     except SplitError as exc:  # said of the name without its credentials
         raise SplitError(shown, exc.problem) from None
-
-
-def remote_disks(files: Sequence[object], config: Config) -> Disks:
-    """The reader limit of remote files: ``remote_in_flight`` per host."""
-    return Disks(
-        tuple(f"remote {f.host}" if isinstance(f, HttpSource) else "?" for f in files),
-        tuple(config.pipeline.remote_in_flight for _ in files),
-    )
-
-
-def remote_pieces(files: Sequence[object]) -> list[int]:
-    """Per file, the most a checked piece holds: for a remote file one request, so that
-    each request's bytes are checked while the other connections wait on the network
-    (the checks of a job's bytes would otherwise all fall after the last request, when
-    every connection finishes at once); for a local file the read stage's default."""
-    return [
-        f.options.request_bytes if isinstance(f, HttpSource) else CHECK_PIECE_BYTES for f in files
-    ]
 
 
 def finish_remote(files: Sequence[object]) -> None:
