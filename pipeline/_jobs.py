@@ -6,14 +6,15 @@ size, spanning many tensors, lands every byte in its final place.
 
 The records come with the pure functions that make them from a plan, on the load's
 thread: ``layout_buffers`` (each image), ``tensor_slots`` and ``TensorSpans`` (where
-each tensor sits), ``split_jobs`` (the reads, cut in load order).
+each tensor sits), ``split_jobs`` (the reads, cut in load order); and the one count of
+each tensor's bytes still to come, ``TensorCountdown``.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,6 +34,7 @@ __all__ = [
     "SlotFill",
     "StageMeter",
     "StageTimes",
+    "TensorCountdown",
     "TensorSlot",
     "TensorSpans",
     "Watcher",
@@ -323,6 +325,85 @@ class TensorSpans:
             if lo < hi:
                 yield lo, hi, name
             i += 1
+
+
+class TensorCountdown:
+    """Each loaded tensor's bytes still to come, counted once per load, from the
+    layout's spans; the progress, the transfers and the checks count down here and are
+    told which tensors a job completed.
+
+    One count per tensor for its way into place, on the loop's thread only (no lock):
+    a host tensor's bytes count once they landed (``landed``); a device tensor's once
+    they landed, or, when the load follows its copies (``follow_copies``: a stream of
+    ready tensors was asked for), once the copies that hold them have completed
+    (``copied``). Apart from it, the bytes of the host tensors checked by pieces on the
+    reader threads (``count_checks``) count once their job's pieces have been checked
+    (``checked``, on those threads, under this record's own lock): a job's check comes
+    before its landing, so that count reaches zero first."""
+
+    def __init__(self, spans: TensorSpans) -> None:
+        self.spans = spans
+        self._left = spans.sizes()
+        self._follow_copies = False
+        self._unchecked: dict[str, int] = {}
+        self._checking = threading.Lock()
+
+    def count_checks(self, names: Iterable[str]) -> None:
+        """Count the checks of host tensors ``names`` (before the first read)."""
+        sizes = self.spans.sizes()
+        self._unchecked = {name: sizes[name] for name in names}
+
+    def follow_copies(self) -> None:
+        """Device tensors are in place once their copies have completed, not once they
+        landed (before the first device job lands)."""
+        self._follow_copies = True
+
+    def landed(self, job: ReadJob, *, on_device: bool) -> list[str]:
+        """On the loop's thread: the tensors whose last bytes ``job`` landed (none of a
+        device job's when copies are followed)."""
+        done: list[str] = []
+        if on_device and self._follow_copies:
+            return done
+        left = self._left
+        for lo, hi, name in self.spans.overlapping(
+            job.buffer_index, job.file_index, job.useful_start, job.useful_end
+        ):
+            left[name] -= hi - lo
+            if not left[name]:
+                done.append(name)
+        return done
+
+    def copied(self, jobs: Sequence[ReadJob]) -> list[str]:
+        """On the loop's thread, copies followed: the tensors whose last copy ``jobs``
+        completed."""
+        done: list[str] = []
+        left = self._left
+        for job in jobs:
+            for lo, hi, name in self.spans.overlapping(
+                job.buffer_index, job.file_index, job.useful_start, job.useful_end
+            ):
+                left[name] -= hi - lo
+                if not left[name]:
+                    done.append(name)
+        return done
+
+    def checked(self, job: ReadJob) -> list[str]:
+        """From any thread, once every piece of host job ``job`` has been checked: the
+        tensors counted by ``count_checks`` whose last bytes it held."""
+        done: list[str] = []
+        unchecked = self._unchecked
+        with self._checking:
+            for lo, hi, name in self.spans.overlapping(
+                job.buffer_index, job.file_index, job.useful_start, job.useful_end
+            ):
+                left = unchecked.get(name)
+                if left is None:
+                    continue  # checked whole, or on a device
+                left -= hi - lo
+                unchecked[name] = left
+                if not left:
+                    done.append(name)
+        return done
 
 
 def _biggest_tensor(index: WeightIndex, rs: RangeSlot) -> int:

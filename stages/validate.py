@@ -29,8 +29,8 @@ from aiogguf._jobs import (
     ReadJob,
     StageMeter,
     StageTimes,
+    TensorCountdown,
     TensorSlot,
-    TensorSpans,
 )
 from aiogguf._records import ModeTraits, WeightIndex
 from aiogguf.errors import TensorFailure
@@ -306,7 +306,7 @@ class Validation:
         index: WeightIndex,
         layouts: Sequence[BufferLayout],
         slots: Mapping[str, TensorSlot],
-        spans: TensorSpans,
+        countdown: TensorCountdown,
         images: Sequence[Image | None],
         files: Sequence[ByteSource],
         *,
@@ -321,7 +321,9 @@ class Validation:
     ) -> None:
         """Plan the checks of one load.
 
-        index, layouts, slots, spans: the load's tensors and where they sit.
+        index, layouts, slots: the load's tensors and where they sit.
+        ``countdown``: the load's count of each tensor's bytes still to come (where the
+            host tensors checked by pieces are counted as their jobs are checked).
         ``images``: the load's images, indexed by buffer (filled in as allocated).
         ``files``: the load's open files (mapped tensors are checked through them).
         ``mode``: the resolved load mode's traits (host tensors that are copies are
@@ -340,7 +342,8 @@ class Validation:
         self.enabled = enabled
         self._index = index
         self._slots = slots
-        self._spans = spans
+        self._spans = countdown.spans
+        self._countdown = countdown
         self._images = images
         self._files = files
         self._meter = StageMeter(clock)
@@ -358,14 +361,13 @@ class Validation:
             for name in layout.plan.tensors
         }
         self._piece_failures: list[TensorFailure] = []
-        # Host tensors checked by pieces: bytes whose job has not been checked yet, and
-        # whether each one finished on a reader thread (``job_checked``) passed. Written
-        # under ``_landing``; the loop reads ``_finished`` only for tensors whose last
-        # job's landing it has been told of, which comes after the write.
+        # Host tensors checked by pieces: their bytes whose job has not been checked yet
+        # are counted down by ``countdown``; whether each one finished on a reader thread
+        # (``job_checked``) passed is written under ``_landing``; the loop reads
+        # ``_finished`` only for tensors whose last job's landing it has been told of,
+        # which comes after the write.
         self._landing = threading.Lock()
-        self._unchecked = {
-            name: size for name, size in spans.sizes().items() if name in self._pieces
-        }
+        countdown.count_checks(self._pieces)
         self._finished: dict[str, bool] = {}
         # Whether some tensor is checked whole (the collector's task group is entered
         # only then: a load checked piece by piece has no use for it).
@@ -422,20 +424,10 @@ class Validation:
         that round trip, once per batch of landed jobs, cost the loop a wake-up and two
         hand-offs of the GIL, each of which can wait a switch interval behind a busy
         thread. Every ``check_piece`` call for ``job`` must have returned."""
-        done: list[PieceCheck] = []
-        with self._landing:
-            for lo, hi, name in self._spans.overlapping(
-                job.buffer_index, job.file_index, job.useful_start, job.useful_end
-            ):
-                left = self._unchecked.get(name)
-                if left is None:
-                    continue  # checked whole, or on a device
-                left -= hi - lo
-                self._unchecked[name] = left
-                if not left:
-                    done.append(self._pieces[name])
-        if not done:
+        names = self._countdown.checked(job)
+        if not names:
             return
+        done = [self._pieces[name] for name in names]
         failures = self._finish_all(done)
         bad = {f.name for f in failures}
         with self._landing:

@@ -295,6 +295,8 @@ class _Load:
             # by now: it costs a loop callback per job and a round of checks per batch,
             # where a load that nobody streams checks its device tensors once, at the end.
             streamed = self.ready is not None and self.ready.wanted
+            if streamed:
+                self.reading.countdown.follow_copies()
 
             # Device jobs are read (and checked) before they land: the read stage starts
             # now, before the validate stage's first check.

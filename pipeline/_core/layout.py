@@ -22,6 +22,7 @@ from aiogguf._jobs import (
     Passed,
     ReadJob,
     StageTimes,
+    TensorCountdown,
     TensorSlot,
     TensorSpans,
     Watcher,
@@ -158,13 +159,15 @@ def lay_out(
 class ReadSide:
     """The read side of one load, its host reads already started on the load's thread:
     the checks, the reader, the reads (owned by the ``LoadResources``, which stops
-    them), ``LoadProgress``, where their landed jobs go, and the manifest's check, when
-    one has its say in the verdict."""
+    them), ``LoadProgress``, where their landed jobs go, the load's one count of each
+    tensor's bytes still to come, and the manifest's check, when one has its say in the
+    verdict."""
 
     validation: Validation
     reader: Reader
     reads: HostReads
     progress: LoadProgress
+    countdown: TensorCountdown
     integrity: ManifestCheck | None
 
 
@@ -197,11 +200,12 @@ def start_reads(
     )
     # A manifest's hashing reads a mapped image's file anyway: its checks share the reads.
     mapped_pieces = assembly.shares_mapped_reads(mapped=plan.traits.mapped)
+    countdown = TensorCountdown(layout.spans)
     validation = Validation(
         index,
         layouts,
         layout.slots,
-        layout.spans,
+        countdown,
         resources.images,
         files,
         mode=plan.traits,
@@ -240,7 +244,7 @@ def start_reads(
         hub,
         plan,
         layouts,
-        layout.spans,
+        countdown,
         jobs=sum(len(file_jobs) for file_jobs in jobs) + len(layout.device_jobs),
         checked=check,
         passed=passed,
@@ -250,4 +254,4 @@ def start_reads(
     staged = layout.staged_files
     verify = [None if i in staged else f.check_unchanged for i, f in enumerate(files)]
     reads.start(jobs, thread_plan.disks, verify=verify, landed=progress.host_landed)
-    return ReadSide(validation, reader, reads, progress, assembly.manifest)
+    return ReadSide(validation, reader, reads, progress, countdown, assembly.manifest)

@@ -3,7 +3,8 @@ the names of the tensors whose bytes have all landed, handed on to the checks.
 
 The read side hands every landed host job to ``LoadProgress.host_landed`` (a callback
 on the loop's thread, attached before the first read) and the transfer side every
-landed device job to ``LoadProgress.landed``; the engine reads ``ready_receive``.
+landed device job to ``LoadProgress.landed``; the engine reads ``ready_receive``. Which
+tensors a job completed is the load's one ``TensorCountdown``'s to say.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf._events import ProgressHub, Stage
-from aiogguf._jobs import BufferLayout, Passed, ReadJob, TensorSpans
+from aiogguf._jobs import BufferLayout, Passed, ReadJob, TensorCountdown
 from aiogguf._records import Plan
 
 __all__ = ["LoadProgress", "Names"]
@@ -40,7 +41,7 @@ class LoadProgress:
         hub: ProgressHub,
         plan: Plan,
         layouts: Sequence[BufferLayout],
-        spans: TensorSpans,
+        countdown: TensorCountdown,
         *,
         jobs: int,
         checked: bool,
@@ -48,7 +49,7 @@ class LoadProgress:
     ) -> None:
         self._hub = hub
         self._layouts = layouts
-        self._spans = spans
+        self._countdown = countdown
         self._checked = checked
         self._passed = passed  # told the host tensors that need no check, as they land
         self._live = False
@@ -59,10 +60,8 @@ class LoadProgress:
         self.tensors_total = len(loaded)
         self.bytes_done = 0
         self.tensors_done = 0
-        # Bytes of each tensor still to land; of each device tensor, still to be copied.
-        self._remaining = spans.sizes()
-        self._uncopied = spans.sizes()
-        # Device tensors whose bytes all landed: ready once their copies have completed.
+        # Device tensors whose bytes all landed (copies not followed): ready once every
+        # copy has completed, which it has when the transfers return.
         self.device_landed: list[str] = []
 
     def landed(self, job: ReadJob) -> list[str]:
@@ -70,14 +69,11 @@ class LoadProgress:
         once its copies have completed (``device_copied``)."""
         self.bytes_done += job.useful_end - job.useful_start
         on_device = not self._layouts[job.buffer_index].plan.host
-        done: list[str] = []
-        for lo, hi, name in self._spans.overlapping(
-            job.buffer_index, job.file_index, job.useful_start, job.useful_end
-        ):
-            self._remaining[name] -= hi - lo
-            if not self._remaining[name]:
-                (self.device_landed if on_device else done).append(name)
+        done = self._countdown.landed(job, on_device=on_device)
         self.emit(Stage.READ)
+        if on_device:
+            self.device_landed += done
+            return []
         return done
 
     def device_copied(
@@ -85,14 +81,7 @@ class LoadProgress:
     ) -> None:
         """Where the transfers hand the device jobs whose copies have completed (on the
         loop's thread): the tensors they completed go on ``ready``, to the checks."""
-        done: list[str] = []
-        for job in jobs:
-            for lo, hi, name in self._spans.overlapping(
-                job.buffer_index, job.file_index, job.useful_start, job.useful_end
-            ):
-                self._uncopied[name] -= hi - lo
-                if not self._uncopied[name]:
-                    done.append(name)
+        done = self._countdown.copied(jobs)
         if done:
             # Broken only once the load is failing anyway.
             with contextlib.suppress(anyio.BrokenResourceError):
