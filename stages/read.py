@@ -173,8 +173,9 @@ class ThreadPlan:
     """What ``readers`` decides for one load, decided once with its layout
     (``plan_threads``) and read by every stage: ``disks`` (each file's disk and its
     reader limit), ``readers`` (reader threads, over every disk), ``transfer_threads``
-    (per device: as many as the busiest disk allows readers, as a transfer thread reads
-    as much as it copies), ``job_bytes`` (a host job's size: ``job_bytes``),
+    (one pool that every device's jobs share: as many as the busiest disk allows
+    readers, as a transfer thread reads as much as it copies), ``job_bytes`` (a host
+    job's size: ``job_bytes``),
     ``check_threads`` (lent for the checks: 0 with checks off, where the readers'
     threads stand in) and ``checks_apart`` (a landed job is checked on a check thread
     while its reader reads the next, instead of by the reader in turn)."""
