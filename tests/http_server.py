@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import os
 import shutil
+import socket
 import ssl
 import subprocess
 import threading
@@ -291,3 +292,29 @@ def file_server(
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def canned_server(answers: list[bytes]) -> Iterator[str]:
+    """A raw server on loopback that answers its requests, one connection each, with
+    ``answers`` in turn (whatever was asked); yields a URL of it (``/m.gguf``)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def serve() -> None:
+        for answer in answers:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/m.gguf"
+    finally:
+        listener.close()
+        thread.join(10)

@@ -11,15 +11,13 @@ import itertools
 import os
 import socket
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
 import pytest
-from http_server import COMMIT, FileServer, HubServer, file_server
+from http_server import COMMIT, FileServer, HubServer, canned_server, file_server
 
 import aiogguf
 from aiogguf._model import Model
@@ -323,32 +321,6 @@ async def test_a_cancelled_load_stops_waiting_for_a_connect_no_one_answers() -> 
         listener.close()
 
 
-@contextmanager
-def _canned(answers: list[bytes]) -> Iterator[str]:
-    """A raw server on loopback that answers its requests, one connection each, with
-    ``answers`` in turn (whatever was asked); yields its URL."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(10)
-
-    def serve() -> None:
-        for answer in answers:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(65536)
-                conn.sendall(answer)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/m.gguf"
-    finally:
-        listener.close()
-        thread.join(10)
-
-
 def _partial(content_range: str, body: bytes, extra: str = "") -> bytes:
     head = (
         f"HTTP/1.1 206 Partial Content\r\nContent-Range: {content_range}\r\n"
@@ -373,7 +345,7 @@ _FIRST = _partial("bytes 0-999/1000", b"G" * 1000)
     ],
 )
 def test_hostile_answers_are_load_errors(second: bytes, problem: str) -> None:
-    with _canned([_FIRST, second]) as url:
+    with canned_server([_FIRST, second]) as url:
         source = HttpSource(url, RemoteOptions(retries=0))
         try:
             assert (source.size_bytes, source.etag) == (1000, '"v1"')
@@ -385,7 +357,7 @@ def test_hostile_answers_are_load_errors(second: bytes, problem: str) -> None:
 
 
 def test_a_range_past_the_end_is_refused_before_any_request() -> None:
-    with _canned([_FIRST]) as url:
+    with canned_server([_FIRST]) as url:
         source = HttpSource(url)
         try:
             source.read_into(bytearray(0), 1000)  # nothing to read: no request

@@ -14,14 +14,12 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from http_server import file_server, self_signed
+from http_server import canned_server, file_server, self_signed
 from slow_servers import DelayProxy, DripServer
 
 import aiogguf
@@ -267,32 +265,6 @@ def test_a_handshake_no_one_answers_stops_on_cancel() -> None:
 # --- a range that is not the file's bytes -------------------------------------------------
 
 
-@contextmanager
-def _answering(answers: list[bytes]) -> Iterator[str]:
-    """A raw server on loopback answering one request per connection with ``answers`` in
-    turn, whatever was asked; yields its URL."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(10)
-
-    def serve() -> None:
-        for answer in answers:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(65536)
-                conn.sendall(answer)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/m.gguf"
-    finally:
-        listener.close()
-        thread.join(10)
-
-
 def _partial(first: int, body: bytes, extra: str = "") -> bytes:
     head = (
         f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {first}-{first + len(body) - 1}"
@@ -308,7 +280,7 @@ def test_an_encoded_range_is_an_error(encoding: str) -> None:
         _partial(0, b"G" * 1000),
         _partial(100, b"x" * 10, f"Content-Encoding: {encoding}\r\n"),
     ]
-    with _answering(answers) as url:
+    with canned_server(answers) as url:
         source = HttpSource(url, RemoteOptions(retries=3))
         try:
             with pytest.raises(LoadError) as caught:
@@ -321,7 +293,7 @@ def test_an_encoded_range_is_an_error(encoding: str) -> None:
 
 
 def test_identity_encoding_is_the_files_bytes() -> None:
-    with _answering([_partial(0, b"G" * 1000, "Content-Encoding: identity\r\n")]) as url:
+    with canned_server([_partial(0, b"G" * 1000, "Content-Encoding: identity\r\n")]) as url:
         source = HttpSource(url)
         try:
             assert source.read_upto(0, 1000) == b"G" * 1000

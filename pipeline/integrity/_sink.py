@@ -62,7 +62,6 @@ if TYPE_CHECKING:
 __all__ = [
     "IntegritySink",
     "block_grid",
-    "load_sink",
     "open_manifest",
     "shares_mapped_reads",
     "watch",
@@ -111,23 +110,6 @@ def block_grid(checker: IntegrityChecker | LlamaCheck | None) -> list[tuple[int,
     return [(f.header_bytes, manifest.block_bytes) for f in manifest.files]
 
 
-def load_sink(
-    checker: IntegrityChecker | LlamaCheck,
-    index: WeightIndex,
-    files: Sequence[ByteSource],
-    images: Sequence[Image | None],
-    layouts: Sequence[BufferLayout],
-    slots: dict[str, TensorSlot],
-    *,
-    swapped: bool,
-    feed: PieceSink | None,
-) -> IntegritySink | LlamaSink:
-    """The load's side of ``checker`` (``feed``: as ``IntegritySink``'s)."""
-    if isinstance(checker, LlamaCheck):
-        return LlamaSink(checker, index, files, images, layouts, slots, swapped=swapped)
-    return IntegritySink(checker, files, images, layouts, slots, swapped=swapped, feed=feed)
-
-
 def watch(
     checker: IntegrityChecker | LlamaCheck,
     index: WeightIndex,
@@ -139,11 +121,16 @@ def watch(
     swapped: bool,
     feed: PieceSink | None,
 ) -> tuple[IntegritySink | LlamaSink, Watcher]:
-    """The load's side of ``checker`` (``load_sink``) and how it watches the bytes
-    land: the pieces it hashes (not swapped bytes, which are not the file's: it reads
+    """The load's side of ``checker`` (an ``IntegritySink``, or a ``LlamaSink`` for a
+    llama-gguf-hash manifest; ``feed``: as ``IntegritySink``'s) and how it watches the
+    bytes land: the pieces it hashes (not swapped bytes, which are not the file's: it reads
     the file instead), a local file's reads streamed through its block hashes, and the
     jobs it reads back from the file (mapped images, swapped bytes)."""
-    sink = load_sink(checker, index, files, images, layouts, slots, swapped=swapped, feed=feed)
+    sink: IntegritySink | LlamaSink
+    if isinstance(checker, LlamaCheck):
+        sink = LlamaSink(checker, index, files, images, layouts, slots, swapped=swapped)
+    else:
+        sink = IntegritySink(checker, files, images, layouts, slots, swapped=swapped, feed=feed)
     return sink, Watcher(
         piece=sink if not swapped and sink.takes_pieces else None,
         stream=sink.stream if isinstance(sink, IntegritySink) and not swapped else None,
