@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+import pytest
 from aiohttp import web
 
 
@@ -318,3 +319,36 @@ def canned_server(answers: list[bytes]) -> Iterator[str]:
     finally:
         listener.close()
         thread.join(10)
+
+
+def client_sockets(port: int) -> int:
+    """This process's open TCP sockets connected to ``port`` (client ends)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[2].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            count += 1
+    return count
+
+
+def tls_context(folder: Path) -> tuple[ssl.SSLContext, Path]:
+    """A server's TLS context over a self-signed certificate for 127.0.0.1 made in
+    ``folder``, and the certificate (for the client's ``SSL_CERT_FILE``); skips the test
+    where neither the cryptography package nor the openssl command can make one."""
+    made = self_signed(folder)
+    if made is None:
+        pytest.skip("neither the cryptography package nor the openssl command is here")
+    cert, key = made
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context, cert

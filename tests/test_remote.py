@@ -8,7 +8,6 @@ gguf-py elsewhere: every tensor's bytes must be equal.
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import sys
 import time
@@ -17,7 +16,14 @@ from pathlib import Path
 
 import anyio
 import pytest
-from http_server import COMMIT, FileServer, HubServer, canned_server, file_server
+from http_server import (
+    COMMIT,
+    FileServer,
+    HubServer,
+    canned_server,
+    client_sockets,
+    file_server,
+)
 
 import aiogguf
 from aiogguf._model import Model
@@ -253,30 +259,10 @@ def test_a_redirect_to_another_host_gets_no_authorization(served: FileServer) ->
         other.stop()
 
 
-def _client_sockets(port: int) -> int:
-    """This process's open TCP sockets connected to ``port`` (client ends)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if int(fields[2].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(fields[9])
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target[8:-1] in inodes:
-            count += 1
-    return count
-
-
 @pytest.mark.anyio
 async def test_a_cancelled_load_closes_every_connection_promptly(server: FileServer) -> None:
     server.faults.stall_left, server.faults.stall_s = 10**6, 30.0
-    before = _client_sockets(server.port)
+    before = client_sockets(server.port)
     began = time.monotonic()
     with anyio.move_on_after(1.0) as scope:
         async with aiogguf.load(server.url("m.gguf"), **SMALL):
@@ -284,7 +270,7 @@ async def test_a_cancelled_load_closes_every_connection_promptly(server: FileSer
     assert scope.cancelled_caught
     assert time.monotonic() - began < 3.5  # stopped within about a second
     assert server.faults.headers  # it was reading
-    assert _client_sockets(server.port) == before == 0
+    assert client_sockets(server.port) == before == 0
 
 
 @pytest.mark.anyio

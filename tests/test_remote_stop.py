@@ -9,7 +9,6 @@ not stop fails the test in bounded time (its server is then stopped, which ends 
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
 import threading
@@ -19,7 +18,7 @@ from typing import Any
 
 import anyio
 import pytest
-from http_server import canned_server, file_server, self_signed
+from http_server import canned_server, client_sockets, file_server, tls_context
 from slow_servers import DelayProxy, DripServer
 
 import aiogguf
@@ -40,26 +39,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _load_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("aiogguf-"))
-
-
-def _client_sockets(port: int) -> int:
-    """This process's open TCP sockets connected to ``port`` (client ends)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if int(fields[2].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(fields[9])
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target[8:-1] in inodes:
-            count += 1
-    return count
 
 
 class _LoadThread:
@@ -118,7 +97,7 @@ def test_a_cancelled_load_of_a_drip_ends_at_once_leaving_nothing(
         assert server.requests > fast  # it was reading the drip
         stopped_s = load.ended - load.began - 1.0
         assert stopped_s < 2.0, f"ended {stopped_s:.2f} s after the cancel"
-        assert _client_sockets(server.port) == 0
+        assert client_sockets(server.port) == 0
         assert _load_threads() == []
 
 
@@ -211,13 +190,8 @@ def test_a_source_reads_through_a_slow_but_steady_link(model: Path) -> None:
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ssl.SSLContext, Path]:
     root = tmp_path_factory.mktemp("tls-delay")
-    made = self_signed(root)
-    if made is None:
-        pytest.skip("neither the cryptography package nor the openssl command is here")
-    cert, key = made
+    context, cert = tls_context(root)
     write_synthetic_model(root / "m.gguf", size_bytes="1MiB", seed=9, n_layer=2)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
     return root, context, cert
 
 

@@ -5,12 +5,11 @@ and refused, at once and in one line, where it is not trusted.
 
 from __future__ import annotations
 
-import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from http_server import FileServer, file_server, self_signed
+from http_server import FileServer, file_server, tls_context
 
 import aiogguf
 from aiogguf.errors import LoadError
@@ -22,13 +21,8 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FileServer, Path]]:
     root = tmp_path_factory.mktemp("tls")
-    made = self_signed(root)
-    if made is None:
-        pytest.skip("neither the cryptography package nor the openssl command is here")
-    cert, key = made
+    context, cert = tls_context(root)
     write_synthetic_model(root / "m.gguf", size_bytes="2MiB", seed=5, n_layer=2)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
     with file_server(root, tls=context) as server:
         yield server, cert
 
