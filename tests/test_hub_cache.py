@@ -21,8 +21,7 @@ from typing import Any
 
 import anyio
 import pytest
-from http_server import COMMIT, FileServer, HubServer, file_server
-from test_remote import _client_sockets
+from http_server import COMMIT, FileServer, HubServer, client_sockets, file_server
 
 import aiogguf
 from aiogguf.errors import IntegrityError
@@ -207,7 +206,7 @@ async def test_a_cancelled_load_leaves_a_partial_file_that_the_next_load_resumes
     assert scope.cancelled_caught
     assert time.monotonic() - began < 4  # stopped within about a second
     assert not _hash_threads()
-    assert _client_sockets(cdn.port) == 0
+    assert client_sockets(cdn.port) == 0
     assert _cached() is None  # nothing committed
     sha = hashlib.sha256(_source(cdn)).hexdigest()
     assert _blobs() == [sha + PARTIAL_SUFFIX]

@@ -20,8 +20,8 @@ from pathlib import Path
 import anyio
 import pytest
 from aiohttp import web
-from http_server import FileServer, HubServer
-from test_remote import _client_sockets, _same_bytes
+from http_server import FileServer, HubServer, client_sockets
+from test_remote import _same_bytes
 
 import aiogguf
 from aiogguf.errors import GGUFFormatError, LoadError
@@ -186,7 +186,7 @@ def test_the_lowest_failing_split_is_named_though_a_later_one_fails_first(
     assert not server.late
     assert str(caught.value).startswith(f"{server.url(NAMES[1])}: ")
     assert "404" in str(caught.value)
-    assert _client_sockets(server.port) == 0
+    assert client_sockets(server.port) == 0
     assert not _split_threads()
 
 
@@ -204,7 +204,7 @@ def test_a_failing_split_stops_the_later_ones_and_leaves_nothing(
         aiogguf.load_sync(server.url(names[0]), remote_in_flight=4).__enter__()
     assert not server.late  # the held splits were stopped, not waited for
     assert server.url(names[2]) in str(caught.value)
-    assert _client_sockets(server.port) == 0
+    assert client_sockets(server.port) == 0
     assert not _split_threads()
     assert _aiogguf_threads() == before
 
@@ -226,6 +226,6 @@ async def test_a_load_cancelled_while_its_splits_open_leaves_nothing(
         tg.cancel_scope.cancel()
     assert not server.late
     assert len(server.waiting) == len(LATER)  # still held: the load did not wait
-    assert _client_sockets(server.port) == 0
+    assert client_sockets(server.port) == 0
     assert not _split_threads()
     assert _aiogguf_threads() == before
