@@ -48,7 +48,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -135,6 +135,13 @@ class _Entry:
         self.unload: anyio.Event = anyio.Event()
         self.finished: anyio.Event = anyio.Event()
         self.holds_memory = True  # loading or ready: counted against the server's limits
+        # The model while READY (None otherwise): what attached clients map.
+        self.model: Model | None = None
+        # Clients attached now (``LoaderRegistry.lease``); a leased model is never
+        # evicted or unloaded unless forced.
+        self.leases = 0
+        # When the model was last ready-and-unleased or used (``time.monotonic``).
+        self.last_used = time.monotonic()
         self._fan = FanOut[dict[str, Any]]()
         # Set (and replaced) whenever subscribers may have something new.
         self.changed: anyio.Event = anyio.Event()
@@ -235,6 +242,15 @@ def _report_summary(report: LoadReport) -> dict[str, Any]:
             for b in report.buffers
         ],
     }
+
+
+def _load_key(request: LoadRequest) -> tuple[str, str, tuple[str, ...]]:
+    """What makes two loads one resident model: the path, the config, the devices."""
+    return (
+        request.path,
+        request.config.model_dump_json(),
+        tuple(device.name for device in request.devices),
+    )
 
 
 async def _close_model(model: Model) -> None:
@@ -374,6 +390,33 @@ class LoaderRegistry:
         self._tg.start_soon(self._run, entry, name=f"aiogguf load {entry.id}")
         return entry
 
+    def same_load(self, request: LoadRequest) -> _Entry | None:
+        """A load, loading or ready, of the same files in the same placement as
+        ``request`` (the same path, config and devices): one resident model serves both."""
+        key = _load_key(request)
+        for entry in self.entries.values():
+            if (
+                entry.holds_memory
+                and not entry.finished.is_set()
+                and _load_key(entry.request) == key
+            ):
+                return entry
+        return None
+
+    @contextlib.contextmanager
+    def lease(self, entry: _Entry) -> Iterator[None]:
+        """Hold ``entry``'s model for a client while the block runs (on the loop's thread):
+        it is not evicted or unloaded unless forced."""
+        entry.leases += 1
+        entry.last_used = time.monotonic()
+        entry.publish()
+        try:
+            yield
+        finally:
+            entry.leases -= 1
+            entry.last_used = time.monotonic()
+            entry.publish()
+
     def touch(self, entry: _Entry) -> None:
         """A record was read: it is the last to go among the ended ones."""
         if entry.id in self._ended:
@@ -425,6 +468,8 @@ class LoaderRegistry:
                     request.opener.close()
                     stack.push_async_callback(_close_model, model)
                     entry.report = model.report
+                    entry.model = model
+                    entry.last_used = time.monotonic()
                     entry.state = LoadState.READY
                     entry.publish()
                     await entry.unload.wait()
@@ -438,6 +483,7 @@ class LoaderRegistry:
                 f"{type(exc).__name__}: {exception_line(exc)}",
             )
         finally:
+            entry.model = None
             # Cancelled by DELETE (the scope swallowed it) or by shutdown (re-raised).
             if entry.state is LoadState.LOADING:
                 entry.state = LoadState.CANCELLED
