@@ -29,6 +29,7 @@ def _pages_faulted() -> int:
 async def test_a_blocked_loop_does_not_stop_the_reader_between_jobs(tmp_path: Path) -> None:
     model = write_synthetic_model(tmp_path / "m.gguf", size_bytes="32MiB", seed=3, n_layer=4)
     during: list[int] = []
+    total_bytes = model.path.stat().st_size
 
     async def block_the_loop_once_reading() -> None:
         # Once the reader has landed a job or two: block the loop's thread, and see how
@@ -39,7 +40,14 @@ async def test_a_blocked_loop_does_not_stop_the_reader_between_jobs(tmp_path: Pa
         while (_pages_faulted() - base) * PAGE < 512 * 1024:
             await anyio.lowlevel.checkpoint()
         before = _pages_faulted()
-        time.sleep(0.5)  # noqa: ASYNC251 (blocking the loop is the point)
+        # Blocking the loop is the point: up to 5 s, not a fixed 0.5 s, so that a busy
+        # machine's slow reader still shows it goes on (a round trip per job would stall
+        # after 256 KiB however long the loop stays blocked).
+        deadline = time.monotonic() + 5.0
+        while (_pages_faulted() - before) * PAGE < total_bytes // 2:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # noqa: ASYNC251
         during.append((_pages_faulted() - before) * PAGE)
 
     async with anyio.create_task_group() as tg:
