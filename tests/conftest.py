@@ -22,6 +22,9 @@ from aiogguf.io._devices.cupy_backend import forget_cupy_devices
 from aiogguf.io._devices.pool import close_staging_pools
 from aiogguf.io.pagecache import drop_from_cache
 
+# Fixtures shared by several modules, kept beside the helpers they go with.
+pytest_plugins = ["hub_helpers"]
+
 ROOT = Path(__file__).resolve().parent.parent
 # How many examples the expensive property tests (a forked reader or a whole load per
 # example) run: fewer in a development run, the full count in CI (.ci/run sets "ci"),

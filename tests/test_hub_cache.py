@@ -15,48 +15,21 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 from http_server import COMMIT, FileServer, HubServer, client_sockets, file_server
+from hub_helpers import HEADER_AGAIN, NAME, SMALL, data_bytes, recorded_ranges, records
 
 import aiogguf
 from aiogguf.errors import IntegrityError
-from aiogguf.remote._http_source import HEAD_BYTES
 from aiogguf.remote._hub_cache import PARTIAL_SUFFIX, hub_cache_dir
 from aiogguf.testing.synth import write_synthetic_model
 
 hub_lib = pytest.importorskip("huggingface_hub")
 
 pytestmark = pytest.mark.timeout(60)
-
-SMALL = {"chunk_size": "256KiB", "remote_in_flight": 4}
-NAME = "hf://own/repo/m.gguf"
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileServer]:
-    root = tmp_path_factory.mktemp("served")
-    write_synthetic_model(root / "m.gguf", size_bytes="4MiB", seed=3)
-    with file_server(root) as server:
-        yield server
-
-
-@pytest.fixture
-def cdn(served: FileServer) -> FileServer:
-    served.faults.__init__()  # type: ignore[misc]
-    return served
-
-
-@pytest.fixture
-def hub(cdn: FileServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServer]:
-    with HubServer(cdn, {"own/repo/m.gguf": "m.gguf"}) as stand_in:
-        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{stand_in.port}")
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        yield stand_in
 
 
 def _source(cdn: FileServer) -> bytes:
@@ -68,50 +41,6 @@ def _cached(revision: str | None = "main") -> str | None:
         "own/repo", "m.gguf", cache_dir=hub_cache_dir(), revision=revision
     )
     return found if isinstance(found, str) else None
-
-
-def _data_bytes(cdn: FileServer) -> int:
-    """Bytes the CDN was asked for, by every ranged request (the size probes too)."""
-    total = 0
-    for seen in cdn.faults.headers:
-        lo, _, hi = seen.get("Range", "bytes=0--1")[6:].partition("-")
-        total += int(hi) + 1 - int(lo)
-    return total
-
-
-# The partial file's records: two slots after the file's end, written in turn.
-SLOT_BYTES = 48 + (1 << 20)
-
-
-def _records(size: int) -> dict[int, dict[str, Any]]:
-    """The partial file's records that check out, by their offset."""
-    (partial,) = Path(hub_cache_dir()).glob(f"*/blobs/*{PARTIAL_SUFFIX}")
-    found = {}
-    with open(partial, "rb") as f:
-        for at in (size, size + SLOT_BYTES):
-            f.seek(at)
-            head = f.read(48)
-            if len(head) < 48:
-                continue
-            magic, length, check = struct.unpack("<8sQ32s", head)
-            payload = f.read(length) if magic == b"AIOGGPR1" else b""
-            if payload and hashlib.sha256(payload).digest() == check:
-                found[at] = json.loads(payload)
-    return found
-
-
-def _recorded(size: int) -> list[list[int]]:
-    """The ranges the partial file's newest record vouches for."""
-    records = _records(size)
-    assert records, "no record after the partial file's end"
-    newest = max(records.values(), key=lambda r: int(r.get("seq", 0)))
-    ranges: list[list[int]] = newest["ranges"]
-    return ranges
-
-
-# The header is read from the network again (a resumed load parses what the hub sends):
-# the first request's bytes, and the header's growing reads past them, if any.
-HEADER_AGAIN = max(HEAD_BYTES, 256 << 10)
 
 
 def _blobs() -> list[str]:
@@ -211,14 +140,14 @@ async def test_a_cancelled_load_leaves_a_partial_file_that_the_next_load_resumes
     sha = hashlib.sha256(_source(cdn)).hexdigest()
     assert _blobs() == [sha + PARTIAL_SUFFIX]
     size = len(_source(cdn))
-    recorded = sum(hi - lo for lo, hi in _recorded(size))
+    recorded = sum(hi - lo for lo, hi in recorded_ranges(size))
     assert recorded >= 256 << 10  # the header and some whole ranges
 
     cdn.faults.__init__()  # type: ignore[misc]
     async with aiogguf.load(NAME, **SMALL) as model:
         await anyio.to_thread.run_sync(_same_bytes, model, cdn.root / "m.gguf")
     # The bytes the first load wrote are not asked for again.
-    assert _data_bytes(cdn) <= size - recorded + HEADER_AGAIN
+    assert data_bytes(cdn) <= size - recorded + HEADER_AGAIN
     found = _cached()
     assert found is not None
     assert await anyio.Path(found).read_bytes() == _source(cdn)
@@ -231,12 +160,12 @@ def test_a_load_that_fails_midway_resumes_too(hub: HubServer, cdn: FileServer) -
         aiogguf.load_sync(NAME, remote_retries=0, **SMALL).__enter__()
     assert not _hash_threads()
     size = len(_source(cdn))
-    recorded = sum(hi - lo for lo, hi in _recorded(size))
+    recorded = sum(hi - lo for lo, hi in recorded_ranges(size))
     assert recorded >= 256 << 10
     cdn.faults.__init__()  # type: ignore[misc]
     with aiogguf.load_sync(NAME, **SMALL) as model:
         _same_bytes(model, cdn.root / "m.gguf")
-    assert _data_bytes(cdn) <= size - recorded + HEADER_AGAIN
+    assert data_bytes(cdn) <= size - recorded + HEADER_AGAIN
     assert _cached() is not None
 
 
@@ -263,7 +192,7 @@ def test_a_resumed_partial_file_whose_bytes_are_wrong_is_caught_and_dropped(
     with pytest.raises(aiogguf.LoadError):
         aiogguf.load_sync(NAME, remote_retries=0, **SMALL).__enter__()
     (partial,) = Path(hub_cache_dir()).glob(f"*/blobs/*{PARTIAL_SUFFIX}")
-    ranges = _recorded(len(_source(cdn)))
+    ranges = recorded_ranges(len(_source(cdn)))
     with open(partial, "r+b") as f:  # the last byte the record vouches for, spoiled
         f.seek(ranges[-1][1] - 1)
         spoiled = bytes([f.read(1)[0] ^ 0xFF])
@@ -290,7 +219,7 @@ def test_cache_false_writes_nothing_and_still_checks_the_digest(
     cdn.faults.__init__()  # type: ignore[misc]
     with aiogguf.load_sync(NAME, cache=False, **SMALL) as model:
         assert model.plan.mode == "none"
-    assert _data_bytes(cdn) >= len(_source(cdn))
+    assert data_bytes(cdn) >= len(_source(cdn))
 
 
 def test_a_simulated_gpu_load_fills_the_cache_too(hub: HubServer, cdn: FileServer) -> None:
@@ -382,10 +311,10 @@ def test_a_record_written_before_a_reboot_is_not_trusted(hub: HubServer, cdn: Fi
     with pytest.raises(aiogguf.LoadError):
         aiogguf.load_sync(NAME, remote_retries=0, **SMALL).__enter__()
     size = len(_source(cdn))
-    assert _recorded(size)
+    assert recorded_ranges(size)
     (partial,) = Path(hub_cache_dir()).glob(f"*/blobs/*{PARTIAL_SUFFIX}")
     with open(partial, "r+b") as f:  # the same records, as another boot wrote them
-        for at, record in _records(size).items():
+        for at, record in records(size).items():
             record["boot"] = "another-boot"
             payload = json.dumps(record).encode()
             check = hashlib.sha256(payload).digest()
@@ -394,5 +323,5 @@ def test_a_record_written_before_a_reboot_is_not_trusted(hub: HubServer, cdn: Fi
     cdn.faults.__init__()  # type: ignore[misc]
     with aiogguf.load_sync(NAME, **SMALL):
         pass
-    assert _data_bytes(cdn) >= size  # every byte asked again
+    assert data_bytes(cdn) >= size  # every byte asked again
     assert _cached() is not None

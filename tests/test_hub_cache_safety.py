@@ -22,9 +22,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from http_server import COMMIT, FileServer, HubServer, file_server
+from http_server import COMMIT, FileServer, HubServer
+from hub_helpers import HEADER_AGAIN, NAME, SMALL, data_bytes, recorded_ranges
 from server_helpers import post, running
-from test_hub_cache import HEADER_AGAIN, SMALL, _data_bytes, _recorded
 
 import aiogguf
 from aiogguf.cli import main
@@ -36,30 +36,6 @@ from aiogguf.testing.synth import write_synthetic_model
 hub_lib = pytest.importorskip("huggingface_hub")
 
 pytestmark = pytest.mark.timeout(90)
-
-NAME = "hf://own/repo/m.gguf"
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileServer]:
-    root = tmp_path_factory.mktemp("served")
-    write_synthetic_model(root / "m.gguf", size_bytes="4MiB", seed=3)
-    with file_server(root) as server:
-        yield server
-
-
-@pytest.fixture
-def cdn(served: FileServer) -> FileServer:
-    served.faults.__init__()  # type: ignore[misc]
-    return served
-
-
-@pytest.fixture
-def hub(cdn: FileServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServer]:
-    with HubServer(cdn, {"own/repo/m.gguf": "m.gguf"}) as stand_in:
-        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{stand_in.port}")
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        yield stand_in
 
 
 @pytest.fixture
@@ -351,12 +327,12 @@ def _resumes(cdn: FileServer) -> None:
     """The partial file's record vouches for what the first load wrote, and the next
     load asks only for the rest (and the header again)."""
     size = (cdn.root / "m.gguf").stat().st_size
-    recorded = sum(hi - lo for lo, hi in _recorded(size))
+    recorded = sum(hi - lo for lo, hi in recorded_ranges(size))
     assert recorded >= 1 << 20  # the header's request and most spared ones
     cdn.faults.__init__()  # type: ignore[misc]
     with aiogguf.load_sync(NAME, **SMALL):
         pass
-    assert _data_bytes(cdn) <= size - recorded + HEADER_AGAIN
+    assert data_bytes(cdn) <= size - recorded + HEADER_AGAIN
     found = hub_lib.try_to_load_from_cache("own/repo", "m.gguf", cache_dir=hub_cache_dir())
     assert isinstance(found, str)
     assert Path(found).read_bytes() == (cdn.root / "m.gguf").read_bytes()
