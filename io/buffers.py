@@ -71,6 +71,7 @@ __all__ = [
     "huge_pages_pay",
     "memory_held_by_views",
     "reports_free_pages",
+    "seal_writes",
     "sealed_memfd",
     "size_is_sealed",
     "transparent_huge_pages",
@@ -153,26 +154,39 @@ def transparent_huge_pages() -> str:
     return text[start + 1 : end] if 0 <= start < end else "never"
 
 
-# The seals a shareable buffer's memfd carries, and the one a process that maps such a
-# descriptor needs: that its size cannot shrink under the mapping.
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# The seals a shareable buffer's memfd carries from the start: a process that maps such
+# a descriptor needs its size never to shrink under the mapping.
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# F_SEAL_FUTURE_WRITE (Linux 5.1; Python's fcntl names it from 3.12 on): no new write to
+# the memfd, by write() or by a new shared writable mapping, while the mappings made
+# before it keep writing. Copy-on-write mappings stay allowed.
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
 def sealed_memfd(name: str, nbytes: int) -> int:
-    """A new memfd (close-on-exec) of ``nbytes`` zero bytes, sealed against shrinking,
-    growing and further seals: the descriptor. Raises ``MemoryError`` if the kernel
-    refuses it."""
+    """A new memfd (close-on-exec) of ``nbytes`` zero bytes, sealed against shrinking
+    and growing: the descriptor. Raises ``MemoryError`` if the kernel refuses it."""
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
         raise MemoryError(f"cannot create shared memory of {nbytes} bytes: {exc}") from exc
     try:
         os.ftruncate(fd, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
     except OSError as exc:
         os.close(fd)
         raise MemoryError(f"cannot size shared memory of {nbytes} bytes: {exc}") from exc
     return fd
+
+
+def seal_writes(fd: int) -> None:
+    """Refuse every later write to the memfd ``fd`` but through the mappings made before
+    (and every later seal): what another process gets of it can only read, or write into
+    copy-on-write pages of its own. Raises ``OSError`` where the kernel cannot (before
+    5.1)."""
+    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL:
+        return  # sealed already (a second share of the same memory)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
 
 
 def size_is_sealed(fd: int) -> bool:
