@@ -270,7 +270,8 @@ def _header_bytes(parsed: ParsedFile, model: Model) -> bytes:
         fd = open_readable(path)
     try:
         size = os.fstat(fd).st_size
-        data = _pread_all(fd, parsed.data_offset, path)
+        # A file with no tensors may end before its data section's alignment.
+        data = _pread_all(fd, min(parsed.data_offset, size), path)
     except OSError as exc:
         raise from_os_error(exc, path, None, "cannot read the header again to share it") from exc
     finally:
