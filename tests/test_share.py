@@ -27,7 +27,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from conftest import REFERENCE_DIR, reference_files
+from conftest import reference_files
 
 import aiogguf
 from aiogguf._images import DeviceImage, HostImage, MappedImage
@@ -489,5 +489,35 @@ def test_cuda_buffers_reach_another_process(synth: Path, client: Client) -> None
     assert {n: d[0] for n, d in got.items()} == reader_digests((synth,))
 
 
-def test_reference_dir_is_where_conftest_says() -> None:
-    assert REFERENCE_DIR.name == "reference"
+def test_cuda_glue_on_the_stand_in(synth: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path end to end in this process, on the CuPy stand-in (its IPC handles
+    open in the process that made them only): the description carries each device
+    buffer's handle and offset, and the opened model reads the file's bytes."""
+    from stand_ins import cupy_stand_in
+
+    from aiogguf.io._devices import cupy_backend
+
+    monkeypatch.setattr(cupy_backend, "import_cupy", cupy_stand_in)
+    cupy_backend.forget_cupy_devices()
+    try:
+        with (
+            aiogguf.load_sync(synth, mode="none", shareable=True, n_gpu_layers=99) as model,
+            share_model(model) as share,
+        ):
+            cuda = [b for b in json.loads(share.description)["buffers"] if b["kind"] == "cuda"]
+            assert cuda
+            assert all(len(bytes.fromhex(b["handle"])) == 64 for b in cuda)
+            assert all(b["offset"] == 0 for b in cuda)  # a buffer starts its arena block
+            opened = open_shared_model(share.description, [os.dup(fd) for fd in share.fds])
+            try:
+                assert server_digests(opened) == reader_digests((synth,))
+                assert any(isinstance(i, DeviceImage) for i in opened._images)
+            finally:
+                opened.close()
+            lie = json.loads(share.description)
+            next(b for b in lie["buffers"] if b["kind"] == "cuda")["handle"] = "00" * 63
+            with pytest.raises(LoadError, match="not 64"):
+                _open(lie, share.fds)
+    finally:
+        aiogguf.release_device_memory_sync()
+        cupy_backend.forget_cupy_devices()
