@@ -289,13 +289,41 @@ def test_direct_reads_land_in_shareable_memory(disk_dir: Path, client: Client) -
     reads, as it does on a filesystem that refuses them): the bytes are the file's."""
     path = disk_dir / "direct.gguf"
     write_synthetic_model(path, size_bytes="4MiB", seed=5, include_q2_0=False)
+    with aiogguf.load_sync(path, mode="direct") as plain:
+        direct = [f.direct for f in plain.report.files]
     with (
         aiogguf.load_sync(path, mode="direct", shareable=True) as model,
         share_model(model) as share,
     ):
         assert model.report.mode == "direct"
+        # O_DIRECT into memfd memory where it works into private memory.
+        assert [f.direct for f in model.report.files] == direct
         got = client.ask("digest", share)
     assert {n: d[0] for n, d in got.items()} == reader_digests((path,))
+
+
+@pytest.mark.parametrize("mode", ["none", "mmap"])
+def test_arrays_are_writable_where_a_loads_are(synth: Path, mode: str) -> None:
+    """The opened model's numpy arrays are read-only where the load's are (mapped modes)
+    and writable copy-on-write where they are not; ``raw`` likewise; its torch tensors
+    take writes either way, none of which reaches the server's model."""
+    with aiogguf.load_sync(synth, mode=mode, shareable=True) as model:
+        name = next(iter(model.tensors))
+        before = bytes(model.raw(name))
+        with share_model(model) as share:
+            opened = open_shared_model(share.description, [os.dup(fd) for fd in share.fds])
+        try:
+            assert opened.writable(name) == model.writable(name) == (mode == "none")
+            assert opened.tensors[name].flags.writeable == (mode == "none")
+            assert opened.raw(name).readonly == model.raw(name).readonly
+            tensor = opened.torch(name)
+            tensor.view(-1)[0] = 1 if tensor.dtype.is_floating_point else 0
+            if mode == "none":
+                opened.tensors[name].reshape(-1).view(np.uint8)[:] = 0x5A
+                assert bytes(opened.raw(name)) != before
+            assert bytes(model.raw(name)) == before
+        finally:
+            opened.close()
 
 
 def test_a_share_owns_duplicates(synth: Path) -> None:

@@ -233,7 +233,7 @@ def _headers(model: Model) -> tuple[int, list[tuple[int, int]]]:
     found = _HEADERS.get(model)
     if found is not None:
         return found
-    parts = [_header_bytes(parsed, model) for parsed in model.index.files]
+    parts = [_header_bytes(i, parsed, model) for i, parsed in enumerate(model.index.files)]
     total = sum(len(p) for p in parts)
     path = model.index.files[0].path
     try:
@@ -259,12 +259,12 @@ def _headers(model: Model) -> tuple[int, list[tuple[int, int]]]:
     return fd, spans
 
 
-def _header_bytes(parsed: ParsedFile, model: Model) -> bytes:
+def _header_bytes(file_index: int, parsed: ParsedFile, model: Model) -> bytes:
     """Blocking: the header of one of the model's files, read again (through a mapping's
     descriptor where the model maps the file, else by its path) and checked against
     what the load parsed: a file changed since is refused."""
     path = parsed.path
-    fd = _mapped_descriptor(model, parsed)
+    fd = _mapped_descriptor(model, file_index)
     own = fd is None
     if fd is None:
         fd = open_readable(path)
@@ -292,8 +292,8 @@ def _header_bytes(parsed: ParsedFile, model: Model) -> bytes:
     return data
 
 
-def _mapped_descriptor(model: Model, parsed: ParsedFile) -> int | None:
-    file_index = model.index.files.index(parsed)
+def _mapped_descriptor(model: Model, file_index: int) -> int | None:
+    """The descriptor a mapping of the model kept of file ``file_index``, if any."""
     for image in model._images:
         if isinstance(image, MappedImage):
             for rs, mapping in zip(image.layout.slots, image.mappings, strict=True):
