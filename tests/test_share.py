@@ -35,7 +35,7 @@ from aiogguf.errors import LoadError
 from aiogguf.io.buffers import HostBuffer, sealed_memfd
 from aiogguf.resident import ModelShare, open_shared_model, share_model
 from aiogguf.resident._records_json import RecordError, from_json, to_json
-from aiogguf.testing.synth import write_synthetic_model
+from aiogguf.testing.synth import Corruption, write_synthetic_model
 
 WORKER = Path(__file__).with_name("share_worker.py")
 _HEADER = struct.Struct("<II")
@@ -322,6 +322,25 @@ def test_arrays_are_writable_where_a_loads_are(synth: Path, mode: str) -> None:
                 opened.tensors[name].reshape(-1).view(np.uint8)[:] = 0x5A
                 assert bytes(opened.raw(name)) != before
             assert bytes(model.raw(name)) == before
+        finally:
+            opened.close()
+
+
+def test_bad_tensors_a_load_kept_are_shared_too(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    write_synthetic_model(
+        path,
+        size_bytes="2MiB",
+        seed=8,
+        corruptions=[Corruption("output_norm.weight", "inf_element", 0)],
+        include_q2_0=False,
+    )
+    with aiogguf.load_sync(path, mode="none", shareable=True, keep_invalid=True) as model:
+        assert model.failures
+        with share_model(model) as share:
+            opened = open_shared_model(share.description, [os.dup(fd) for fd in share.fds])
+        try:
+            assert opened.failures == model.failures
         finally:
             opened.close()
 

@@ -16,11 +16,10 @@ import functools
 import math
 import types
 import typing
-from typing import Any, TypeVar
+from typing import Any
 
 __all__ = ["RecordError", "from_json", "to_json"]
 
-_T = TypeVar("_T")
 _INT_LIMIT = 1 << 63
 
 
@@ -47,11 +46,11 @@ def to_json(value: Any) -> Any:
     return value
 
 
-def from_json(cls: type[_T], data: Any, where: str) -> _T:
-    """The record of class ``cls`` that ``data`` (from ``to_json``, or a liar) describes.
-    Raises ``RecordError`` naming the first field that is wrong."""
-    value: _T = _decode(cls, data, where)
-    return value
+def from_json(cls: Any, data: Any, where: str) -> Any:
+    """The value of type ``cls`` (a record class, or a type such as ``tuple[R, ...]``)
+    that ``data`` (from ``to_json``, or a liar) describes. Raises ``RecordError`` naming
+    the first field that is wrong."""
+    return _decode(cls, data, where)
 
 
 @functools.cache

@@ -7,7 +7,8 @@ can map it: host images of modes ``none``/``direct`` in memfds, mapped images (m
 device images in memfds (the simulated GPU) or behind CUDA IPC handles. ``share_model``
 gathers those descriptors and writes what a client needs beside them as JSON (no
 pickle): each file's header bytes (in one memfd: the client parses and indexes them with
-the load's own stages), where each buffer's ranges lie in it, the plan and the report.
+the load's own stages), where each buffer's ranges lie in it, the plan, the report and
+the bad tensors a ``keep_invalid`` load kept.
 
 What a client gets can only be read, or written copy-on-write: host memfds and files are
 mapped ``MAP_PRIVATE``, and every memfd is sealed before it leaves (no new write to it
@@ -35,7 +36,7 @@ from aiogguf._jobs import BufferLayout, RangeSlot, tensor_slots
 from aiogguf._model import Model, ModelState
 from aiogguf._records import BufferPlan, ParsedFile, Plan, WeightIndex
 from aiogguf._report import LoadReport
-from aiogguf.errors import GGUFError, LoadError, from_os_error
+from aiogguf.errors import GGUFError, LoadError, TensorFailure, from_os_error
 from aiogguf.io._devices.base import ExportableBuffer, SharedDeviceMemory
 from aiogguf.io._devices.sim import SimDevice
 from aiogguf.io.buffers import (
@@ -147,6 +148,7 @@ def share_model(model: Model) -> ModelShare:
         "buffers": buffers,
         "plan": to_json(model.plan),
         "report": to_json(model.report),
+        "failures": to_json(model.failures),
     }
     description = json.dumps(document, separators=(",", ":")).encode()
     owned: list[int] = []
@@ -362,13 +364,16 @@ def _open(description: bytes, fds: list[int]) -> Model:
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _Bad(f"the description is not JSON: {exc}") from None
     doc = _Object(document, "description")
-    doc.keys("version", "headers_fd", "files", "buffers", "plan", "report")
+    doc.keys("version", "headers_fd", "files", "buffers", "plan", "report", "failures")
     if doc.integer("version") != VERSION:
         raise _Bad(f"description version {document['version']} (this client reads {VERSION})")
     named = _Descriptors(fds)
     index = _index(doc, named)
-    plan = from_json(Plan, document["plan"], "plan")
-    report = from_json(LoadReport, document["report"], "report")
+    plan: Plan = from_json(Plan, document["plan"], "plan")
+    report: LoadReport = from_json(LoadReport, document["report"], "report")
+    failures: tuple[TensorFailure, ...] = from_json(
+        tuple[TensorFailure, ...], document["failures"], "failures"
+    )
     buffers = doc.items("buffers")
     _check_plan(plan, index, len(buffers))
     files = doc.items("files")
@@ -393,7 +398,7 @@ def _open(description: bytes, fds: list[int]) -> Model:
     finally:
         for data_file in data_files.values():
             data_file.close()
-    return Model(index, plan, images, slots, report)
+    return Model(index, plan, images, slots, report, failures=failures)
 
 
 class _Object:
