@@ -12,6 +12,7 @@ lying description raises ``LoadError``; a plain load keeps private anonymous mem
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -31,7 +32,10 @@ from conftest import reference_files
 
 import aiogguf
 from aiogguf._images import DeviceImage, HostImage, MappedImage
-from aiogguf.errors import LoadError
+from aiogguf.errors import LoadError, TensorValidationError
+from aiogguf.io._devices.arena import device_arenas
+from aiogguf.io._devices.cpu import CpuDevice
+from aiogguf.io._devices.sim import SimDevice
 from aiogguf.io.buffers import HostBuffer, sealed_memfd
 from aiogguf.resident import ModelShare, open_shared_model, share_model
 from aiogguf.resident._records_json import RecordError, from_json, to_json
@@ -39,6 +43,7 @@ from aiogguf.testing.synth import Corruption, write_synthetic_model
 
 WORKER = Path(__file__).with_name("share_worker.py")
 _HEADER = struct.Struct("<II")
+GiB = 1024**3
 SPLIT_FIRST = "tiny-llama-Q4_K_M-split-00001-of-00003.gguf"
 SIM = {"sim_gpus": ["4GiB"], "n_gpu_layers": 99}
 PLACEMENTS: dict[str, dict[str, Any]] = {
@@ -343,6 +348,32 @@ def test_bad_tensors_a_load_kept_are_shared_too(tmp_path: Path) -> None:
             assert opened.failures == model.failures
         finally:
             opened.close()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_shareable_sim_memory_is_freed(tmp_path: Path, fails: bool) -> None:
+    """A shareable load's simulated device memory lies outside the arena: closing the
+    model (or a load that fails its checks) gives every byte of it back to the device,
+    and none of it to the arena, which keeps memory for later loads."""
+    path = tmp_path / "m.gguf"
+    corruptions = [Corruption("output_norm.weight", "inf_element", 0)] if fails else []
+    write_synthetic_model(path, size_bytes="2MiB", seed=9, corruptions=corruptions)
+    sim = SimDevice("g0", free=GiB)
+    devices = [CpuDevice(), sim]
+    if fails:
+        with (
+            pytest.raises(TensorValidationError),
+            aiogguf.load_sync(path, devices=devices, shareable=True, n_gpu_layers=99),
+        ):
+            pass
+    else:
+        with aiogguf.load_sync(path, devices=devices, shareable=True, n_gpu_layers=99) as model:
+            assert sim.live.buffer_bytes > 0
+            assert any(isinstance(i, DeviceImage) for i in model._images)
+    gc.collect()
+    assert sim.live.buffers == 0
+    assert sim.live.buffer_bytes == 0
+    assert all(a.stats().blocks == 0 for a in device_arenas() if a.target is sim)
 
 
 def test_a_share_owns_duplicates(synth: Path) -> None:
