@@ -219,6 +219,8 @@ def open_mapping(
 class FileMapping(Closeable):
     """One mapped file range. Offsets in every method are absolute file offsets."""
 
+    _fd: int | None = None  # the file's descriptor, kept with ``keep_descriptor``
+
     def __init__(
         self,
         source: str | os.PathLike[str] | DataFile,
@@ -261,8 +263,6 @@ class FileMapping(Closeable):
             except BaseException:
                 self.close()
                 raise
-
-    _fd: int | None = None
 
     def fileno(self) -> int:
         """The mapped file's descriptor, kept where the mapping was made with
