@@ -17,6 +17,16 @@ further call through this object raises ``ClosedResourceError``) and drops its o
 references; if views are still alive the memory itself is returned to the OS when the
 last of them is released — never earlier, so no view can ever point at freed memory.
 ``memory_released`` tells which case happened.
+
+Shareable memory
+----------------
+``shareable=True`` takes the memory from a memfd mapped ``MAP_SHARED`` instead, and
+keeps its descriptor (``fileno``; the buffer starts ``descriptor_offset`` bytes into it),
+so that another process can map the same pages (``aiogguf.resident``). The memfd is
+sealed against shrinking and growing: a process that maps it can trust its size, as a
+page cut from under a mapping would end that process with SIGBUS. ``map_private`` is the
+other side: a copy-on-write mapping of such a descriptor, whose writes stay in the
+process that makes them.
 """
 
 from __future__ import annotations
@@ -24,8 +34,10 @@ from __future__ import annotations
 import builtins
 import enum
 import errno
+import fcntl
 import functools
 import mmap
+import os
 import threading
 import warnings
 import weakref
@@ -59,6 +71,9 @@ __all__ = [
     "huge_pages_pay",
     "memory_held_by_views",
     "reports_free_pages",
+    "seal_writes",
+    "sealed_memfd",
+    "size_is_sealed",
     "transparent_huge_pages",
 ]
 
@@ -137,6 +152,50 @@ def transparent_huge_pages() -> str:
     # "always [madvise] never": the bracketed word is the setting.
     start, end = text.find("["), text.find("]")
     return text[start + 1 : end] if 0 <= start < end else "never"
+
+
+# The seals a shareable buffer's memfd carries from the start: a process that maps such
+# a descriptor needs its size never to shrink under the mapping.
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# F_SEAL_FUTURE_WRITE (Linux 5.1; Python's fcntl names it from 3.12 on): no new write to
+# the memfd, by write() or by a new shared writable mapping, while the mappings made
+# before it keep writing. Copy-on-write mappings stay allowed.
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
+def sealed_memfd(name: str, nbytes: int) -> int:
+    """A new memfd (close-on-exec) of ``nbytes`` zero bytes, sealed against shrinking
+    and growing: the descriptor. Raises ``MemoryError`` if the kernel refuses it."""
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        raise MemoryError(f"cannot create shared memory of {nbytes} bytes: {exc}") from exc
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
+    except OSError as exc:
+        os.close(fd)
+        raise MemoryError(f"cannot size shared memory of {nbytes} bytes: {exc}") from exc
+    return fd
+
+
+def seal_writes(fd: int) -> None:
+    """Refuse every later write to the memfd ``fd`` but through the mappings made before
+    (and every later seal): what another process gets of it can only read, or write into
+    copy-on-write pages of its own. Raises ``OSError`` where the kernel cannot (before
+    5.1)."""
+    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL:
+        return  # sealed already (a second share of the same memory)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+
+
+def size_is_sealed(fd: int) -> bool:
+    """Whether ``fd`` is a memfd whose size can no longer shrink (``F_SEAL_SHRINK``)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False  # not a memfd: a file can always be cut
+    return bool(seals & fcntl.F_SEAL_SHRINK)
 
 
 class ResourceState(enum.Enum):
@@ -293,6 +352,8 @@ class HostBuffer(Closeable):
     and asks the kernel for transparent huge pages before any page is touched
     (``MADV_HUGEPAGE``); where the kernel has them off (``never``) or refuses the advice
     the buffer is plain 4 KiB-page memory (``huge_pages`` then reads False), silently.
+    ``shareable=True`` takes the memory from a sealed memfd mapped shared, whose
+    descriptor the buffer keeps (``fileno``: the module's docstring).
 
     Thread-safe: any thread may read into the memory while others do the same; ``close``
     may race with them safely (see the module docstring).
@@ -304,6 +365,7 @@ class HostBuffer(Closeable):
     # Class-level defaults so __del__ is safe even when __init__ failed half-way.
     _mmap: mmap.mmap | None = None
     _huge_pages = False
+    _fd: int | None = None  # the memfd of a shareable buffer
 
     def __init__(
         self,
@@ -312,6 +374,7 @@ class HostBuffer(Closeable):
         alignment: int = PAGE_BYTES,
         prefault: bool = False,
         huge_pages: bool = False,
+        shareable: bool = False,
     ) -> None:
         if nbytes < 0:
             raise ValueError(f"buffer size must be >= 0, got {nbytes}")
@@ -330,10 +393,13 @@ class HostBuffer(Closeable):
             alignment = max(alignment, HUGE_PAGE_BYTES)
         # mmap only promises page alignment; the slack is untouched, so costs no memory.
         slack = max(alignment - PAGE_BYTES, 0)
-        try:
-            self._mmap = mmap.mmap(-1, mapped + slack, flags=PRIVATE_ANONYMOUS)
-        except OSError as exc:
-            raise MemoryError(f"cannot map {capacity} bytes of host memory: {exc}") from exc
+        if shareable:
+            self._mmap = self._map_shared(mapped + slack)
+        else:
+            try:
+                self._mmap = mmap.mmap(-1, mapped + slack, flags=PRIVATE_ANONYMOUS)
+            except OSError as exc:
+                raise MemoryError(f"cannot map {capacity} bytes of host memory: {exc}") from exc
         self._capacity_bytes = capacity
         self._mmap_ref: weakref.ref[mmap.mmap] = weakref.ref(self._mmap)
         base = buffer_address(self._mmap)
@@ -352,6 +418,50 @@ class HostBuffer(Closeable):
         if prefault:
             self.prefault()
 
+    def _map_shared(self, nbytes: int) -> mmap.mmap:
+        fd = sealed_memfd("aiogguf-image", nbytes)
+        try:
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            os.close(fd)
+            raise MemoryError(f"cannot map {nbytes} bytes of shared memory: {exc}") from exc
+        self._fd = fd
+        return mapping
+
+    @classmethod
+    def map_private(cls, fd: int, offset: int, nbytes: int) -> HostBuffer:
+        """``nbytes`` at ``offset`` of the memfd ``fd`` (a shareable buffer's, possibly
+        another process's), mapped copy-on-write (``MAP_PRIVATE``, reserving nothing): its
+        pages are the memfd's until written, and a write stays in this process. The
+        caller keeps ``fd`` (the mapping does not need it) and has checked that the range
+        lies inside it and that its size is sealed (``size_is_sealed``). Raises
+        ``MemoryError`` if the kernel refuses the mapping."""
+        from aiogguf.io.mapping import _MAP_NORESERVE
+
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        length = max(offset + nbytes - start, 1)
+        try:
+            mapping = mmap.mmap(
+                fd,
+                length,
+                flags=mmap.MAP_PRIVATE | _MAP_NORESERVE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=start,
+            )
+        except OSError as exc:
+            raise MemoryError(f"cannot map {length} bytes of shared memory: {exc}") from exc
+        self = cls.__new__(cls)
+        self._nbytes = nbytes
+        self._lock = threading.Lock()
+        self._mmap = mapping
+        self._mmap_ref = weakref.ref(mapping)
+        self._capacity_bytes = length - (offset - start)
+        self._start = offset - start
+        self._address = buffer_address(mapping) + self._start
+        self._view = builtins.memoryview(mapping)[self._start : self._start + nbytes]
+        self._state = ResourceState.OPEN
+        return self
+
     # -- lifecycle ---------------------------------------------------------------
 
     @property
@@ -359,6 +469,25 @@ class HostBuffer(Closeable):
         """True once the memory is unmapped (after ``close`` and the last view's release)."""
         mapping = self._mmap_ref()
         return mapping is None or mapping.closed
+
+    @property
+    def shareable(self) -> bool:
+        """Whether the memory is a memfd another process can map (``fileno``)."""
+        return self._fd is not None
+
+    def fileno(self) -> int:
+        """The memfd of a shareable buffer (valid until ``close``); the buffer starts
+        ``descriptor_offset`` bytes into it. Raises ``ValueError`` for a buffer of private
+        memory, ``ClosedResourceError`` after close."""
+        self._open_mmap()
+        if self._fd is None:
+            raise ValueError(f"{self!r} is private memory: it has no descriptor")
+        return self._fd
+
+    @property
+    def descriptor_offset(self) -> int:
+        """Where the buffer starts in its memfd (``fileno``)."""
+        return self._start
 
     def close(self) -> None:
         """Release the buffer; idempotent. Outstanding views keep the memory alive."""
@@ -368,8 +497,11 @@ class HostBuffer(Closeable):
             self._state = ResourceState.CLOSED
             mapping, view = self._mmap, self._view
             self._mmap = self._view = None
+            fd, self._fd = self._fd, None
         assert mapping is not None
         assert view is not None
+        if fd is not None:
+            os.close(fd)  # the mapping (ours, another process's) keeps the memory
         try:
             view.release()
             mapping.close()

@@ -219,6 +219,8 @@ def open_mapping(
 class FileMapping(Closeable):
     """One mapped file range. Offsets in every method are absolute file offsets."""
 
+    _fd: int | None = None  # the file's descriptor, kept with ``keep_descriptor``
+
     def __init__(
         self,
         source: str | os.PathLike[str] | DataFile,
@@ -227,6 +229,7 @@ class FileMapping(Closeable):
         *,
         writable: bool = False,
         populate: bool = False,
+        keep_descriptor: bool = False,
     ) -> None:
         self.path: str = source.path if isinstance(source, DataFile) else os.fspath(source)
         if not 0 <= file_start < file_end:
@@ -238,9 +241,12 @@ class FileMapping(Closeable):
         self.writable = writable
         self._lock = threading.Lock()
         self._locked: list[tuple[int, int]] = []  # merged, sorted file-offset intervals
-        mapping, map_start, map_end, private = _map_range(
-            source, self.path, file_start, file_end, writable=writable
+        mapping, map_start, map_end, private, fd = _map_range(
+            source, self.path, file_start, file_end, writable=writable, keep=keep_descriptor
         )
+        # The file's descriptor, kept for a shareable load: another process maps the
+        # file through it (``aiogguf.resident``).
+        self._fd = fd
         # False only where the kernel refused a private writable mapping: the pages are
         # then the file's, read-only, and a write through any view is SIGSEGV.
         self.copy_on_write: bool = private
@@ -257,6 +263,16 @@ class FileMapping(Closeable):
             except BaseException:
                 self.close()
                 raise
+
+    def fileno(self) -> int:
+        """The mapped file's descriptor, kept where the mapping was made with
+        ``keep_descriptor`` (valid until ``close``). Raises ``ValueError`` for a mapping
+        that kept none, ``ClosedResourceError`` after close."""
+        if self._state is ResourceState.CLOSED:
+            raise ClosedResourceError(repr(self))
+        if self._fd is None:
+            raise ValueError(f"{self!r} kept no descriptor of its file")
+        return self._fd
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -286,6 +302,9 @@ class FileMapping(Closeable):
             mapping, view = self._mmap, self._view
             self._mmap = self._view = None
             locked, self._locked = self._locked, []
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
         assert mapping is not None
         assert view is not None
         for start, end in locked:
@@ -492,11 +511,13 @@ def _map_range(
     file_end: int,
     *,
     writable: bool,
-) -> tuple[mmap.mmap, int, int, bool]:
+    keep: bool = False,
+) -> tuple[mmap.mmap, int, int, bool, int | None]:
     """Blocking: ``[file_start, file_end)`` of ``path`` mapped, whole pages from an
-    allocation-granularity boundary; the mapping, the file offsets it spans, and whether
+    allocation-granularity boundary; the mapping, the file offsets it spans, whether
     it is private (copy-on-write; else shared and read-only, where the kernel refused a
-    private one and ``writable`` is False)."""
+    private one and ``writable`` is False), and with ``keep`` a descriptor of the file
+    (the caller's to close; else None)."""
     if isinstance(source, DataFile):
         # Our own duplicate: the DataFile may be closed while the mapping lives on.
         with os_errors(path, None, "cannot duplicate descriptor"):
@@ -534,9 +555,12 @@ def _map_range(
                     fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=map_start
                 )
             private = False
-    finally:
+    except BaseException:
+        os.close(fd)
+        raise
+    if not keep:
         os.close(fd)  # the mapping keeps the file alive (and mmap holds its own dup)
-    return mapping, map_start, map_end, private
+    return mapping, map_start, map_end, private, fd if keep else None
 
 
 def _lock_pages(address: int, nbytes: int, on_fault: bool, *, private: bool) -> bool:

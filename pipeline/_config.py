@@ -152,6 +152,9 @@ class LoadConfig(_Section):
     manifest: ManifestSetting = None
     # hf:// files: read from the hub's cache when there, written to it as they stream.
     cache: Bool = True
+    # Host images in memory another process can map (memfds; mapped modes keep each
+    # file's descriptor) and device images exportable: what ``aiogguf.resident`` shares.
+    shareable: Bool = False
 
 
 class OverrideRule(_Section):

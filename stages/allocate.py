@@ -49,14 +49,20 @@ def wants_huge_pages(setting: HugePages, nbytes: int) -> bool:
 
 
 def allocate_host(
-    layout: BufferLayout, alignment: int = PAGE_BYTES, *, huge_pages: HugePages = "off"
+    layout: BufferLayout,
+    alignment: int = PAGE_BYTES,
+    *,
+    huge_pages: HugePages = "off",
+    shareable: bool = False,
 ) -> HostImage:
     """Blocking: memory for a whole buffer image, aligned to a page and to ``alignment``
     (``O_DIRECT`` reads land in it), in huge pages where ``huge_pages`` (the config's
-    setting) asks for them (``wants_huge_pages``)."""
+    setting) asks for them (``wants_huge_pages``); ``shareable``: in a memfd another
+    process can map (``HostBuffer``)."""
     nbytes = max(layout.nbytes, 1)
     huge = wants_huge_pages(huge_pages, nbytes)
-    return HostImage(layout, HostBuffer(nbytes, alignment=alignment, huge_pages=huge))
+    buffer = HostBuffer(nbytes, alignment=alignment, huge_pages=huge, shareable=shareable)
+    return HostImage(layout, buffer)
 
 
 def allocate_mapped(
@@ -64,14 +70,19 @@ def allocate_mapped(
     files: Sequence[DataFile],
     *,
     writable: bool,
+    shareable: bool = False,
 ) -> MappedImage:
-    """Blocking: map each of the group's ranges, and nothing else of the file."""
+    """Blocking: map each of the group's ranges, and nothing else of the file;
+    ``shareable``: each mapping keeps a descriptor of its file, for another process to
+    map it by."""
     mappings: list[FileMapping] = []
     try:
         for rs in layout.slots:
             raise_if_stopped()
             r = rs.range
-            mapping = FileMapping(files[r.file_index], r.start, r.end, writable=writable)
+            mapping = FileMapping(
+                files[r.file_index], r.start, r.end, writable=writable, keep_descriptor=shareable
+            )
             mappings.append(mapping)
     except BaseException:
         for mapping in mappings:
@@ -91,6 +102,7 @@ def allocate_host_images(
     prefetch: bool,
     lock: bool = False,
     huge_pages: HugePages = "off",
+    shareable: bool = False,
 ) -> None:
     """Blocking: every host buffer's image, handed to ``place(buffer index, image)`` as
     soon as it exists, so that its owner frees it if a later one fails.
@@ -100,7 +112,9 @@ def allocate_host_images(
     but for lazy ranges); ``prefetch`` asks the kernel to read mapped ranges ahead;
     ``lock`` (mode ``mlock``): the loaded mapped ranges lock their pages as the readers
     fault them in (``lock_on_fault``); ``huge_pages``: the config's setting for anonymous
-    images (``allocate_host``)."""
+    images (``allocate_host``); ``shareable``: images another process can map (the
+    config's ``[load] shareable``: memfds, and mappings that keep their file's
+    descriptor)."""
     for layout in layouts:
         raise_if_stopped()
         if not layout.plan.host:
@@ -110,13 +124,14 @@ def allocate_host_images(
             # mapped: nothing reads them during the load): swapping in place writes
             # every page of a private mapping, so a mapping would save no memory, and
             # the swap's own writes would be exposed to SIGBUS if the file were cut.
-            image = allocate_mapped(layout, files, writable=writable)
+            image = allocate_mapped(layout, files, writable=writable, shareable=shareable)
             place(layout.index, image)
             advise(image, numa=numa_nodes() > 1, prefetch=prefetch)
             if lock and not layout.plan.lazy:
                 lock_on_fault(image)
         else:
-            place(layout.index, allocate_host(layout, alignment, huge_pages=huge_pages))
+            host = allocate_host(layout, alignment, huge_pages=huge_pages, shareable=shareable)
+            place(layout.index, host)
 
 
 class Allocation:

@@ -59,7 +59,14 @@ import anyio
 from aiogguf._config import Config
 from aiogguf._jobs import ReadJob, SlotFill
 from aiogguf.io._devices.arena import ArenaGrant, device_arena
-from aiogguf.io._devices.base import CopyEvent, CopyStream, Device, DeviceBuffer, UploadTarget
+from aiogguf.io._devices.base import (
+    CopyEvent,
+    CopyStream,
+    Device,
+    DeviceBuffer,
+    ShareableTarget,
+    UploadTarget,
+)
 from aiogguf.io._devices.pool import PooledSlot, SlotLease, StagingPool, staging_pool
 from aiogguf.io.workers import LoadThreads
 
@@ -285,6 +292,11 @@ class Uploader:
         self._threads = threads
         self._skip_wait = _unsafe_skip_slot_wait
         self._grants: list[ArenaGrant] = []
+        # ``[load] shareable``: buffers another process can map; a device whose arena's
+        # memory is private allocates them apart (``ShareableTarget``), and they are the
+        # load's own (freed with a failed load's grants, never given to the arena).
+        self._shareable = config.load.shareable
+        self._own: list[DeviceBuffer] = []
         self._done: dict[str, list[CopyEvent]] = {}  # per device: each stream's last copy
         self._counts: dict[str, _DeviceCounts] = {}
         self._lock = threading.Lock()
@@ -310,6 +322,7 @@ class Uploader:
     ) -> None:
         self.state = UploaderState.CLOSING
         grants, self._grants = self._grants, []
+        own, self._own = self._own, []
         with self._lock:
             for grant in grants:
                 grant.used_by(self._done.get(grant.buffer.device, ()))
@@ -317,7 +330,7 @@ class Uploader:
             if exc is not None:
                 # Given back even while being cancelled: nobody else will.
                 with anyio.CancelScope(shield=True):
-                    await self._device_thread.run_sync(_close_all, [g.buffer for g in grants])
+                    await self._device_thread.run_sync(_close_all, [g.buffer for g in grants] + own)
         except Exception as err:
             if exc is not None:
                 exc.add_note(f"while freeing device buffers: {err!r}")
@@ -352,6 +365,12 @@ class Uploader:
             # The device gets its pool now even if no copy reaches it: the pool is how
             # ``release_device_memory`` finds a device's cached memory.
             staging_pool(target)
+            if self._shareable and isinstance(target, ShareableTarget):
+                buffer = target.allocate_shareable(nbytes)
+                self._own.append(buffer)
+                with self._lock:
+                    _counts_of(self._counts, device, target).device_bytes += nbytes
+                return buffer
             grant = device_arena(target).take(nbytes)
             # Recorded in the thread: a cancelled await cannot lose the buffer.
             self._grants.append(grant)

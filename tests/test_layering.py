@@ -50,6 +50,7 @@ LAYERS: dict[str, int] = {
     "aiogguf.integrity._hashing": 6,
     # Wings that are clients of the API.
     "aiogguf.compat": 7,
+    "aiogguf.resident": 7,  # shareable images handed to another process (``server`` uses it)
     "aiogguf.server": 7,
     "aiogguf.testing": 7,  # the demo and benchmark harness: above the API, below the CLI
     "aiogguf.cli": 8,

@@ -42,6 +42,9 @@ __all__ = [
     "DeviceBuffer",
     "DeviceCaps",
     "DeviceKind",
+    "ExportableBuffer",
+    "ShareableTarget",
+    "SharedDeviceMemory",
     "StagingSlot",
     "UploadTarget",
     "all_buffer_types",
@@ -192,6 +195,44 @@ class DeviceBuffer(Protocol):
 
     def close(self) -> None:
         """Free the memory (arrays still viewing it keep it alive). Idempotent."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SharedDeviceMemory:
+    """How another process reaches a device buffer's memory (a load with ``[load]
+    shareable``): a memfd for the simulated device (``fd``, the buffer ``offset`` bytes
+    into it), a CUDA IPC handle for a GPU (``ipc_handle`` of the base allocation, the
+    buffer ``offset`` bytes into it, on the GPU of PCI bus id ``device_id``). ``fd`` is
+    the buffer's own: valid while the buffer is open, never to be closed by the caller."""
+
+    device: str
+    nbytes: int
+    offset: int
+    fd: int | None = None
+    ipc_handle: bytes | None = None
+    device_id: str | None = None
+
+
+@runtime_checkable
+class ExportableBuffer(Protocol):
+    """A device buffer whose memory another process can map (``SharedDeviceMemory``)."""
+
+    def export(self) -> SharedDeviceMemory:
+        """Where another process finds this buffer's memory. Raises ``LoadError`` when
+        it cannot be shared (a simulated buffer not allocated shareable)."""
+        ...
+
+
+@runtime_checkable
+class ShareableTarget(Protocol):
+    """A device that allocates shareable memory apart from its arena (the simulated
+    device: its arena's memory is private to the process). A device without it (CUDA:
+    every ``cudaMalloc`` has an IPC handle) shares its arena's buffers."""
+
+    def allocate_shareable(self, nbytes: int) -> DeviceBuffer:
+        """``nbytes`` of device memory that ``export`` hands to another process; freed
+        when closed. Raises ``LoadError`` when the device cannot allocate it."""
         ...
 
 

@@ -44,6 +44,7 @@ from aiogguf.io._devices.base import (
     DeviceBuffer,
     DeviceCaps,
     DeviceKind,
+    SharedDeviceMemory,
     StagingSlot,
 )
 from aiogguf.io.buffers import held_by_views
@@ -59,6 +60,7 @@ __all__ = [
     "cupy_devices",
     "forget_cupy_devices",
     "import_cupy",
+    "open_ipc_buffer",
 ]
 
 # One pinned host buffer type serves every CUDA device, as in ggml-cuda.
@@ -355,6 +357,26 @@ class CupyDeviceBuffer:
                 )
         return host.data
 
+    def export(self) -> SharedDeviceMemory:
+        """Where another process finds this buffer's memory: the CUDA IPC handle of the
+        ``cudaMalloc`` that holds it (an arena's block: the buffer is a part of it, so the
+        offset inside it goes along). Raises ``LoadError`` after close or when CUDA
+        refuses (memory that is not a ``cudaMalloc``'s)."""
+        mem, anchor = self._live(), self.anchor
+        assert anchor is not None
+        cupy = self._cupy
+        runtime = cupy.cuda.runtime
+        with _cuda_errors(self.device, "exporting device memory"), cupy.cuda.Device(self._ordinal):
+            handle = bytes(runtime.ipcGetMemHandle(anchor.block.ptr))
+            bus_id = str(runtime.deviceGetPCIBusId(self._ordinal))
+        return SharedDeviceMemory(
+            self.device,
+            self.nbytes,
+            int(mem.ptr) - anchor.block.ptr,
+            ipc_handle=handle,
+            device_id=bus_id,
+        )
+
     def close(self) -> None:
         # The block goes back (to its arena, or to the device) when the last reference to
         # the anchor (ours, or an array view's) goes.
@@ -493,3 +515,46 @@ class CupyCopyStream:
             raise ValueError(f"{self.device}: cannot copy into {dest!r}")
         _check_range(f"copy into {self.device} buffer", dest_offset, nbytes, dest.nbytes)
         return dest
+
+
+class _IpcBlock:
+    """Another process's ``cudaMalloc``, opened from its IPC handle
+    (``cudaIpcOpenMemHandle``): ``ptr`` is the buffer's start inside it; ``free``
+    closes the handle once (``cudaIpcCloseMemHandle``)."""
+
+    def __init__(self, cupy: Any, ordinal: int, shared: SharedDeviceMemory) -> None:
+        assert shared.ipc_handle is not None
+        self.device = shared.device
+        self.nbytes = shared.offset + shared.nbytes
+        self._cupy = cupy
+        self._ordinal = ordinal
+        runtime = cupy.cuda.runtime
+        with _cuda_errors(shared.device, "opening an IPC handle"), cupy.cuda.Device(ordinal):
+            self._base: int | None = int(
+                runtime.ipcOpenMemHandle(shared.ipc_handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+            )
+        self.ptr: int = self._base + shared.offset
+
+    def free(self) -> None:
+        base, self._base = self._base, None
+        if base is not None:
+            with (
+                _cuda_errors(self.device, "closing an IPC handle"),
+                self._cupy.cuda.Device(self._ordinal),
+            ):
+                self._cupy.cuda.runtime.ipcCloseMemHandle(base)
+
+
+def open_ipc_buffer(shared: SharedDeviceMemory) -> CupyDeviceBuffer:
+    """A buffer over another process's device memory (``CupyDeviceBuffer.export``), on
+    the GPU of its PCI bus id. The memory is the exporter's own (CUDA maps no
+    copy-on-write device memory): a write through it reaches every process that maps
+    it. Raises ``LoadError`` without CuPy, for a GPU this process cannot see, or when
+    CUDA refuses the handle."""
+    cupy = _require_cupy(shared.device)
+    if shared.ipc_handle is None or shared.device_id is None:
+        raise LoadError(None, None, f"{shared.device}: no CUDA IPC handle to open")
+    with _cuda_errors(shared.device, f"finding the GPU at PCI bus {shared.device_id}"):
+        ordinal = int(cupy.cuda.runtime.deviceGetByPCIBusId(shared.device_id))
+    block = _IpcBlock(cupy, ordinal, shared)
+    return CupyDeviceBuffer(cupy, ordinal, block, shared.nbytes, block.free)  # type: ignore[arg-type]

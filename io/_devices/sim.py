@@ -50,6 +50,8 @@ like a GPU for the upload stage, so CI can test the staging ring without one:
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
 import threading
 import time
@@ -73,10 +75,11 @@ from aiogguf.io._devices.base import (
     DeviceBuffer,
     DeviceCaps,
     DeviceKind,
+    SharedDeviceMemory,
     StagingSlot,
 )
 from aiogguf.io._devices.sim_memory import BackedBlock, SimMemoryCache, SimMemoryStats
-from aiogguf.io.buffers import HostBuffer, held_by_views
+from aiogguf.io.buffers import HostBuffer, back_pages, held_by_views, sealed_memfd
 from aiogguf.io.files import merge_range
 from aiogguf.io.ggml_types import GGMLType, ggml_type_by_name
 from aiogguf.io.workers import at_load_priority
@@ -289,6 +292,48 @@ class SimDevice:
             self._count(buffers=-1, buffer_bytes=-nbytes)
             raise
 
+    def allocate_shareable(self, nbytes: int) -> SimDeviceBuffer:
+        """``nbytes`` of simulated device memory that another process can map: a sealed
+        memfd, backed now, handed out by ``SimDeviceBuffer.export`` (what a CUDA IPC
+        handle is to a GPU). Freed when closed and no array views it; never cached.
+        Raises ``LoadError`` when the device's ``total`` would be exceeded or the host
+        cannot give the memory."""
+        self._reserve(nbytes)
+        try:
+            fd = sealed_memfd(f"aiogguf-{self.name}", max(nbytes, 1))
+        except MemoryError as exc:
+            self._count(buffers=-1, buffer_bytes=-nbytes)
+            raise LoadError(None, None, f"device {self.name}: {exc}") from exc
+        try:
+            mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+            memory = numpy.frombuffer(mapping, dtype=numpy.uint8)
+            back_pages(memory)
+        except BaseException:
+            os.close(fd)
+            self._count(buffers=-1, buffer_bytes=-nbytes)
+            raise
+        # Counted free once the buffer is closed and its last view gone, as cudaFree.
+        freed = weakref.finalize(memory, self._count, buffers=-1, buffer_bytes=-nbytes)
+        freed.atexit = False
+        buffer = SimDeviceBuffer(self, nbytes, memory=memory, released=_nothing)
+        buffer._shared_fd = fd
+        return buffer
+
+    def map_shared(self, shared: SharedDeviceMemory) -> SimDeviceBuffer:
+        """A buffer of this device over memory another process's ``export`` handed out
+        (its memfd, already checked to hold ``shared.offset + shared.nbytes`` bytes and
+        to be sealed), mapped copy-on-write: every byte reads as the exporter's, and a
+        write stays in this process. The caller keeps the descriptor. Raises
+        ``LoadError`` when the mapping is refused."""
+        assert shared.fd is not None
+        try:
+            host = HostBuffer.map_private(shared.fd, shared.offset, shared.nbytes)
+        except MemoryError as exc:
+            raise LoadError(None, None, f"device {self.name}: {exc}") from exc
+        buffer = SimDeviceBuffer(self, shared.nbytes, memory=host.as_array(), released=host.close)
+        buffer.mark_written(0, shared.nbytes)  # the exporter's bytes, never poison
+        return buffer
+
     def _reserve(self, nbytes: int) -> None:
         """``cudaMalloc``'s part: a device-wide synchronisation, then the accounting."""
         if nbytes < 0:
@@ -383,6 +428,10 @@ class SimBlock:
         self._owner._count(buffers=-1, buffer_bytes=-self.nbytes)
 
 
+def _nothing() -> None:
+    pass
+
+
 class SimDeviceBuffer:
     """Simulated device memory: a numpy array standing in for a device allocation.
 
@@ -397,6 +446,8 @@ class SimDeviceBuffer:
     over gigabytes up front would cost the host what ``cudaMalloc`` does not cost a GPU."""
 
     xp: ModuleType = numpy
+    # The memfd of a shareable buffer (``SimDevice.allocate_shareable``): ``export``.
+    _shared_fd: int | None = None
 
     def __init__(
         self,
@@ -482,6 +533,20 @@ class SimDeviceBuffer:
         self._poison_gaps(offset, nbytes)
         return self._live()[offset : offset + nbytes].copy().data
 
+    def export(self) -> SharedDeviceMemory:
+        """Where another process finds this buffer's memory: its memfd (the buffer's
+        own, valid while it is open). Raises ``LoadError`` for a buffer not allocated
+        shareable, or closed."""
+        self._live()
+        if self._shared_fd is None:
+            raise LoadError(
+                None,
+                None,
+                f"device {self.device}: the buffer is not shareable (load with "
+                "[load] shareable = true)",
+            )
+        return SharedDeviceMemory(self.device, self.nbytes, 0, fd=self._shared_fd)
+
     def close(self) -> None:
         # Views handed out by array() keep the memory alive and out of the cache; the
         # device's accounting is what "free" means here.
@@ -489,6 +554,9 @@ class SimDeviceBuffer:
             data, self._data = self._data, None
             if data is None:
                 return
+            fd, self._shared_fd = self._shared_fd, None
+        if fd is not None:
+            os.close(fd)  # the mappings (ours, other processes') keep the memory
         held_by_views(data)  # forgotten at once unless a view keeps it
         del data
         if self._own:

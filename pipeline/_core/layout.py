@@ -116,6 +116,7 @@ def lay_out(
         prefetch=config.load.prefetch,
         lock=plan.traits.locked,
         huge_pages=config.pipeline.huge_pages,
+        shareable=config.load.shareable,
     )
     hosted = [lay for lay in layouts if lay.plan.host]
     ended = clock()

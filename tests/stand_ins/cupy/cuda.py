@@ -275,3 +275,30 @@ class runtime:  # CuPy's name
     @staticmethod
     def memcpy(dst: int, src: int, size: int, kind: int) -> None:
         ctypes.memmove(dst, src, size)
+
+    # IPC handles, in this process only: a handle names the address of the allocation
+    # (its base: where ``ptr`` lies inside one of this process's ``Memory``), and
+    # opening it gives that address back. Another process cannot open it.
+    cudaIpcMemLazyEnablePeerAccess = 1
+
+    @staticmethod
+    def ipcGetMemHandle(ptr: int) -> bytes:
+        _context()
+        return ptr.to_bytes(8, "little") + bytes(56)
+
+    @staticmethod
+    def ipcOpenMemHandle(handle: bytes, flags: int = 1) -> int:
+        if len(handle) != 64:
+            raise CUDARuntimeError("cudaErrorInvalidValue: not an IPC handle")
+        return int.from_bytes(handle[:8], "little")
+
+    @staticmethod
+    def ipcCloseMemHandle(ptr: int) -> None:
+        return None
+
+    @staticmethod
+    def deviceGetByPCIBusId(bus_id: str) -> int:
+        for ordinal in range(_count()):
+            if runtime.deviceGetPCIBusId(ordinal) == bus_id:
+                return ordinal
+        raise CUDARuntimeError(f"cudaErrorInvalidDevice: no device at {bus_id}")
