@@ -48,7 +48,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -62,16 +62,26 @@ from aiogguf._config import Config, load_config
 from aiogguf._events import FanOut, Progress
 from aiogguf._model import Model
 from aiogguf._report import LoadReport
-from aiogguf._units import counted
+from aiogguf._units import counted, format_bytes, parse_duration
 from aiogguf.errors import GGUFError
 from aiogguf.io._devices.arena import device_arenas
 from aiogguf.io._devices.base import Device
 from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
 from aiogguf.io.workers import LoadThreads
 from aiogguf.remote._http_source import is_url, redact_url
+from aiogguf.remote._sources import is_remote
 from aiogguf.server._limiter import LimiterStats, LoadLimiter
+from aiogguf.server._manager import (
+    ReloadRates,
+    choose_victims,
+    keep_alive_json,
+    source_kind,
+    wall_clock_iso,
+)
 from aiogguf.server._policy import (
     HEALTH_ROUTE,
+    STATUS_ROUTE,
+    PreOpened,
     RequestRefused,
     ServerPolicy,
     auth_middleware,
@@ -81,7 +91,8 @@ from aiogguf.server._policy import (
     server_base_config,
 )
 from aiogguf.server._remote import NoLocalFiles, RemoteAccess
-from aiogguf.server._requests import LoadRequest, parse_request
+from aiogguf.server._requests import LoadRequest, parse_request, prepare_body
+from aiogguf.server._status_page import status_page
 from aiogguf.server._transport import (
     ConnectionGuard,
     DescriptorBudget,
@@ -120,11 +131,19 @@ class LoadState(StrEnum):
 
 
 class _Entry:
-    """One load the server knows: its task's state, progress and subscribers."""
+    """One load the server knows: its task's state, progress and subscribers, and what
+    the model manager keeps of it (keep-alive, pin, leases, reload cost)."""
 
-    def __init__(self, load_id: str, request: LoadRequest) -> None:
+    def __init__(
+        self,
+        load_id: str,
+        request: LoadRequest,
+        rates: ReloadRates,
+        keep_alive_s: float,
+    ) -> None:
         self.id = load_id
         self.request = request
+        self.rates = rates
         self.state = LoadState.LOADING
         self.queued = True
         self.progress: Progress | None = None
@@ -142,6 +161,19 @@ class _Entry:
         self.leases = 0
         # When the model was last ready-and-unleased or used (``time.monotonic``).
         self.last_used = time.monotonic()
+        # How long the model stays once idle (``math.inf``: forever), and whether it is
+        # pinned: never evicted, never expired, unloaded only by DELETE.
+        self.keep_alive_s = keep_alive_s
+        self.pinned = bool(request.pin)
+        # Its unload was asked for (DELETE, eviction, keep-alive): its memory is on its
+        # way out, and a new load waits for it (``after``) rather than overshoot.
+        self.leaving = False
+        self.unload_reason: str | None = None
+        self.after: tuple[_Entry, ...] = ()
+        # Where its bytes came from and the rate its load measured (None: too small to
+        # say): its reload cost.
+        self.kind = source_kind(is_remote(request.path), request.cached_bytes, request.nbytes)
+        self.load_rate: float | None = None
         self._fan = FanOut[dict[str, Any]]()
         # Set (and replaced) whenever subscribers may have something new.
         self.changed: anyio.Event = anyio.Event()
@@ -150,6 +182,33 @@ class _Entry:
     def settled(self) -> bool:
         """The load itself has ended: ready, or in a terminal state."""
         return self.state is not LoadState.LOADING
+
+    @property
+    def nbytes(self) -> int:
+        """File bytes the model holds (or will)."""
+        return self.request.nbytes
+
+    @property
+    def reload_s(self) -> float:
+        """The estimated time to load this model again (docs/server.md)."""
+        return self.rates.reload_seconds(self.request.nbytes, self.kind, self.load_rate)
+
+    @property
+    def evictable(self) -> bool:
+        """Ready, idle (no lease), not pinned, and not on its way out already."""
+        return (
+            self.state is LoadState.READY
+            and self.leases == 0
+            and not self.pinned
+            and not self.leaving
+        )
+
+    def deadline(self) -> float | None:
+        """When an idle model's keep-alive ends (``time.monotonic``); None while it is
+        loading, leased, pinned, kept forever or leaving."""
+        if not self.evictable or math.isinf(self.keep_alive_s):
+            return None
+        return self.last_used + self.keep_alive_s
 
     def snapshot(self) -> dict[str, Any]:
         """The load's state and progress, as the server sends it (JSON)."""
@@ -172,7 +231,19 @@ class _Entry:
             "gbps": None if math.isnan(gbps) else gbps,
             "message": p.message if p is not None else "",
             "error": self.error,
-            "device_memory": _device_memory(self.request.devices),
+            "device_memory": (memory := _device_memory(self.request.devices)),
+            # The model manager's view; names as ollama's /api/ps has them where it
+            # has them (size, size_vram, expires_at).
+            "size": self.request.nbytes,
+            "size_vram": sum(memory.values()),
+            "leases": self.leases,
+            "pinned": self.pinned,
+            "keep_alive": keep_alive_json(self.keep_alive_s),
+            "expires_at": None if (end := self.deadline()) is None else wall_clock_iso(end),
+            "last_used": wall_clock_iso(self.last_used),
+            "reload_s": self.reload_s,
+            "source": self.kind.value,
+            "unload_reason": self.unload_reason,
         }
         if self.report is not None:
             data["report"] = _report_summary(self.report)
@@ -244,10 +315,12 @@ def _report_summary(report: LoadReport) -> dict[str, Any]:
     }
 
 
-def _load_key(request: LoadRequest) -> tuple[str, str, tuple[str, ...]]:
-    """What makes two loads one resident model: the path, the config, the devices."""
+def _load_key(request: LoadRequest) -> tuple[object, ...]:
+    """What makes two loads one resident model: the path, the very files it named, the
+    config, the devices."""
     return (
         request.path,
+        request.file_ids,
         request.config.model_dump_json(),
         tuple(device.name for device in request.devices),
     )
@@ -298,6 +371,16 @@ class LoaderRegistry:
         # Remote loads whose files are being opened now (``policy.max_remote_admissions``);
         # changed on the loop's thread only.
         self.remote_admissions = 0
+        # The model manager: the rates this server's loads measured (reload costs), the
+        # keep-alive of a load that names none, and the event that wakes the task that
+        # unloads idle models when their keep-alive ends (made in ``start``).
+        self.rates = ReloadRates()
+        self.keep_alive_s: float = (
+            self.policy.keep_alive_s
+            if self.policy.keep_alive_s is not None
+            else parse_duration(config.server.keep_alive)
+        )
+        self._wake: anyio.Event | None = None
 
     @property
     def accepting(self) -> bool:
@@ -306,6 +389,7 @@ class LoaderRegistry:
     async def start(self) -> None:
         """Start the task that supervises the loads (``aclose`` joins it)."""
         self._stop = anyio.Event()
+        self._wake = anyio.Event()
         started = anyio.Event()
         # The one task the registry creates outside a task group; ``aclose`` joins it.
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(started))
@@ -316,6 +400,7 @@ class LoaderRegistry:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                tg.start_soon(self._expire_idle, name="aiogguf keep-alive")
                 started.set()
                 await self._stop.wait()
                 tg.cancel_scope.cancel()
@@ -362,41 +447,105 @@ class LoaderRegistry:
         holding = [e for e in self.entries.values() if e.holds_memory]
         return len(holding), sum(e.request.nbytes for e in holding)
 
+    def _staying(self) -> tuple[int, int]:
+        """``held()`` less the models on their way out (their memory is promised)."""
+        staying = [e for e in self.entries.values() if e.holds_memory and not e.leaving]
+        return len(staying), sum(e.request.nbytes for e in staying)
+
     def submit(self, request: LoadRequest) -> _Entry:
-        """Start ``request``'s load; ``RequestRefused`` (429, 507) over a limit."""
+        """Start ``request``'s load, evicting idle models (cheapest to reload first) to
+        make room under the limits; ``RequestRefused`` (429, 507) when evicting every
+        idle, unpinned model would not be enough."""
         if self._tg is None or self._closing:
             raise RuntimeError("the server is shutting down")
         policy = self.policy
-        models, nbytes = self.held()
-        if policy.max_models is not None and models >= policy.max_models:
-            raise RequestRefused(
-                f"this server holds {counted(models, 'model')}, its limit; unload one first",
-                status=429,
-            )
-        if (
-            policy.max_loaded_bytes is not None
-            and nbytes + request.nbytes > policy.max_loaded_bytes
-        ):
-            raise RequestRefused(
-                f"{request.path}: {request.nbytes} bytes would take the models held to "
-                f"{nbytes + request.nbytes} bytes, over this server's limit of "
-                f"{policy.max_loaded_bytes}",
-                status=507,
-            )
+        models, nbytes = self._staying()
+        free_models = 0 if policy.max_models is None else models + 1 - policy.max_models
+        free_bytes = (
+            0
+            if policy.max_loaded_bytes is None
+            else nbytes + request.nbytes - policy.max_loaded_bytes
+        )
+        candidates = [e for e in self.entries.values() if e.evictable]
+        victims = choose_victims(candidates, free_bytes, free_models)
+        if victims is None:
+            raise self._refusal(request, models, nbytes, free_models > 0)
         self.prune()
         # 128 random bits: one client cannot guess, and so cannot DELETE, another's model.
-        entry = _Entry(secrets.token_hex(16), request)
+        entry = _Entry(secrets.token_hex(16), request, self.rates, self._keep_alive(request))
+        for victim in victims:
+            self.let_go(victim, f"evicted for load {entry.id}")
+            logger.info(
+                "evicted %s (%s, reload %.1f s) for %s",
+                victim.id,
+                format_bytes(victim.nbytes),
+                victim.reload_s,
+                entry.id,
+            )
+        # Every model on its way out frees its memory before this load takes any.
+        entry.after = tuple(
+            e for e in self.entries.values() if e.leaving and not e.finished.is_set()
+        )
         self.entries[entry.id] = entry
         self._tg.start_soon(self._run, entry, name=f"aiogguf load {entry.id}")
         return entry
 
+    def _refusal(
+        self, request: LoadRequest, models: int, nbytes: int, over_count: bool
+    ) -> RequestRefused:
+        kept = [e for e in self.entries.values() if e.holds_memory and not e.leaving]
+        leased = sum(1 for e in kept if e.leases)
+        pinned = sum(1 for e in kept if e.pinned and not e.leases)
+        loading = sum(1 for e in kept if e.state is LoadState.LOADING)
+        why = f"none can be evicted enough: {leased} leased, {pinned} pinned, {loading} loading"
+        if over_count:
+            return RequestRefused(
+                f"this server holds {counted(models, 'model')}, its limit, and {why}; "
+                "unload one first",
+                status=429,
+            )
+        limit = self.policy.max_loaded_bytes
+        return RequestRefused(
+            f"{request.path}: {request.nbytes} bytes would take the models held to "
+            f"{nbytes + request.nbytes} bytes, over this server's limit of {limit}, "
+            f"and {why}",
+            status=507,
+        )
+
+    def _keep_alive(self, request: LoadRequest) -> float:
+        return self.keep_alive_s if request.keep_alive_s is None else request.keep_alive_s
+
+    def update(self, entry: _Entry, request: LoadRequest) -> None:
+        """A second request for ``entry``'s load: its ``keep_alive`` and ``pin``, where
+        it gives them, replace the model's."""
+        if request.keep_alive_s is not None:
+            entry.keep_alive_s = request.keep_alive_s
+        if request.pin is not None:
+            entry.pinned = request.pin
+        entry.last_used = time.monotonic()
+        entry.publish()
+        self._wake_up()
+
+    def let_go(self, entry: _Entry, reason: str) -> None:
+        """Unload ``entry`` (or cancel its load) for ``reason``; returns at once."""
+        if not entry.leaving:
+            entry.leaving = True
+            entry.unload_reason = reason
+        if entry.state is LoadState.LOADING:
+            entry.scope.cancel()
+        else:
+            entry.unload.set()
+        self._wake_up()
+
     def same_load(self, request: LoadRequest) -> _Entry | None:
         """A load, loading or ready, of the same files in the same placement as
-        ``request`` (the same path, config and devices): one resident model serves both."""
+        ``request`` (the same path, config and devices): one resident model serves both.
+        A model on its way out (unloaded, evicted, expired) is none."""
         key = _load_key(request)
         for entry in self.entries.values():
             if (
                 entry.holds_memory
+                and not entry.leaving
                 and not entry.finished.is_set()
                 and _load_key(entry.request) == key
             ):
@@ -406,16 +555,90 @@ class LoaderRegistry:
     @contextlib.contextmanager
     def lease(self, entry: _Entry) -> Iterator[None]:
         """Hold ``entry``'s model for a client while the block runs (on the loop's thread):
-        it is not evicted or unloaded unless forced."""
+        it is not evicted or unloaded unless forced, and its keep-alive runs from the
+        end of its last lease."""
         entry.leases += 1
         entry.last_used = time.monotonic()
         entry.publish()
+        self._wake_up()
         try:
             yield
         finally:
             entry.leases -= 1
             entry.last_used = time.monotonic()
             entry.publish()
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        """Tell the keep-alive task that a deadline may have changed."""
+        if self._wake is not None:
+            self._wake.set()
+            self._wake = anyio.Event()
+
+    async def _expire_idle(self) -> None:
+        """Unload each idle model as its keep-alive ends: sleeps until the nearest end or
+        until a lease, a load or a request changes one (``_wake_up``), never polls."""
+        while True:
+            assert self._wake is not None
+            wake = self._wake
+            now = time.monotonic()
+            nearest = math.inf
+            for entry in list(self.entries.values()):
+                end = entry.deadline()
+                if end is None:
+                    continue
+                if end <= now:
+                    self.let_go(entry, "keep_alive expired")
+                    logger.info("unloaded %s: idle for its keep_alive", entry.id)
+                else:
+                    nearest = min(nearest, end)
+            with anyio.move_on_after(nearest - now):
+                await wake.wait()
+
+    def budget(self) -> dict[str, Any]:
+        """What the models take of the server's limits, and the rates it has measured."""
+        models, nbytes = self.held()
+        return {
+            "models": models,
+            "max_models": self.policy.max_models,
+            "bytes": nbytes,
+            "max_loaded_bytes": self.policy.max_loaded_bytes,
+            "keep_alive": keep_alive_json(self.keep_alive_s),
+            "rates": self.rates.measured(),
+        }
+
+    async def preload(self, tables: Sequence[Mapping[str, Any]]) -> None:
+        """Load each of ``tables`` (``POST /models`` bodies) in the registry's task group;
+        returns at once. One that fails is logged in one line and listed as failed."""
+        assert self._tg is not None
+        for table in tables:
+            self._tg.start_soon(self._preload_one, dict(table), name="aiogguf preload")
+
+    async def _preload_one(self, body: dict[str, Any]) -> None:
+        path = str(body.get("path"))
+        try:
+            entry = self.submit(await prepare_body(body, self))
+        except RequestRefused as exc:
+            logger.warning("preload %s refused (%d): %s", path, exc.status, exc.reason)
+            self._failed_preload(body, exc.reason)
+            return
+        except RuntimeError:  # shutting down
+            return
+        while not entry.settled:  # no await between the look and the wait
+            await entry.changed.wait()
+        if entry.state is LoadState.FAILED:
+            logger.warning("preload %s failed: %s", path, entry.error)
+
+    def _failed_preload(self, body: dict[str, Any], reason: str) -> None:
+        """A preload refused before its load began, listed as a failed load."""
+        request = LoadRequest(
+            str(body.get("path")), self.config, (), 0, 0, PreOpened(self.opener, []), 0
+        )
+        entry = _Entry(secrets.token_hex(16), request, self.rates, self.keep_alive_s)
+        entry.state, entry.error = LoadState.FAILED, reason
+        entry.finished.set()
+        self.entries[entry.id] = entry
+        self._ended_now(entry)
 
     def touch(self, entry: _Entry) -> None:
         """A record was read: it is the last to go among the ended ones."""
@@ -456,6 +679,11 @@ class LoaderRegistry:
         )
         try:
             with entry.scope:
+                # Memory promised by models on their way out is freed before this load
+                # takes any: the limits are never overshot.
+                for leaving in entry.after:
+                    await leaving.finished.wait()
+                entry.after = ()
                 async with contextlib.AsyncExitStack() as stack:
                     # The share of the budget is held while loading only: a ready model
                     # uses no readers and no staging buffers.
@@ -469,9 +697,13 @@ class LoaderRegistry:
                     stack.push_async_callback(_close_model, model)
                     entry.report = model.report
                     entry.model = model
+                    entry.load_rate = self.rates.record(
+                        entry.kind, request.nbytes, model.report.total_s
+                    )
                     entry.last_used = time.monotonic()
                     entry.state = LoadState.READY
                     entry.publish()
+                    self._wake_up()
                     await entry.unload.wait()
         except GGUFError as exc:
             entry.state, entry.error = LoadState.FAILED, exception_line(exc)
@@ -493,13 +725,11 @@ class LoaderRegistry:
             entry.finished.set()
             self._ended_now(entry)
             entry.publish()
+            self._wake_up()
 
-    async def stop(self, entry: _Entry, timeout_s: float) -> bool:
+    async def stop(self, entry: _Entry, timeout_s: float, reason: str = "DELETE") -> bool:
         """Cancel or unload ``entry``; True once it has ended within ``timeout_s``."""
-        if entry.state is LoadState.LOADING:
-            entry.scope.cancel()
-        else:
-            entry.unload.set()
+        self.let_go(entry, reason)
         with anyio.move_on_after(timeout_s):
             await entry.finished.wait()
         return entry.finished.is_set()
@@ -545,6 +775,15 @@ async def _post_model(request: web.Request) -> web.Response:
         if parsed is not None:
             parsed.opener.close()
         return _error(499, "the client closed its connection before the load was admitted")
+    # The same files in the same placement, loading or ready: that model, once.
+    existing = registry.same_load(parsed)
+    if existing is not None:
+        parsed.opener.close()
+        registry.update(existing, parsed)
+        return web.json_response(
+            {"id": existing.id, "state": existing.state.value},
+            headers={"Location": str(request.url.with_path(f"{request.path}/{existing.id}"))},
+        )
     # No await between the limits' check in ``submit`` and the load taking its place.
     try:
         entry = registry.submit(parsed)
@@ -597,7 +836,12 @@ async def _while_connected(
 async def _list_models(request: web.Request) -> web.Response:
     registry = request.app[_REGISTRY]
     registry.prune()
-    return web.json_response({"models": [e.snapshot() for e in registry.entries.values()]})
+    return web.json_response(
+        {
+            "models": [e.snapshot() for e in registry.entries.values()],
+            "budget": registry.budget(),
+        }
+    )
 
 
 async def _get_model(request: web.Request) -> web.Response:
@@ -646,7 +890,15 @@ async def _delete_model(request: web.Request) -> web.Response:
         # Already over: forget the record.
         registry.forget(entry)
         return web.json_response({**entry.snapshot(), "forgotten": True})
-    if not await registry.stop(entry, _STOP_WAIT_S):
+    force = request.query.get("force", "").lower() in ("1", "true", "yes")
+    if entry.leases and not force:
+        return _error(
+            409,
+            f"model {entry.id} is leased by {counted(entry.leases, 'client')}; "
+            "DELETE with ?force=true unloads it anyway (its clients are told)",
+        )
+    reason = "DELETE" if not entry.leases else f"forced DELETE ({counted(entry.leases, 'lease')})"
+    if not await registry.stop(entry, _STOP_WAIT_S, reason):
         return web.json_response(entry.snapshot(), status=202)
     return web.json_response(entry.snapshot())
 
@@ -683,6 +935,9 @@ _REPLY_GRACE_S = 0.3
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     registry = app[_REGISTRY]
     await registry.start()
+    await registry.preload(
+        [p.model_dump(exclude_none=True) for p in registry.config.server.preload]
+    )
     try:
         yield
     finally:
@@ -755,6 +1010,7 @@ def create_app(
     app.router.add_get("/models/{id}/events", _model_events)
     app.router.add_delete("/models/{id}", _delete_model)
     app.router.add_get("/healthz", _healthz, name=HEALTH_ROUTE)
+    app.router.add_get("/", status_page, name=STATUS_ROUTE)
     return app
 
 
