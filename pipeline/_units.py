@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 __all__ = [
     "MAX_DURATION_S",
@@ -130,6 +131,7 @@ def parse_duration(value: int | float | str) -> float:
         seconds = _duration_text(value)
     if seconds < 0:
         return math.inf
+    seconds += 0.0  # "-0s" is 0, not -0.0
     if seconds > MAX_DURATION_S:
         raise ValueError(
             f"duration {_shown_any(value)} is too long: at most {MAX_DURATION_S:.0f} s "
@@ -159,15 +161,21 @@ def _duration_text(text: str) -> float:
     return -seconds if text.startswith("-") else seconds
 
 
+_NANOSECOND = Decimal("1e-9")
+
+
 def format_duration(seconds: float) -> str:
-    """``seconds`` as ``parse_duration`` reads it back: ``"5m"``, ``"90s"``, ``"-1"``
-    for forever."""
+    """``seconds`` as ``parse_duration`` reads it back, to the nanosecond (Go's unit):
+    ``"5m"``, ``"90s"``, ``"0.25s"``, ``"-1"`` for forever."""
     if math.isinf(seconds):
         return "-1"
     for unit, scale in (("h", 3600), ("m", 60)):
         if seconds and seconds % scale == 0:
             return f"{int(seconds // scale)}{unit}"
-    return f"{seconds:g}s"
+    # The shortest digits that read back as the same float, never an exponent (which
+    # Go's syntax has not).
+    text = f"{Decimal(repr(seconds)).quantize(_NANOSECOND):f}".rstrip("0").rstrip(".")
+    return f"{text}s"
 
 
 def _shown_any(value: object) -> str:
