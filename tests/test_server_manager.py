@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from server_helpers import running
 
+import aiogguf.server._app
 from aiogguf._config import Config
 from aiogguf._units import MAX_DURATION_S, format_duration, parse_duration
 from aiogguf.server._app import LoadState, ServerPolicy, create_app, registry_of
@@ -193,10 +194,22 @@ async def test_bad_keep_alive_and_pin_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_budget_squeeze_evicts_idle_models_cheapest_first(tmp_path: Path) -> None:
+async def test_a_budget_squeeze_evicts_idle_models_cheapest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four resident models, the largest leased; a fifth that needs the room of two evicts
     the two cheapest to reload (the smallest, at one measured rate), not the third idle
-    one and never the leased one."""
+    one and never the leased one, and begins only once their memory is freed."""
+    freed: dict[int, float] = {}
+    close_model = aiogguf.server._app._close_model
+
+    async def slow_close(model: Any) -> None:
+        # Freeing many GiB takes time: the new load must wait for it, not overlap it.
+        await anyio.sleep(0.3)
+        await close_model(model)
+        freed[id(model)] = time.monotonic()
+
+    monkeypatch.setattr(aiogguf.server._app, "_close_model", slow_close)
     paths = models(tmp_path, {"leased": "4MiB", "b": "1MiB", "c": "2MiB", "d": "3MiB"})
     sizes = {name: p.stat().st_size for name, p in paths.items()}
     new = tmp_path / "new.gguf"
@@ -218,6 +231,15 @@ async def test_a_budget_squeeze_evicts_idle_models_cheapest_first(tmp_path: Path
         listed = {m["id"]: m for m in (await get(http, f"{url}/models"))["models"]}
         costs = {name: listed[e.id]["reload_s"] for name, e in entries.items()}
         assert costs["b"] < costs["c"] < costs["d"] < costs["leased"]
+        model_ids = {name: id(e.model) for name, e in entries.items()}
+        began: list[float] = []
+        reserve = registry.limiter.reserve
+
+        def reserve_watched(*args: Any, **kwargs: Any) -> Any:
+            began.append(time.monotonic())
+            return reserve(*args, **kwargs)
+
+        monkeypatch.setattr(registry.limiter, "reserve", reserve_watched)
         with registry.lease(entries["leased"]):
             status, body = await post(http, url, new)
             assert status == 201, body
@@ -229,6 +251,9 @@ async def test_a_budget_squeeze_evicts_idle_models_cheapest_first(tmp_path: Path
             assert entries["d"].state is LoadState.READY
             assert entries["leased"].state is LoadState.READY
             assert registry.held()[1] <= budget
+            # Its load took its place only once both evicted models were freed.
+            assert len(began) == 1
+            assert began[0] >= max(freed[model_ids["b"]], freed[model_ids["c"]])
             # Evicting every idle model would not make room: 507, saying why, and
             # nothing is evicted for it.
             status, body = await post(http, url, huge)

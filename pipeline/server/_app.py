@@ -505,6 +505,8 @@ class LoaderRegistry:
                 status=429,
             )
         limit = self.policy.max_loaded_bytes
+        if limit is not None and request.nbytes > limit:
+            why = "it is over the limit on its own"
         return RequestRefused(
             f"{request.path}: {request.nbytes} bytes would take the models held to "
             f"{nbytes + request.nbytes} bytes, over this server's limit of {limit}, "
