@@ -4,14 +4,24 @@ Mount ``create_app(roots=[...])`` inside your own aiohttp application
 (``app.add_subapp("/gguf", create_app(roots=["/models"]))``) or run it alone with
 ``aiogguf serve``. Routes::
 
-    POST   /models              {"path": ..., "config": {overrides}} → 201 {"id": ...}
-    GET    /models              every load the server knows
-    GET    /models/{id}         state, bytes and tensors done, error; the report once ready
+    POST   /models              {"path": ..., "config": {overrides}, "keep_alive": "5m",
+                                "pin": false} → 201 {"id": ...}; 200 with the id of a
+                                model of the same files and placement, loading or ready
+    GET    /models              every load the server knows, and the budget used
+    GET    /models/{id}         state, bytes and tensors done, error, leases, pin,
+                                keep-alive, expiry, reload cost; the report once ready
     GET    /models/{id}/events  server-sent events: one ``data: {json}`` per progress
                                 event, ending after the load's final state
     DELETE /models/{id}         cancel a load in flight, unload a ready model (freeing its
-                                memory), or forget one that has ended
+                                memory; 409 while leased unless ?force=true), or forget
+                                one that has ended
+    GET    /                    the status page (``aiogguf.server._status_page``)
     GET    /healthz             liveness, with the limiter's counters
+
+The model manager (``aiogguf.server._manager``): a ready model stays until a DELETE,
+its keep-alive after its last lease, or eviction; a load past ``max_models`` or
+``max_loaded_bytes`` evicts idle, unpinned models, cheapest to reload first, and waits
+for their memory.
 
 States: ``loading`` (``queued`` while it waits for the limiter), ``ready``, ``failed``,
 ``cancelled``, ``unloaded``. Every error reply is JSON, ``{"error": "one line"}``.
