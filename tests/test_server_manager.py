@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -434,3 +436,15 @@ def test_any_value_is_a_duration_or_a_value_error(value: Any) -> None:
         assert "\n" not in str(error)
         return
     assert seconds == math.inf or 0 <= seconds <= MAX_DURATION_S
+
+
+def test_serve_refuses_a_bad_keep_alive_in_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "aiogguf", "serve", "--root", str(tmp_path), "--keep-alive", "5min"],
+        capture_output=True,
+        text=True,
+        timeout=WITHIN_S,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("aiogguf serve: --keep-alive: expected a duration like")
+    assert result.stderr.count("\n") == 1
