@@ -7,6 +7,7 @@ installs them on Debian)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import select
 import shutil
@@ -65,22 +66,25 @@ def browser_paths() -> tuple[str, str]:
 @contextlib.contextmanager
 def chromedriver(driver: str) -> Iterator[str]:
     """chromedriver on an ephemeral port of 127.0.0.1; yields its base URL."""
-    proc = subprocess.Popen(
-        [driver, "--port=0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
+    proc = subprocess.Popen([driver, "--port=0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         assert proc.stdout is not None
+        fd = proc.stdout.fileno()
         deadline = time.monotonic() + WITHIN_S
-        port = None
-        while port is None:
+        said = b""
+        # Read the raw descriptor, not the buffered file: a line already in the file's
+        # buffer would not make ``select`` say so.
+        while (found := re.search(rb"started successfully on port (\d+)", said)) is None:
             left = deadline - time.monotonic()
-            if left <= 0 or proc.poll() is not None:
-                pytest.fail("chromedriver did not say which port it listens on")
-            readable, _, _ = select.select([proc.stdout], [], [], left)
+            if left <= 0:
+                pytest.fail(f"chromedriver did not say its port within {WITHIN_S} s: {said!r}")
+            readable, _, _ = select.select([fd], [], [], left)
             if readable:
-                found = re.search(r"started successfully on port (\d+)", proc.stdout.readline())
-                port = int(found.group(1)) if found else None
-        yield f"http://127.0.0.1:{port}"
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    pytest.fail(f"chromedriver ended ({proc.wait()}) before listening: {said!r}")
+                said += chunk
+        yield f"http://127.0.0.1:{int(found.group(1))}"
     finally:
         proc.terminate()
         try:
