@@ -39,7 +39,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from aiogguf._addresses import checked_network, checked_prefix
-from aiogguf._units import format_size, parse_size
+from aiogguf._units import format_duration, format_size, parse_duration, parse_size
 from aiogguf.errors import ConfigError
 from aiogguf.io._devices.base import SIM_COPY_BYTES_PER_S, SIM_COPY_LATENCY_US, SIM_PIN_S_PER_GIB
 from aiogguf.io.ggml_types import ggml_type_by_name
@@ -56,6 +56,7 @@ __all__ = [
     "PathLimit",
     "PipelineConfig",
     "PlacementConfig",
+    "PreloadConfig",
     "ServerConfig",
     "SimDeviceConfig",
     "compile_pattern",
@@ -370,19 +371,45 @@ def _renamed(data: Any, where: str = "") -> Any:
     return data
 
 
+def _duration_text(value: object) -> str:
+    # Kept as text in parse_duration's own form ("5m", "-1"): TOML and JSON both write
+    # it back, where forever as a float (inf) would not survive JSON.
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"expected a duration like '5m' or -1 (forever), got {_show(value)}")
+    return format_duration(parse_duration(value))
+
+
+Duration = Annotated[str, BeforeValidator(_duration_text)]
+
+
+class PreloadConfig(_Section):
+    """``[[server.preload]]``: a model the server loads as it starts, with the keys of a
+    ``POST /models`` body: ``path``, ``config`` (overrides), ``keep_alive``, ``pin``."""
+
+    path: Annotated[str, Field(min_length=1)]
+    config: dict[str, Any] = {}
+    keep_alive: Duration | None = None
+    pin: Bool = False
+
+
 class ServerConfig(_Section):
     """``[server]``: settings of ``aiogguf serve``, not of a load (no override sets them).
 
     ``roots``: the directories whose files clients may load (``--root`` adds to them).
     ``allow_remote`` (``["hf"]``), ``allow_url_prefixes``: the remote names they may
     load; ``allow_private_addresses``, ``allow_networks``: the addresses such loads may
-    connect to beyond public ones (docs/server.md; each has the flag of its name)."""
+    connect to beyond public ones (docs/server.md; each has the flag of its name).
+    ``keep_alive``: how long a model stays once idle, unless its load says otherwise
+    (``"5m"``, ``0``, ``-1`` for forever, the default; ``--keep-alive``).
+    ``preload``: the models loaded as the server starts (``[[server.preload]]``)."""
 
     roots: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     allow_remote: tuple[Literal["hf"], ...] = ()
     allow_url_prefixes: tuple[Annotated[str, AfterValidator(checked_prefix)], ...] = ()
     allow_private_addresses: Bool = False
     allow_networks: tuple[Annotated[str, AfterValidator(checked_network)], ...] = ()
+    keep_alive: Duration = "-1"
+    preload: tuple[PreloadConfig, ...] = ()
 
 
 # What a load server lets its clients hold by default (``aiogguf.server._policy``'s
@@ -630,6 +657,8 @@ class Config(_Section):
             lines.extend(["[[device]]", *_toml_pairs(device), ""])
         if self.server != ServerConfig():
             lines.extend(["[server]", *_toml_pairs(self.server), ""])
+            for preload in self.server.preload:
+                lines.extend(["[[server.preload]]", *_toml_pairs(preload), ""])
         return "\n".join(lines)
 
 
@@ -684,8 +713,11 @@ def _toml_scalar(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
-    if isinstance(value, tuple):
+    if isinstance(value, tuple | list):
         return "[" + ", ".join(_toml_scalar(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table, its keys quoted
+        pairs = (f"{json.dumps(str(k))} = {_toml_scalar(v)}" for k, v in value.items())
+        return "{" + ", ".join(pairs) + "}"
     raise TypeError(f"no TOML form for {value!r}")
 
 
@@ -693,7 +725,7 @@ def _toml_pairs(section: _Section) -> list[str]:
     return [
         f"{key} = {_toml_value(section, key, value)}"
         for key, value in _fields(section)
-        if value is not None
+        if value is not None and not (key == "preload" and isinstance(section, ServerConfig))
     ]
 
 

@@ -1,11 +1,23 @@
-"""Byte sizes written the way people write them: ``"64MiB"``, ``"1.5 GB"``, ``4096``; and
-counts of things (``"1 tensor"``, ``"3 tensors"``)."""
+"""Byte sizes written the way people write them: ``"64MiB"``, ``"1.5 GB"``, ``4096``;
+durations the way ollama's ``keep_alive`` takes them (``"5m"``, ``"1h30m"``, ``300``,
+``-1``); and counts of things (``"1 tensor"``, ``"3 tensors"``)."""
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
 
-__all__ = ["MAX_SIZE", "counted", "format_bytes", "format_size", "parse_size"]
+__all__ = [
+    "MAX_DURATION_S",
+    "MAX_SIZE",
+    "counted",
+    "format_bytes",
+    "format_duration",
+    "format_size",
+    "parse_duration",
+    "parse_size",
+]
 
 # The largest size anything here takes: what an ``off_t`` holds. Beyond it a number is
 # a typo or an attack, and it would overflow the first C call that took it.
@@ -73,6 +85,101 @@ def _shown(value: int | str) -> str:
         return f"of {value.bit_length()} bits"  # its digits may be too many to print
     text = repr(value)
     return text if len(text) <= 40 else f"{text[:20]}...{text[-12:]} ({len(str(value))} chars)"
+
+
+# Go's ``time.Duration`` (what ollama's ``keep_alive`` is) holds 2**63 ns, about 292
+# years: a longer duration is a typo, and the clients that script against ollama could
+# not send it back.
+MAX_DURATION_S = (2**63 - 1) / 1e9
+_DURATION_UNITS: dict[str, float] = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "\u00b5s": 1e-6,  # micro sign
+    "\u03bcs": 1e-6,  # Greek mu
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+# One ``<number><unit>`` of Go's duration syntax; a duration is one or more of them.
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_PLAIN_SECONDS = re.compile(r"[-+]?(\d+(?:\.\d*)?|\.\d+)")
+# Longer text is no duration anyone writes; it is refused before any arithmetic.
+_MAX_DURATION_CHARS = 64
+
+
+def parse_duration(value: int | float | str) -> float:
+    """Seconds in ``value``, as ollama reads ``keep_alive``: a number of seconds (JSON or
+    text, ``300``, ``"2.5"``) or Go's duration syntax (``"5m"``, ``"1h30m"``, ``"300ms"``;
+    units ns, us, ms, s, m, h; no spaces). Any negative value (``-1``, ``"-1m"``) means
+    forever and returns ``math.inf``; ``0`` means at once.
+
+    Raises ``ValueError`` naming the value: not a duration, not finite, or longer than
+    ``MAX_DURATION_S`` (Go's limit, about 292 years).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(
+            f"expected a duration like '5m', '30s' or '1h', or seconds, got {_shown_any(value)}"
+        )
+    if isinstance(value, int):
+        seconds = float(value) if value.bit_length() <= 128 else (math.inf if value > 0 else -1.0)
+    elif isinstance(value, float):
+        if math.isnan(value):
+            raise ValueError("a duration cannot be NaN")
+        seconds = value
+    else:
+        seconds = _duration_text(value)
+    if seconds < 0:
+        return math.inf
+    seconds += 0.0  # "-0s" is 0, not -0.0
+    if seconds > MAX_DURATION_S:
+        raise ValueError(
+            f"duration {_shown_any(value)} is too long: at most {MAX_DURATION_S:.0f} s "
+            "(use -1 for forever)"
+        )
+    return seconds
+
+
+def _duration_text(text: str) -> float:
+    if len(text) > _MAX_DURATION_CHARS:
+        raise ValueError(f"duration {_shown(text)} is too long to be one")
+    if _PLAIN_SECONDS.fullmatch(text):
+        return float(text)
+    body = text[1:] if text[:1] in "+-" else text
+    pos, seconds = 0, 0.0
+    while pos < len(body):
+        part = _DURATION_PART.match(body, pos)
+        if part is None:
+            break
+        seconds += float(part.group(1)) * _DURATION_UNITS[part.group(2)]
+        pos = part.end()
+    if not body or pos != len(body):
+        raise ValueError(
+            f"expected a duration like '5m', '30s', '1h30m' or '-1' (forever), or seconds "
+            f"(units: ns, us, ms, s, m, h), got {_shown(text)}"
+        )
+    return -seconds if text.startswith("-") else seconds
+
+
+_NANOSECOND = Decimal("1e-9")
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as ``parse_duration`` reads it back, to the nanosecond (Go's unit):
+    ``"5m"``, ``"90s"``, ``"0.25s"``, ``"-1"`` for forever."""
+    if math.isinf(seconds):
+        return "-1"
+    for unit, scale in (("h", 3600), ("m", 60)):
+        if seconds and seconds % scale == 0:
+            return f"{int(seconds // scale)}{unit}"
+    # The shortest digits that read back as the same float, never an exponent (which
+    # Go's syntax has not).
+    text = f"{Decimal(repr(seconds)).quantize(_NANOSECOND):f}".rstrip("0").rstrip(".")
+    return f"{text}s"
+
+
+def _shown_any(value: object) -> str:
+    return _shown(value) if isinstance(value, int | str) else repr(value)[:40]
 
 
 def format_size(n: int) -> str:

@@ -661,7 +661,9 @@ def sigterm_during_loads(tmp_path: Path) -> tuple[float, int, list[str]]:
         wait_until(lambda: load_state(served, parsing)["stage"] == "parse")
         reading = http_post(served.port, {"path": str(tmp_path / "m.gguf")})[1]["id"]
         wait_until(lambda: load_state(served, reading)["bytes_done"] > 0)
-        queued = http_post(served.port, {"path": str(tmp_path / "m.gguf")})[1]["id"]
+        # Another placement of the file: the same one would share the load under way.
+        other = {"path": str(tmp_path / "m.gguf"), "config": {"check_tensors": False}}
+        queued = http_post(served.port, other)[1]["id"]
         assert load_state(served, queued)["queued"]
         assert load_state(served, parsing)["stage"] == "parse"
         began = time.monotonic()

@@ -282,9 +282,12 @@ async def test_the_budget_counts_a_remote_models_bytes(origin: DirServer, files:
     access = RemoteAccess.from_settings(url_prefixes=[url], networks=[LOOPBACK])
     app = create_app(policy=ServerPolicy(remote=access, max_loaded_bytes=size * 3 // 2))
     async with running(app) as base, aiohttp.ClientSession() as http:
-        status, first = await post(http, base, url)
+        # Pinned: never evicted to make room.
+        async with http.post(f"{base}/models", json={"path": url, "pin": True}) as r:
+            status, first = r.status, await r.json()
         assert status == 201, first
-        status, body = await post(http, base, url)
+        # Another placement (the same one would share the first load).
+        status, body = await post(http, base, url, check_tensors=False)
         assert status == 507, body
         assert f"{size} bytes would take the models held to {2 * size} bytes" in body["error"]
         assert (await settled(http, base, first["id"]))["state"] == "ready"

@@ -37,7 +37,7 @@ from aiogguf._config import (
     load_config,
     server_max_loaded_bytes,
 )
-from aiogguf._units import format_bytes, parse_size
+from aiogguf._units import format_bytes, parse_duration, parse_size
 from aiogguf.cli.extras import needs_extra
 
 __all__ = ["SHUTDOWN_DEADLINE_S", "add_arguments", "run"]
@@ -169,6 +169,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--keep-alive",
+        metavar="DURATION",
+        help="how long a model stays once idle (its last client gone), unless its load "
+        "says otherwise: '5m', '30s', '1h', 0 (at once) or -1 (forever, the default; "
+        "[server] keep_alive)",
+    )
+    parser.add_argument(
         "--max-loads", type=int, default=4, metavar="N", help="loads at once (default: 4)"
     )
     parser.add_argument(
@@ -296,7 +303,14 @@ def run(args: argparse.Namespace) -> int:
             if args.max_loaded_bytes is not None
             else server_max_loaded_bytes()
         )
+        keep_alive_s = None
+        if args.keep_alive is not None:
+            try:
+                keep_alive_s = parse_duration(args.keep_alive)
+            except ValueError as exc:
+                raise _Refused(f"--keep-alive: {exc}") from exc
         policy = ServerPolicy(
+            keep_alive_s=keep_alive_s,
             token=token,
             modes=DEFAULT_MODES | frozenset(args.allow_mode),
             max_models=args.max_models,

@@ -4,14 +4,24 @@ Mount ``create_app(roots=[...])`` inside your own aiohttp application
 (``app.add_subapp("/gguf", create_app(roots=["/models"]))``) or run it alone with
 ``aiogguf serve``. Routes::
 
-    POST   /models              {"path": ..., "config": {overrides}} → 201 {"id": ...}
-    GET    /models              every load the server knows
-    GET    /models/{id}         state, bytes and tensors done, error; the report once ready
+    POST   /models              {"path": ..., "config": {overrides}, "keep_alive": "5m",
+                                "pin": false} → 201 {"id": ...}; 200 with the id of a
+                                model of the same files and placement, loading or ready
+    GET    /models              every load the server knows, and the budget used
+    GET    /models/{id}         state, bytes and tensors done, error, leases, pin,
+                                keep-alive, expiry, reload cost; the report once ready
     GET    /models/{id}/events  server-sent events: one ``data: {json}`` per progress
                                 event, ending after the load's final state
     DELETE /models/{id}         cancel a load in flight, unload a ready model (freeing its
-                                memory), or forget one that has ended
+                                memory; 409 while leased unless ?force=true), or forget
+                                one that has ended
+    GET    /                    the status page (``aiogguf.server._status_page``)
     GET    /healthz             liveness, with the limiter's counters
+
+The model manager (``aiogguf.server._manager``): a ready model stays until a DELETE,
+its keep-alive after its last lease, or eviction; a load past ``max_models`` or
+``max_loaded_bytes`` evicts idle, unpinned models, cheapest to reload first, and waits
+for their memory.
 
 States: ``loading`` (``queued`` while it waits for the limiter), ``ready``, ``failed``,
 ``cancelled``, ``unloaded``. Every error reply is JSON, ``{"error": "one line"}``.
@@ -48,30 +58,39 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from enum import StrEnum
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any
 
 import anyio
 from aiohttp import web
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from aiogguf._api import LoadHandle, load, warm_up
 from aiogguf._config import Config, load_config
-from aiogguf._events import FanOut, Progress
 from aiogguf._model import Model
-from aiogguf._report import LoadReport
-from aiogguf._units import counted
+from aiogguf._units import counted, format_bytes, parse_duration
 from aiogguf.errors import GGUFError
-from aiogguf.io._devices.arena import device_arenas
-from aiogguf.io._devices.base import Device
 from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
 from aiogguf.io.workers import LoadThreads
-from aiogguf.remote._http_source import is_url, redact_url
+from aiogguf.server._entry import LoadState, _Entry, load_key
 from aiogguf.server._limiter import LimiterStats, LoadLimiter
+from aiogguf.server._manager import (
+    ReloadRates,
+    choose_victims,
+    keep_alive_json,
+)
 from aiogguf.server._policy import (
     HEALTH_ROUTE,
+    STATUS_ROUTE,
+    PreOpened,
     RequestRefused,
     ServerPolicy,
     auth_middleware,
@@ -81,7 +100,8 @@ from aiogguf.server._policy import (
     server_base_config,
 )
 from aiogguf.server._remote import NoLocalFiles, RemoteAccess
-from aiogguf.server._requests import LoadRequest, parse_request
+from aiogguf.server._requests import LoadRequest, parse_request, prepare_body
+from aiogguf.server._status_page import status_page
 from aiogguf.server._transport import (
     ConnectionGuard,
     DescriptorBudget,
@@ -104,153 +124,6 @@ __all__ = [
 ]
 
 logger: logging.Logger = logging.getLogger("aiogguf.server._app")
-
-
-class LoadState(StrEnum):
-    """Where one load the server knows stands."""
-
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    UNLOADED = "unloaded"
-
-
-# --- one load -------------------------------------------------------------------------
-
-
-class _Entry:
-    """One load the server knows: its task's state, progress and subscribers."""
-
-    def __init__(self, load_id: str, request: LoadRequest) -> None:
-        self.id = load_id
-        self.request = request
-        self.state = LoadState.LOADING
-        self.queued = True
-        self.progress: Progress | None = None
-        self.report: LoadReport | None = None
-        self.error: str | None = None
-        # Cancellable before its task even starts.
-        self.scope: anyio.CancelScope = anyio.CancelScope()
-        self.unload: anyio.Event = anyio.Event()
-        self.finished: anyio.Event = anyio.Event()
-        self.holds_memory = True  # loading or ready: counted against the server's limits
-        # The model while READY (None otherwise): what attached clients map.
-        self.model: Model | None = None
-        # Clients attached now (``LoaderRegistry.lease``); a leased model is never
-        # evicted or unloaded unless forced.
-        self.leases = 0
-        # When the model was last ready-and-unleased or used (``time.monotonic``).
-        self.last_used = time.monotonic()
-        self._fan = FanOut[dict[str, Any]]()
-        # Set (and replaced) whenever subscribers may have something new.
-        self.changed: anyio.Event = anyio.Event()
-
-    @property
-    def settled(self) -> bool:
-        """The load itself has ended: ready, or in a terminal state."""
-        return self.state is not LoadState.LOADING
-
-    def snapshot(self) -> dict[str, Any]:
-        """The load's state and progress, as the server sends it (JSON)."""
-        p = self.progress
-        gbps = p.gbps if p is not None else math.nan
-        data: dict[str, Any] = {
-            "id": self.id,
-            # Without a signed URL's query: every client may list every load.
-            "path": redact_url(self.request.path)
-            if is_url(self.request.path)
-            else self.request.path,
-            "state": self.state.value,
-            "queued": self.queued and self.state is LoadState.LOADING,
-            "stage": p.stage.value if p is not None else None,
-            "bytes_done": p.bytes_done if p is not None else 0,
-            "bytes_total": p.bytes_total if p is not None else 0,
-            "tensors_done": p.tensors_done if p is not None else 0,
-            "tensors_total": p.tensors_total if p is not None else 0,
-            "elapsed_s": p.elapsed_s if p is not None else 0.0,
-            "gbps": None if math.isnan(gbps) else gbps,
-            "message": p.message if p is not None else "",
-            "error": self.error,
-            "device_memory": _device_memory(self.request.devices),
-        }
-        if self.report is not None:
-            data["report"] = _report_summary(self.report)
-        return data
-
-    # Progress arrives on the loop thread, from the load's own task.
-    def on_progress(self, progress: Progress) -> None:
-        """Keep the load's latest progress and publish it to the subscribers."""
-        self.progress = progress
-        # The engine's final event (done / failed / cancelled) is followed at once by the state
-        # change, which publishes the snapshot that ends the stream.
-        if not progress.final:
-            self.publish()
-
-    def publish(self) -> None:
-        """Send the current snapshot to every subscriber."""
-        # A slow client misses intermediate snapshots, never the end.
-        self._fan.publish(self.snapshot(), final=self.settled)
-        self._notify()
-
-    def subscribe(self, buffer: int = 32) -> MemoryObjectReceiveStream[dict[str, Any]]:
-        """Snapshots from now on, starting with the current one; ends once settled."""
-        if self.settled:
-            self._fan.close()
-        return self._fan.subscribe(buffer, self.snapshot())
-
-    def close_subscribers(self) -> None:
-        """End every subscriber's stream."""
-        self._fan.close()
-        self._notify()
-
-    def _notify(self) -> None:
-        self.changed.set()
-        self.changed = anyio.Event()
-
-
-def _device_memory(devices: Sequence[Device]) -> dict[str, int]:
-    """Bytes of device memory held right now per device that counts them (simulated
-    GPUs): loads and models, not what the device's arena keeps idle for the next load."""
-    idle = {id(arena.target): arena.stats().idle_bytes for arena in device_arenas()}
-    memory: dict[str, int] = {}
-    for device in devices:
-        live = getattr(device, "live", None)
-        nbytes = getattr(live, "buffer_bytes", None)
-        if isinstance(nbytes, int):
-            memory[device.name] = nbytes - idle.get(id(device), 0)
-    return memory
-
-
-def _report_summary(report: LoadReport) -> dict[str, Any]:
-    return {
-        "mode": report.mode,
-        "total_s": report.total_s,
-        "nbytes": report.nbytes,
-        "n_tensors": report.n_tensors,
-        "gbps": report.gbps,
-        "validated": report.validated,
-        "warnings": list(report.warnings),
-        "buffers": [
-            {
-                "device": b.device,
-                "buffer_type": b.buffer_type,
-                "lazy": b.lazy,
-                "nbytes": b.nbytes,
-                "n_tensors": b.n_tensors,
-            }
-            for b in report.buffers
-        ],
-    }
-
-
-def _load_key(request: LoadRequest) -> tuple[str, str, tuple[str, ...]]:
-    """What makes two loads one resident model: the path, the config, the devices."""
-    return (
-        request.path,
-        request.config.model_dump_json(),
-        tuple(device.name for device in request.devices),
-    )
 
 
 async def _close_model(model: Model) -> None:
@@ -298,6 +171,16 @@ class LoaderRegistry:
         # Remote loads whose files are being opened now (``policy.max_remote_admissions``);
         # changed on the loop's thread only.
         self.remote_admissions = 0
+        # The model manager: the rates this server's loads measured (reload costs), the
+        # keep-alive of a load that names none, and the event that wakes the task that
+        # unloads idle models when their keep-alive ends (made in ``start``).
+        self.rates = ReloadRates()
+        self.keep_alive_s: float = (
+            self.policy.keep_alive_s
+            if self.policy.keep_alive_s is not None
+            else parse_duration(config.server.keep_alive)
+        )
+        self._wake: anyio.Event | None = None
 
     @property
     def accepting(self) -> bool:
@@ -306,6 +189,7 @@ class LoaderRegistry:
     async def start(self) -> None:
         """Start the task that supervises the loads (``aclose`` joins it)."""
         self._stop = anyio.Event()
+        self._wake = anyio.Event()
         started = anyio.Event()
         # The one task the registry creates outside a task group; ``aclose`` joins it.
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(started))
@@ -316,6 +200,7 @@ class LoaderRegistry:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                tg.start_soon(self._expire_idle, name="aiogguf keep-alive")
                 started.set()
                 await self._stop.wait()
                 tg.cancel_scope.cancel()
@@ -362,43 +247,109 @@ class LoaderRegistry:
         holding = [e for e in self.entries.values() if e.holds_memory]
         return len(holding), sum(e.request.nbytes for e in holding)
 
+    def _staying(self) -> tuple[int, int]:
+        """``held()`` less the models on their way out (their memory is promised)."""
+        staying = [e for e in self.entries.values() if e.holds_memory and not e.leaving]
+        return len(staying), sum(e.request.nbytes for e in staying)
+
     def submit(self, request: LoadRequest) -> _Entry:
-        """Start ``request``'s load; ``RequestRefused`` (429, 507) over a limit."""
+        """Start ``request``'s load, evicting idle models (cheapest to reload first) to
+        make room under the limits; ``RequestRefused`` (429, 507) when evicting every
+        idle, unpinned model would not be enough."""
         if self._tg is None or self._closing:
             raise RuntimeError("the server is shutting down")
         policy = self.policy
-        models, nbytes = self.held()
-        if policy.max_models is not None and models >= policy.max_models:
-            raise RequestRefused(
-                f"this server holds {counted(models, 'model')}, its limit; unload one first",
-                status=429,
-            )
-        if (
-            policy.max_loaded_bytes is not None
-            and nbytes + request.nbytes > policy.max_loaded_bytes
-        ):
-            raise RequestRefused(
-                f"{request.path}: {request.nbytes} bytes would take the models held to "
-                f"{nbytes + request.nbytes} bytes, over this server's limit of "
-                f"{policy.max_loaded_bytes}",
-                status=507,
-            )
+        models, nbytes = self._staying()
+        free_models = 0 if policy.max_models is None else models + 1 - policy.max_models
+        free_bytes = (
+            0
+            if policy.max_loaded_bytes is None
+            else nbytes + request.nbytes - policy.max_loaded_bytes
+        )
+        candidates = [e for e in self.entries.values() if e.evictable]
+        victims = choose_victims(candidates, free_bytes, free_models)
+        if victims is None:
+            raise self._refusal(request, models, nbytes, free_models > 0)
         self.prune()
         # 128 random bits: one client cannot guess, and so cannot DELETE, another's model.
-        entry = _Entry(secrets.token_hex(16), request)
+        entry = _Entry(secrets.token_hex(16), request, self.rates, self._keep_alive(request))
+        for victim in victims:
+            self.let_go(victim, f"evicted for load {entry.id}")
+            logger.info(
+                "evicted %s (%s, reload %.1f s) for %s",
+                victim.id,
+                format_bytes(victim.nbytes),
+                victim.reload_s,
+                entry.id,
+            )
+        # Every model on its way out frees its memory before this load takes any.
+        entry.after = tuple(
+            e for e in self.entries.values() if e.leaving and not e.finished.is_set()
+        )
         self.entries[entry.id] = entry
         self._tg.start_soon(self._run, entry, name=f"aiogguf load {entry.id}")
         return entry
 
+    def _refusal(
+        self, request: LoadRequest, models: int, nbytes: int, over_count: bool
+    ) -> RequestRefused:
+        kept = [e for e in self.entries.values() if e.holds_memory and not e.leaving]
+        leased = sum(1 for e in kept if e.leases)
+        pinned = sum(1 for e in kept if e.pinned and not e.leases)
+        loading = sum(1 for e in kept if e.state is LoadState.LOADING)
+        why = f"none can be evicted enough: {leased} leased, {pinned} pinned, {loading} loading"
+        if over_count:
+            return RequestRefused(
+                f"this server holds {counted(models, 'model')}, its limit, and {why}; "
+                "unload one first",
+                status=429,
+            )
+        limit = self.policy.max_loaded_bytes
+        if limit is not None and request.nbytes > limit:
+            why = "it is over the limit on its own"
+        return RequestRefused(
+            f"{request.path}: {request.nbytes} bytes would take the models held to "
+            f"{nbytes + request.nbytes} bytes, over this server's limit of {limit}, "
+            f"and {why}",
+            status=507,
+        )
+
+    def _keep_alive(self, request: LoadRequest) -> float:
+        return self.keep_alive_s if request.keep_alive_s is None else request.keep_alive_s
+
+    def update(self, entry: _Entry, request: LoadRequest) -> None:
+        """A second request for ``entry``'s load: its ``keep_alive`` and ``pin``, where
+        it gives them, replace the model's."""
+        if request.keep_alive_s is not None:
+            entry.keep_alive_s = request.keep_alive_s
+        if request.pin is not None:
+            entry.pinned = request.pin
+        entry.last_used = time.monotonic()
+        entry.publish()
+        self._wake_up()
+
+    def let_go(self, entry: _Entry, reason: str) -> None:
+        """Unload ``entry`` (or cancel its load) for ``reason``; returns at once."""
+        if not entry.leaving:
+            entry.leaving = True
+            entry.unload_reason = reason
+        if entry.state is LoadState.LOADING:
+            entry.scope.cancel()
+        else:
+            entry.unload.set()
+        self._wake_up()
+
     def same_load(self, request: LoadRequest) -> _Entry | None:
         """A load, loading or ready, of the same files in the same placement as
-        ``request`` (the same path, config and devices): one resident model serves both."""
-        key = _load_key(request)
+        ``request`` (the same path, config and devices): one resident model serves both.
+        A model on its way out (unloaded, evicted, expired) is none."""
+        key = load_key(request)
         for entry in self.entries.values():
             if (
                 entry.holds_memory
+                and not entry.leaving
                 and not entry.finished.is_set()
-                and _load_key(entry.request) == key
+                and load_key(entry.request) == key
             ):
                 return entry
         return None
@@ -406,16 +357,76 @@ class LoaderRegistry:
     @contextlib.contextmanager
     def lease(self, entry: _Entry) -> Iterator[None]:
         """Hold ``entry``'s model for a client while the block runs (on the loop's thread):
-        it is not evicted or unloaded unless forced."""
+        it is not evicted or unloaded unless forced, and its keep-alive runs from the
+        end of its last lease."""
         entry.leases += 1
         entry.last_used = time.monotonic()
         entry.publish()
+        self._wake_up()
         try:
             yield
         finally:
             entry.leases -= 1
             entry.last_used = time.monotonic()
             entry.publish()
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        """Tell the keep-alive task that a deadline may have changed."""
+        if self._wake is not None:
+            self._wake.set()
+            self._wake = anyio.Event()
+
+    async def _expire_idle(self) -> None:
+        """Unload each idle model as its keep-alive ends: sleeps until the nearest end or
+        until a lease, a load or a request changes one (``_wake_up``), never polls."""
+        while True:
+            assert self._wake is not None
+            wake = self._wake
+            now = time.monotonic()
+            nearest = math.inf
+            for entry in list(self.entries.values()):
+                end = entry.deadline()
+                if end is None:
+                    continue
+                if end <= now:
+                    self.let_go(entry, "keep_alive expired")
+                    logger.info("unloaded %s: idle for its keep_alive", entry.id)
+                else:
+                    nearest = min(nearest, end)
+            with anyio.move_on_after(nearest - now):
+                await wake.wait()
+
+    def budget(self) -> dict[str, Any]:
+        """What the models take of the server's limits, and the rates it has measured."""
+        models, nbytes = self.held()
+        return {
+            "models": models,
+            "max_models": self.policy.max_models,
+            "bytes": nbytes,
+            "max_loaded_bytes": self.policy.max_loaded_bytes,
+            "keep_alive": keep_alive_json(self.keep_alive_s),
+            "rates": self.rates.measured(),
+        }
+
+    def start_soon(
+        self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str
+    ) -> None:
+        """Run ``fn(*args)`` in the registry's task group; RuntimeError once closing."""
+        if self._tg is None or self._closing:
+            raise RuntimeError("the server is shutting down")
+        self._tg.start_soon(fn, *args, name=name)
+
+    def record_failed(self, body: Mapping[str, Any], reason: str) -> None:
+        """A load refused before it began (a preload), listed as a failed load."""
+        request = LoadRequest(
+            str(body.get("path")), self.config, (), 0, 0, PreOpened(self.opener, []), 0
+        )
+        entry = _Entry(secrets.token_hex(16), request, self.rates, self.keep_alive_s)
+        entry.state, entry.error = LoadState.FAILED, reason
+        entry.finished.set()
+        self.entries[entry.id] = entry
+        self._ended_now(entry)
 
     def touch(self, entry: _Entry) -> None:
         """A record was read: it is the last to go among the ended ones."""
@@ -456,6 +467,11 @@ class LoaderRegistry:
         )
         try:
             with entry.scope:
+                # Memory promised by models on their way out is freed before this load
+                # takes any: the limits are never overshot.
+                for leaving in entry.after:
+                    await leaving.finished.wait()
+                entry.after = ()
                 async with contextlib.AsyncExitStack() as stack:
                     # The share of the budget is held while loading only: a ready model
                     # uses no readers and no staging buffers.
@@ -469,9 +485,13 @@ class LoaderRegistry:
                     stack.push_async_callback(_close_model, model)
                     entry.report = model.report
                     entry.model = model
+                    entry.load_rate = self.rates.record(
+                        entry.kind, request.nbytes, model.report.total_s
+                    )
                     entry.last_used = time.monotonic()
                     entry.state = LoadState.READY
                     entry.publish()
+                    self._wake_up()
                     await entry.unload.wait()
         except GGUFError as exc:
             entry.state, entry.error = LoadState.FAILED, exception_line(exc)
@@ -493,16 +513,38 @@ class LoaderRegistry:
             entry.finished.set()
             self._ended_now(entry)
             entry.publish()
+            self._wake_up()
 
-    async def stop(self, entry: _Entry, timeout_s: float) -> bool:
+    async def stop(self, entry: _Entry, timeout_s: float, reason: str = "DELETE") -> bool:
         """Cancel or unload ``entry``; True once it has ended within ``timeout_s``."""
-        if entry.state is LoadState.LOADING:
-            entry.scope.cancel()
-        else:
-            entry.unload.set()
+        self.let_go(entry, reason)
         with anyio.move_on_after(timeout_s):
             await entry.finished.wait()
         return entry.finished.is_set()
+
+
+async def _preload(registry: LoaderRegistry, tables: Sequence[Mapping[str, Any]]) -> None:
+    """Load each of ``tables`` (``POST /models`` bodies, ``[[server.preload]]``) in the
+    registry's task group; returns at once. One that fails is logged in one line and
+    listed as failed; the server starts either way."""
+    for table in tables:
+        registry.start_soon(_preload_one, registry, dict(table), name="aiogguf preload")
+
+
+async def _preload_one(registry: LoaderRegistry, body: dict[str, Any]) -> None:
+    path = str(body.get("path"))
+    try:
+        entry = registry.submit(await prepare_body(body, registry))
+    except RequestRefused as exc:
+        logger.warning("preload %s refused (%d): %s", path, exc.status, exc.reason)
+        registry.record_failed(body, exc.reason)
+        return
+    except RuntimeError:  # shutting down
+        return
+    while not entry.settled:  # no await between the look and the wait
+        await entry.changed.wait()
+    if entry.state is LoadState.FAILED:
+        logger.warning("preload %s failed: %s", path, entry.error)
 
 
 # --- handlers --------------------------------------------------------------------------
@@ -545,6 +587,15 @@ async def _post_model(request: web.Request) -> web.Response:
         if parsed is not None:
             parsed.opener.close()
         return _error(499, "the client closed its connection before the load was admitted")
+    # The same files in the same placement, loading or ready: that model, once.
+    existing = registry.same_load(parsed)
+    if existing is not None:
+        parsed.opener.close()
+        registry.update(existing, parsed)
+        return web.json_response(
+            {"id": existing.id, "state": existing.state.value},
+            headers={"Location": str(request.url.with_path(f"{request.path}/{existing.id}"))},
+        )
     # No await between the limits' check in ``submit`` and the load taking its place.
     try:
         entry = registry.submit(parsed)
@@ -597,7 +648,12 @@ async def _while_connected(
 async def _list_models(request: web.Request) -> web.Response:
     registry = request.app[_REGISTRY]
     registry.prune()
-    return web.json_response({"models": [e.snapshot() for e in registry.entries.values()]})
+    return web.json_response(
+        {
+            "models": [e.snapshot() for e in registry.entries.values()],
+            "budget": registry.budget(),
+        }
+    )
 
 
 async def _get_model(request: web.Request) -> web.Response:
@@ -646,7 +702,15 @@ async def _delete_model(request: web.Request) -> web.Response:
         # Already over: forget the record.
         registry.forget(entry)
         return web.json_response({**entry.snapshot(), "forgotten": True})
-    if not await registry.stop(entry, _STOP_WAIT_S):
+    force = request.query.get("force", "").lower() in ("1", "true", "yes")
+    if entry.leases and not force:
+        return _error(
+            409,
+            f"model {entry.id} is leased by {counted(entry.leases, 'client')}; "
+            "DELETE with ?force=true unloads it anyway (its clients are told)",
+        )
+    reason = "DELETE" if not entry.leases else f"forced DELETE ({counted(entry.leases, 'lease')})"
+    if not await registry.stop(entry, _STOP_WAIT_S, reason):
         return web.json_response(entry.snapshot(), status=202)
     return web.json_response(entry.snapshot())
 
@@ -683,6 +747,9 @@ _REPLY_GRACE_S = 0.3
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     registry = app[_REGISTRY]
     await registry.start()
+    await _preload(
+        registry, [p.model_dump(exclude_none=True) for p in registry.config.server.preload]
+    )
     try:
         yield
     finally:
@@ -755,6 +822,7 @@ def create_app(
     app.router.add_get("/models/{id}/events", _model_events)
     app.router.add_delete("/models/{id}", _delete_model)
     app.router.add_get("/healthz", _healthz, name=HEALTH_ROUTE)
+    app.router.add_get("/", status_page, name=STATUS_ROUTE)
     return app
 
 

@@ -32,8 +32,9 @@ from aiogguf._config import (
     PipelineConfig,
     server_max_loaded_bytes,
 )
-from aiogguf.errors import ConfigError, from_os_error
+from aiogguf.errors import ConfigError, GGUFError, from_os_error
 from aiogguf.io.opener import FileOpener
+from aiogguf.io.pagecache import resident_bytes
 from aiogguf.server._remote import RemoteAccess
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "HEALTH_ROUTE",
     "OPT_IN_MODES",
     "REQUEST_KEYS",
+    "STATUS_ROUTE",
     "PreOpened",
     "RequestRefused",
     "ServerPolicy",
@@ -77,6 +79,9 @@ DEFAULT_MODES: frozenset[str] = frozenset({"auto", "none", "mmap"})
 OPT_IN_MODES: frozenset[str] = frozenset({"mlock", "direct"})
 
 HEALTH_ROUTE = "aiogguf-healthz"
+# The status page's HTML holds no data (its script asks the API, with the token), so it
+# is served without one.
+STATUS_ROUTE = "aiogguf-status"
 
 logger: logging.Logger = logging.getLogger("aiogguf.server._app")
 
@@ -144,6 +149,8 @@ class ServerPolicy:
     those loads may connect to (``aiogguf.server._remote``; default: none).
     ``max_remote_admissions``: remote loads whose files are being opened at once (each
     holds a thread while it waits on another server; 503 beyond).
+    ``keep_alive_s``: how long a model stays once idle unless its load says otherwise
+    (seconds, ``math.inf`` forever); None: the config's ``[server] keep_alive``.
     """
 
     token: str | None = None
@@ -158,6 +165,7 @@ class ServerPolicy:
     max_connections: int | None = None
     remote: RemoteAccess = field(default_factory=RemoteAccess)
     max_remote_admissions: int = SERVER_MAX_REMOTE_ADMISSIONS
+    keep_alive_s: float | None = None
 
     def __post_init__(self) -> None:
         unknown = self.modes - DEFAULT_MODES - OPT_IN_MODES
@@ -177,6 +185,8 @@ class ServerPolicy:
             raise ValueError("max_finished and finished_ttl_s must be >= 0")
         if not 0 < self.request_timeout_s < float("inf"):
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.keep_alive_s is not None and not self.keep_alive_s >= 0:
+            raise ValueError(f"keep_alive_s must be >= 0 (inf: forever), got {self.keep_alive_s}")
         if self.token is not None and not self.token:
             raise ValueError("the token is empty")
 
@@ -247,16 +257,21 @@ class PreOpened:
 
         Raises what ``opener.open`` raises, naming the path that failed."""
         self._opener = opener
-        self.path: str = paths[0]
+        self.path: str = paths[0] if paths else ""
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self.size_bytes: int = 0
+        # Which files these are (device, inode, size, modification time): a name may
+        # stand for another file tomorrow, and that is another model.
+        self.file_ids: tuple[tuple[int, int, int, int], ...] = ()
         try:
             for path in paths:
                 fd = opener.open(path)
                 self._fds[path] = fd
                 try:
-                    self.size_bytes += os.fstat(fd).st_size
+                    st = os.fstat(fd)
+                    self.size_bytes += st.st_size
+                    self.file_ids += ((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns),)
                 except OSError as exc:
                     raise from_os_error(exc, path, None, "cannot read the file") from exc
         except BaseException:
@@ -271,6 +286,21 @@ class PreOpened:
                 return os.dup(fd)
         return self._opener.open(path)
 
+    def cached_bytes(self) -> int | None:
+        """Bytes of the opened files in the page cache now (blocking: ``mincore`` over
+        each file, a window at a time); None when that cannot be known."""
+        with self._lock:
+            fds = list(self._fds.values())
+        total = 0
+        for fd in fds:
+            try:
+                # The descriptor's own file, reopened through /proc: nothing an
+                # attacker could have planted since.
+                total += resident_bytes(f"/proc/self/fd/{fd}")
+            except GGUFError:
+                return None
+        return total
+
     def close(self) -> None:
         """Close the descriptors opened for the request."""
         with self._lock:
@@ -283,12 +313,13 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def auth_middleware(token: str) -> Callable[[web.Request, _Handler], Awaitable[Any]]:
-    """Every route but ``/healthz`` needs ``Authorization: Bearer <token>``."""
+    """Every route but ``/healthz`` and the status page's HTML needs
+    ``Authorization: Bearer <token>``."""
     expected = token.encode()
 
     @web.middleware
     async def authenticate(request: web.Request, handler: _Handler) -> web.StreamResponse:
-        if request.match_info.route.name == HEALTH_ROUTE:
+        if request.match_info.route.name in (HEALTH_ROUTE, STATUS_ROUTE):
             return await handler(request)
         header = request.headers.get("Authorization", "")
         if not header.isascii():

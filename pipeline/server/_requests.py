@@ -6,9 +6,10 @@ descriptors they need are there, its devices and its share of the budget."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from aiohttp import web
 
 from aiogguf._config import Config
 from aiogguf._devices import enumerate_devices
+from aiogguf._units import parse_duration
 from aiogguf.errors import ConfigError, GGUFError, LoadError, PathNotAllowedError
 from aiogguf.io._devices.base import Device
 from aiogguf.io.workers import LoadThreads
@@ -36,7 +38,10 @@ from aiogguf.stages.parse import split_count_from_name, split_paths
 if TYPE_CHECKING:
     from aiogguf.server._app import LoaderRegistry
 
-__all__ = ["LoadRequest", "parse_request"]
+__all__ = ["BODY_KEYS", "LoadRequest", "parse_request", "prepare_body"]
+
+# The keys of a ``POST /models`` body, and of a ``[[server.preload]]`` table.
+BODY_KEYS = ("path", "config", "keep_alive", "pin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,16 @@ class LoadRequest:
     # Every file of the load, opened (beneath the roots, or remote) at the request.
     opener: PreOpened | RemoteFiles
     nbytes: int  # file bytes the model will hold: every shard's real size
+    # How long the model stays once idle (seconds, ``math.inf`` forever); None: as the
+    # server's ``keep_alive`` says.
+    keep_alive_s: float | None = None
+    pin: bool | None = None  # never evicted; None: not said (False for a new load)
+    # Bytes of the files in the page cache as the request was admitted (None: remote, or
+    # not known): what kind of source the load's rate measures.
+    cached_bytes: int | None = None
+    # The local files' identities (``PreOpened.file_ids``): two requests share a model
+    # only if they name the very same files.
+    file_ids: tuple[tuple[int, int, int, int], ...] = ()
 
 
 async def parse_request(request: web.Request, registry: LoaderRegistry) -> LoadRequest:
@@ -74,9 +89,26 @@ async def parse_request(request: web.Request, registry: LoaderRegistry) -> LoadR
         raise RequestRefused("request body is not valid JSON: nested too deeply") from exc
     if not isinstance(body, dict):
         raise RequestRefused('expected a JSON object like {"path": "model.gguf"}')
-    unknown = sorted(set(body) - {"path", "config"})
+    return await prepare_body(body, registry)
+
+
+async def prepare_body(body: Mapping[str, Any], registry: LoaderRegistry) -> LoadRequest:
+    """A ``POST /models`` body (or a ``[[server.preload]]`` table) checked and prepared:
+    its files opened beneath the roots, its devices found. Raises ``RequestRefused``."""
+    unknown = sorted(set(body) - set(BODY_KEYS))
     if unknown:
-        raise RequestRefused(f"unknown field {unknown[0]!r}; expected 'path' and 'config'")
+        raise RequestRefused(
+            f"unknown field {unknown[0]!r}; expected {', '.join(map(repr, BODY_KEYS))}"
+        )
+    keep_alive_s = None
+    if body.get("keep_alive") is not None:
+        try:
+            keep_alive_s = parse_duration(body["keep_alive"])
+        except ValueError as exc:
+            raise RequestRefused(f"'keep_alive': {exc}") from exc
+    pin = body.get("pin")
+    if pin is not None and not isinstance(pin, bool):
+        raise RequestRefused("'pin' must be true or false")
     path = body.get("path")
     if not isinstance(path, str) or not path:
         raise RequestRefused("'path' is required: the GGUF file to load, as a string")
@@ -87,7 +119,8 @@ async def parse_request(request: web.Request, registry: LoaderRegistry) -> LoadR
     # are blocking work: on a thread of the request's own, not on the loop.
     with _remote_slot(registry, path):
         async with LoadThreads(1, name="aiogguf-request") as threads:
-            return await _prepare_request(registry, path, overrides, threads)
+            prepared = await _prepare_request(registry, path, overrides, threads)
+    return dataclasses.replace(prepared, keep_alive_s=keep_alive_s, pin=pin)
 
 
 @contextlib.contextmanager
@@ -233,6 +266,10 @@ async def _prepare_request(
     if config.pipeline.reader_count() > limiter.max_readers:
         config = config.with_settings({"readers": limiter.max_readers})
     opener: PreOpened | RemoteFiles
+    cached_bytes: int | None = None
+    # The local files' identities (``PreOpened.file_ids``): two requests share a model
+    # only if they name the very same files.
+    file_ids: tuple[tuple[int, int, int, int], ...] = ()
     if is_remote(path):
         # Its reader threads are the server's readers too.
         if config.pipeline.remote_in_flight > limiter.max_readers:
@@ -246,6 +283,8 @@ async def _prepare_request(
         # Every file is opened here, once, under the roots: the load reads these
         # descriptors, and the bytes held are counted from their real sizes.
         opener = await threads.run_sync(_open_files, registry, paths)
+        cached_bytes = await threads.run_sync(opener.cached_bytes)
+        file_ids = opener.file_ids
         splits = len(paths)
         per_file = config.pipeline.readers_for(path)
     try:
@@ -258,7 +297,17 @@ async def _prepare_request(
         staging = 0
         if gpus and config.placement.n_gpu_layers != 0:
             staging = gpus * config.pipeline.staging_pool_bytes(readers)
-        return LoadRequest(path, config, devices, readers, staging, opener, opener.size_bytes)
+        return LoadRequest(
+            path,
+            config,
+            devices,
+            readers,
+            staging,
+            opener,
+            opener.size_bytes,
+            cached_bytes=cached_bytes,
+            file_ids=file_ids,
+        )
     except BaseException:
         opener.close()
         raise
