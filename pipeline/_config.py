@@ -373,9 +373,15 @@ class ServerConfig(_Section):
     ``roots``: the directories whose files clients may load (``--root`` adds to them).
     ``allow_remote`` (``["hf"]``), ``allow_url_prefixes``: the remote names they may
     load; ``allow_private_addresses``, ``allow_networks``: the addresses such loads may
-    connect to beyond public ones (docs/server.md; each has the flag of its name)."""
+    connect to beyond public ones (docs/server.md; each has the flag of its name).
+    ``socket``: a Unix socket to listen on for ``aiogguf.attach`` beside HTTP;
+    ``attach_users``/``attach_groups``: who may attach besides the server's own user
+    (names or numbers; ``--socket``, ``--attach-user``, ``--attach-group``)."""
 
     roots: tuple[Annotated[str, Field(min_length=1)], ...] = ()
+    socket: str | None = Field(default=None, min_length=1)
+    attach_users: tuple[Annotated[str, Field(min_length=1)], ...] = ()
+    attach_groups: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     allow_remote: tuple[Literal["hf"], ...] = ()
     allow_url_prefixes: tuple[Annotated[str, AfterValidator(checked_prefix)], ...] = ()
     allow_private_addresses: Bool = False

@@ -51,6 +51,8 @@ LAYERS: dict[str, int] = {
     # Wings that are clients of the API.
     "aiogguf.compat": 7,
     "aiogguf.server": 7,
+    # Resident models: the attach client (above the API: it opens a Model) and protocol.
+    "aiogguf.resident": 7,
     "aiogguf.testing": 7,  # the demo and benchmark harness: above the API, below the CLI
     "aiogguf.cli": 8,
     "aiogguf": 9,  # the package's re-exports

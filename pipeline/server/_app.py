@@ -69,6 +69,7 @@ from aiogguf.io._devices.base import Device
 from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
 from aiogguf.io.workers import LoadThreads
 from aiogguf.remote._http_source import is_url, redact_url
+from aiogguf.server._attach import AttachAccess, AttachListener
 from aiogguf.server._limiter import LimiterStats, LoadLimiter
 from aiogguf.server._policy import (
     HEALTH_ROUTE,
@@ -770,6 +771,9 @@ async def serve(
     port: int = 8765,
     on_started: Callable[[Sequence[Any]], None] | None = None,
     on_stopping: Callable[[int], None] | None = None,
+    socket_path: str | None = None,
+    attach: AttachAccess | None = None,
+    http: bool = True,
 ) -> int | None:
     """Serve ``app`` until SIGINT or SIGTERM (or cancellation), then shut it down:
     every load cancelled, every model closed, every connection closed, within about
@@ -782,7 +786,11 @@ async def serve(
     whole request head), or gets 503; a request's head must arrive within
     ``policy.request_timeout_s`` of connecting or of the last reply. Then the process is
     warmed up for the app's configuration (devices found, staging pools filled): CUDA's
-    start-up holds the GIL for part of its time, which no client should wait behind."""
+    start-up holds the GIL for part of its time, which no client should wait behind.
+
+    ``socket_path``: also listen there for attach requests (``aiogguf.attach``; who may
+    attach besides this uid: ``attach``), bound before HTTP; ``http=False``: the socket
+    only (``on_started`` then gets no address)."""
     registry = registry_of(app)
     limit = raise_descriptor_limit()
     guard = ConnectionGuard(registry.policy.max_connections or default_max_connections(limit))
@@ -791,27 +799,34 @@ async def serve(
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=_REPLY_GRACE_S)
     await runner.setup()
     received: int | None = None
-    try:
-        site = GuardedSite(
-            runner,
-            host,
-            port,
-            guard,
-            # aiohttp's keep-alive timer runs from the connection's start and from each
-            # reply, and partial bytes do not reset it: the deadline for a request's head.
-            keepalive_timeout=registry.policy.request_timeout_s,
-        )
-        await site.start()
-        if on_started is not None:
-            on_started(runner.addresses)
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                received = int(signum)
-                break
-        if on_stopping is not None and received is not None:
-            on_stopping(received)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await runner.cleanup()
-            guard.close_all()
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            if socket_path is not None:
+                listener = AttachListener(registry, socket_path, attach)
+                await stack.enter_async_context(listener.running())
+            if http:
+                site = GuardedSite(
+                    runner,
+                    host,
+                    port,
+                    guard,
+                    # aiohttp's keep-alive timer runs from the connection's start and from
+                    # each reply, and partial bytes do not reset it: the deadline for a
+                    # request's head.
+                    keepalive_timeout=registry.policy.request_timeout_s,
+                )
+                await site.start()
+            if on_started is not None:
+                on_started(runner.addresses)
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    received = int(signum)
+                    break
+            if on_stopping is not None and received is not None:
+                on_stopping(received)
+        finally:
+            # Inside the listener's block: closing the models tells attached clients.
+            with anyio.CancelScope(shield=True):
+                await runner.cleanup()
+                guard.close_all()
     return received

@@ -36,7 +36,7 @@ from aiogguf.stages.parse import split_count_from_name, split_paths
 if TYPE_CHECKING:
     from aiogguf.server._app import LoaderRegistry
 
-__all__ = ["LoadRequest", "parse_request"]
+__all__ = ["LoadRequest", "parse_request", "prepare_body"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +72,12 @@ async def parse_request(request: web.Request, registry: LoaderRegistry) -> LoadR
         raise RequestRefused(f"request body is not valid JSON: {exception_line(exc)}") from exc
     except RecursionError as exc:
         raise RequestRefused("request body is not valid JSON: nested too deeply") from exc
+    return await prepare_body(body, registry)
+
+
+async def prepare_body(body: Any, registry: LoaderRegistry) -> LoadRequest:
+    """A ``POST /models`` body, already decoded from JSON (an attach request's ``path``
+    and ``config`` too), checked and prepared as ``parse_request`` does."""
     if not isinstance(body, dict):
         raise RequestRefused('expected a JSON object like {"path": "model.gguf"}')
     unknown = sorted(set(body) - {"path", "config"})
