@@ -108,7 +108,8 @@ def open_shared_model(description: bytes, fds: Sequence[int]) -> Model:
         ):
             raise LoadError(None, None, "a shared model's description does not match its files")
         opener = _GivenFiles(dict(zip(paths, fds, strict=True)))
-        handle = load(paths[0], opener=opener, mode="mmap", n_gpu_layers=0)
+        # The server checked the tensors as it loaded them.
+        handle = load(paths[0], opener=opener, mode="mmap", n_gpu_layers=0, check_tensors=False)
 
         async def enter() -> Model:
             return await handle.__aenter__()
