@@ -155,6 +155,86 @@ async def test_attach_by_path_and_by_id_reads_what_gguf_py_reads(
             assert [m["state"] for m in (await r.json())["models"]] == ["ready"]
 
 
+REFERENCE = [
+    "tiny-llama-F16.gguf",
+    "tiny-llama-Q4_K_M.gguf",
+    "tiny-llama-Q5_1-bf16emb.gguf",
+    "tiny-llama-Q4_K_M-split-00001-of-00003.gguf",
+]
+
+
+def shards_bytes(folder: Path, name: str) -> dict[str, bytes]:
+    """Every tensor of ``name`` (and of its split set's other shards) as gguf-py reads it."""
+    shards = sorted(folder.glob(name.replace("00001", "*")))
+    return {k: v for shard in shards for k, v in gguf_bytes(shard).items()}
+
+
+@pytest.mark.asyncio
+async def test_reference_files_attached_read_what_gguf_py_reads(
+    reference_dir: Path, tmp_path: Path
+) -> None:
+    sock = tmp_path / "s.sock"
+    async with attach_server(reference_dir, sock) as (_, registry, _):
+        for name in REFERENCE:
+            path = reference_dir / name
+            expected = shards_bytes(reference_dir, name)
+            async with aiogguf.attach(path, socket=sock, config={"mode": "mmap"}) as m:
+                assert {n: bytes(m.raw(n)) for n in m.tensors} == expected, name
+        assert len(registry.entries) == len(REFERENCE)
+
+
+def test_a_write_through_a_clients_torch_tensor_stays_in_that_client(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Two clients of one resident model (one of them a thread here, one the server's
+    own process): the first zeroes a tensor through torch; the server and the second
+    client still read the file's bytes. ``model.close()`` ends the lease."""
+    pytest.importorskip("torch")
+    sock = tmp_path / "s.sock"
+    path = model_dir / "m.gguf"
+    expected = gguf_bytes(path)
+    name = max(expected, key=lambda n: len(expected[n]))
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with attach_server(model_dir, sock) as (_, registry, _):
+
+            def clients() -> None:
+                with aiogguf.attach_sync(path, socket=sock, config={"mode": "mmap"}) as a:
+                    tensor = a.torch(name)
+                    tensor.zero_()
+                    seen["a"] = bytes(tensor.contiguous().view(-1).view(torch_uint8()).numpy())
+                    (load_id,) = registry.entries
+                    with aiogguf.attach_sync(load_id, socket=sock) as second:
+                        seen["b"] = bytes(second.raw(name))
+                        as_bytes = second.torch(name).contiguous().view(-1).view(torch_uint8())
+                        seen["b_torch"] = as_bytes.numpy().tobytes()
+                        seen["leases"] = registry.entries[load_id].leases
+                        second.close()  # closing the model ends its lease
+                        for _ in range(500):  # 5 s at most
+                            if registry.entries[load_id].leases == 1:
+                                break
+                            time.sleep(0.01)
+                        seen["after_close"] = registry.entries[load_id].leases
+
+            await anyio.to_thread.run_sync(clients)
+            (entry,) = registry.entries.values()
+            seen["server"] = bytes(entry.model.raw(name))
+            await wait_for(lambda: entry.leases == 0, "leases released")
+
+    anyio.run(main)
+    assert set(seen["a"]) == {0}
+    assert seen["b"] == seen["b_torch"] == seen["server"] == expected[name]
+    assert seen["leases"] == 2
+    assert seen["after_close"] == 1
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
 @pytest.mark.asyncio
 async def test_a_load_posted_over_http_is_attached_by_id(model_dir: Path, tmp_path: Path) -> None:
     sock = tmp_path / "s.sock"
