@@ -137,6 +137,9 @@ async def test_attach_by_path_and_by_id_reads_what_gguf_py_reads(
         ) as m:
             assert {n: bytes(m.raw(n)) for n in m.tensors} == expected
             assert leases(registry) == [1]
+            # The server started the load for this client, which heard it begin.
+            assert progress[0]["type"] == "progress"
+            assert progress[0]["state"] == "loading"
             (entry,) = registry.entries.values()
             # A second client by the id the server gave: the same resident model.
             async with aiogguf.attach(entry.id, socket=sock) as again:

@@ -292,6 +292,9 @@ class AttachListener:
         try:
             with conn:
                 await self._conversation(conn)
+        except Exception:
+            # A bug, not a client: logged, and the other connections go on.
+            logger.exception("attach socket %s: a connection failed", self.path)
         finally:
             self.connections -= 1
 
@@ -354,15 +357,17 @@ class AttachListener:
     async def _until_loaded(self, conn: socket.socket, entry: _Entry) -> None:
         from aiogguf.server._app import LoadState
 
-        sent = 0.0
-        while entry.state is LoadState.LOADING:
-            changed = entry.changed
+        sent = -_KEEPALIVE_S
+        while True:
+            changed = entry.changed  # taken before the state is looked at: no news lost
+            if entry.state is not LoadState.LOADING:
+                break
+            # Every change wakes this loop; the client hears of them at most this often.
             if time.monotonic() - sent >= _PROGRESS_EVERY_S:
                 await send_message(conn, {"type": "progress", **_progress(entry)})
                 sent = time.monotonic()
             with anyio.move_on_after(_KEEPALIVE_S):
                 await changed.wait()
-            await anyio.sleep(max(0.0, sent + _PROGRESS_EVERY_S - time.monotonic()))
         if entry.state is not LoadState.READY or entry.model is None:
             raise _Refusal(
                 f"model {entry.id} is {entry.state.value}: {entry.error or ''}".rstrip(": ")
