@@ -551,13 +551,12 @@ def test_the_socket_is_made_safely(tmp_path: Path) -> None:
 
 
 def test_serve_with_a_socket_and_no_http(model_dir: Path, tmp_path: Path) -> None:
-    """``aiogguf serve --socket --no-http``: a process attaches, reads, and keeps its
-    tensors after the server has stopped; the socket file goes with the server."""
+    """``aiogguf serve --no-http`` with ``[server] socket``: a process attaches, reads,
+    and keeps its tensors after the server has stopped; the socket goes with the server."""
     sock = tmp_path / "serve.sock"
-    command = [
-        *(sys.executable, "-m", "aiogguf", "serve", "--root", str(model_dir)),
-        *("--socket", str(sock), "--no-http"),
-    ]
+    config = tmp_path / "serve.toml"
+    config.write_text(f"[server]\nroots = [{str(model_dir)!r}]\nsocket = {str(sock)!r}\n")
+    command = [sys.executable, "-m", "aiogguf", "serve", "--config", str(config), "--no-http"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
     try:
         assert server.stdout is not None
@@ -579,16 +578,25 @@ def test_serve_with_a_socket_and_no_http(model_dir: Path, tmp_path: Path) -> Non
                 stream.close()
 
 
-def test_serve_refuses_no_http_without_a_socket(model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--no-http"], "--no-http needs --socket PATH (or [server] socket)"),
+        (["--attach-user", "no-such-user-here"], "attach: no user named 'no-such-user-here'"),
+        (["--socket", "/proc/s.sock"], "/proc/s.sock: cannot listen: "),
+    ],
+)
+def test_serve_refuses_a_bad_attach_setting_in_one_line(
+    model_dir: Path, flags: list[str], said: str
+) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "aiogguf", "serve", "--root", str(model_dir), "--no-http"],
+        [sys.executable, "-m", "aiogguf", "serve", "--root", str(model_dir), "--port", "0", *flags],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=REPO,
         check=False,
     )
-    assert result.returncode == 2
-    assert (
-        result.stderr.strip() == "aiogguf serve: --no-http needs --socket PATH (or [server] socket)"
-    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"aiogguf serve: {said}")
+    assert len(result.stderr.strip().splitlines()) == 1
