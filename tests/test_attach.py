@@ -398,16 +398,21 @@ def python_for_nobody() -> str | None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
-@pytest.mark.parametrize("allowed", [False, True])
+@pytest.mark.parametrize("allowed", ["no", "uid", "group"])
 @pytest.mark.asyncio
 async def test_a_peer_of_another_uid_is_refused_before_its_request_is_read(
-    model_dir: Path, allowed: bool
+    model_dir: Path, allowed: str
 ) -> None:
     nobody = NOBODY
     python = python_for_nobody()
     if python is None:
         pytest.skip("no Python interpreter that uid 65534 may run")
-    access = AttachAccess(uids=frozenset({nobody if allowed else 12345}))
+    group = 4242  # one of the client's supplementary groups (SO_PEERGROUPS)
+    access = {
+        "no": AttachAccess(uids=frozenset({12345}), gids=frozenset({12345})),
+        "uid": AttachAccess(uids=frozenset({nobody})),
+        "group": AttachAccess(gids=frozenset({group})),
+    }[allowed]
     with _reachable_folder() as folder:
         sock = folder / "s.sock"
         async with attach_server(model_dir, sock, access):
@@ -417,12 +422,12 @@ async def test_a_peer_of_another_uid_is_refused_before_its_request_is_read(
                 [python, "-I", "-c", PEER, str(sock)],
                 user=nobody,
                 group=nobody,
-                extra_groups=[],
+                extra_groups=[group] if allowed == "group" else [],
                 check=False,
             )
         said = result.stdout.decode().strip()
         assert result.returncode == 0, result.stderr.decode()[-2000:]
-        if allowed:
+        if allowed != "no":
             # Read and answered: the refusal below is the peer check's, not the socket's.
             assert said.startswith("no model with id")
         else:
@@ -498,6 +503,40 @@ async def test_hostile_clients_are_refused_and_cannot_hang_the_server(
         # And the server still serves.
         async with aiogguf.attach(model_dir / "m.gguf", socket=sock, config={"mode": "mmap"}):
             assert leases(registry) == [1]
+
+
+@pytest.mark.asyncio
+async def test_silent_and_attached_clients_do_not_hold_the_shutdown(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A client silent in the middle of its request and one attached: the server's
+    listener ends within a second of its shutdown (the attached one told first)."""
+    sock = tmp_path / "s.sock"
+    silent = attached = None
+    try:
+        async with attach_server(model_dir, sock) as (_, registry, listener):
+            silent = await anyio.to_thread.run_sync(RawClient, sock)
+            silent.sock.sendall(b"\0\0")
+            attached = await anyio.to_thread.run_sync(RawClient, sock)
+            request = {"version": 1, "path": str(model_dir / "m.gguf"), "config": {"mode": "mmap"}}
+            attached.sock.sendall(encode(request))
+            for _ in range(100):
+                message, fds = await anyio.to_thread.run_sync(attached.receive)
+                close_fds(fds)
+                if message["type"] != "progress":
+                    break
+            assert message["type"] == "ready"
+            await registry.aclose(1.0)  # what the application's shutdown does first
+            start = time.monotonic()
+        assert time.monotonic() - start < 1.0
+        assert listener.connections == 0
+        message, _ = await anyio.to_thread.run_sync(attached.receive)
+        assert message["type"] == "ended"
+        assert await anyio.to_thread.run_sync(silent.closed)
+    finally:
+        for client in (silent, attached):
+            if client is not None:
+                client.close()
 
 
 @pytest.mark.asyncio

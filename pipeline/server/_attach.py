@@ -265,7 +265,7 @@ class AttachListener:
             finally:
                 # Loads closing (the registry's own shutdown) tell their clients; a
                 # client that is still being served is cut off past the grace.
-                with anyio.move_on_after(_CLOSE_GRACE_S), anyio.CancelScope(shield=True):
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_GRACE_S):
                     while self.connections:  # noqa: ASYNC110  (bounded by the grace)
                         await anyio.sleep(0.02)
                 tg.cancel_scope.cancel()
