@@ -228,8 +228,10 @@ class AttachListener:
         )
         self._sock: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
+        self._stopping: anyio.Event | None = None
 
     async def __aenter__(self) -> AttachListener:
+        self._stopping = anyio.Event()
         self._sock = bind_socket(self.path, others=self.access.others)
         st = os.lstat(self.path)
         self._inode = (st.st_dev, st.st_ino)
@@ -263,8 +265,10 @@ class AttachListener:
             try:
                 yield self
             finally:
-                # Loads closing (the registry's own shutdown) tell their clients; a
-                # client that is still being served is cut off past the grace.
+                # Attached clients hear that the server stops; a client that is still
+                # being served is cut off past the grace.
+                if self._stopping is not None:
+                    self._stopping.set()
                 with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_GRACE_S):
                     while self.connections:  # noqa: ASYNC110  (bounded by the grace)
                         await anyio.sleep(0.02)
@@ -396,14 +400,15 @@ class AttachListener:
                     },
                     share.fds,
                 )
-            ended = await _first_of(conn, entry)
+            assert self._stopping is not None
+            ended = await _first_of(conn, entry, self._stopping)
             if ended is not None:
                 with contextlib.suppress(ProtocolError, TimeoutError, OSError):
                     await send_message(conn, {"type": "ended", "reason": ended}, (), _LAST_WORD_S)
 
 
-async def _first_of(conn: socket.socket, entry: _Entry) -> str | None:
-    """Wait until the client goes (None) or the model does (why)."""
+async def _first_of(conn: socket.socket, entry: _Entry, stopping: anyio.Event) -> str | None:
+    """Wait until the client goes (None), or the model or the server does (why)."""
     outcome: list[str | None] = []
 
     async with anyio.create_task_group() as tg:
@@ -424,7 +429,13 @@ async def _first_of(conn: socket.socket, entry: _Entry) -> str | None:
             outcome.append(f"model {entry.id} ended on the server ({entry.state.value})")
             tg.cancel_scope.cancel()
 
+        async def server_stops() -> None:
+            await stopping.wait()
+            outcome.append("the server is stopping")
+            tg.cancel_scope.cancel()
+
         tg.start_soon(client_gone)
+        tg.start_soon(server_stops)
         tg.start_soon(unloaded)
         tg.start_soon(finished)
     return outcome[0] if outcome else None
