@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -536,6 +537,59 @@ async def test_silent_and_attached_clients_do_not_hold_the_shutdown(
         for client in (silent, attached):
             if client is not None:
                 client.close()
+
+
+def _hostile_server(listener: socket.socket, how: str) -> None:
+    conn, _ = listener.accept()
+    with conn, open(os.devnull) as null:
+        conn.settimeout(10)
+        if how == "huge":
+            conn.sendall(struct.pack(">I", MAX_MESSAGE_BYTES + 1))
+        elif how == "fds":
+            body = encode({"type": "ready", "id": "x", "description": "{}", "fds": 100})
+            socket.send_fds(conn, [body], [null.fileno()] * 100)
+        else:
+            conn.sendall(encode({"type": "what"}))
+        with contextlib.suppress(OSError):
+            conn.recv(1 << 16)  # until the client closes
+            conn.recv(1)
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("huge", "a message of 1048577 bytes, over 1048576"),
+        ("fds", "the server sent more than 64 descriptors"),
+        ("unknown", "the server sent a message this client does not know"),
+    ],
+)
+def test_a_hostile_server_is_refused_and_leaves_nothing_open(
+    tmp_path: Path, how: str, said: str
+) -> None:
+    path = tmp_path / "hostile.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    # What the first attach of a process opens for good (its thread pool's, the loop's).
+    with (
+        pytest.raises(AttachError, match="no such socket"),
+        aiogguf.attach_sync("0" * 32, socket=tmp_path / "none.sock"),
+    ):
+        pass
+    before = _count_fds()
+    server = threading.Thread(target=_hostile_server, args=(listener, how))
+    server.start()
+    try:
+        with (
+            pytest.raises(AttachError, match=f"hostile.sock: model 0{{32}}: {said}$"),
+            aiogguf.attach_sync("0" * 32, socket=path),
+        ):
+            pytest.fail("attached to a hostile server")
+    finally:
+        server.join(timeout=30)
+        listener.close()
+    assert not server.is_alive()
+    assert _count_fds() == before - 1  # the listener, closed
 
 
 @pytest.mark.asyncio
