@@ -799,34 +799,35 @@ async def serve(
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=_REPLY_GRACE_S)
     await runner.setup()
     received: int | None = None
-    async with contextlib.AsyncExitStack() as stack:
-        try:
-            if socket_path is not None:
-                listener = AttachListener(registry, socket_path, attach)
-                await stack.enter_async_context(listener.running())
-            if http:
-                site = GuardedSite(
-                    runner,
-                    host,
-                    port,
-                    guard,
-                    # aiohttp's keep-alive timer runs from the connection's start and from
-                    # each reply, and partial bytes do not reset it: the deadline for a
-                    # request's head.
-                    keepalive_timeout=registry.policy.request_timeout_s,
-                )
-                await site.start()
-            if on_started is not None:
-                on_started(runner.addresses)
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    received = int(signum)
-                    break
-            if on_stopping is not None and received is not None:
-                on_stopping(received)
-        finally:
-            # Inside the listener's block: closing the models tells attached clients.
-            with anyio.CancelScope(shield=True):
-                await runner.cleanup()
-                guard.close_all()
+    # The attach socket, bound before HTTP; closed after the models (which tell the
+    # clients attached to them), outside the shield: its task group is not inside it.
+    attach_socket = contextlib.AsyncExitStack()
+    try:
+        if socket_path is not None:
+            listener = AttachListener(registry, socket_path, attach)
+            await attach_socket.enter_async_context(listener.running())
+        site = GuardedSite(
+            runner,
+            host,
+            port,
+            guard,
+            # aiohttp's keep-alive timer runs from the connection's start and from each
+            # reply, and partial bytes do not reset it: the deadline for a request's head.
+            keepalive_timeout=registry.policy.request_timeout_s,
+        )
+        if http:
+            await site.start()
+        if on_started is not None:
+            on_started(runner.addresses)
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                received = int(signum)
+                break
+        if on_stopping is not None and received is not None:
+            on_stopping(received)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
+            guard.close_all()
+        await attach_socket.aclose()
     return received
