@@ -592,6 +592,39 @@ def test_a_hostile_server_is_refused_and_leaves_nothing_open(
     assert _count_fds() == before - 1  # the listener, closed
 
 
+def test_descriptors_go_to_the_message_that_carries_them(model_dir: Path, tmp_path: Path) -> None:
+    """A stream read may hold a progress message and the start of ``ready``, whose
+    descriptors then come with the read: they are ``ready``'s, not the progress's."""
+    path = tmp_path / "glued.sock"
+    model = model_dir / "m.gguf"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def serve_glued() -> None:
+        conn, _ = listener.accept()
+        with conn, open(model, "rb") as f:
+            conn.settimeout(10)
+            description = json.dumps({"kind": "stand-in/mmap", "paths": [str(model)]})
+            progress = encode({"type": "progress", "state": "loading"})
+            ready = encode({"type": "ready", "id": "x", "description": description, "fds": 1})
+            # One send: the descriptor rides on the progress message's first byte.
+            socket.send_fds(conn, [progress + ready], [f.fileno()])
+            with contextlib.suppress(OSError):
+                conn.recv(1 << 16)
+                conn.recv(1)
+
+    server = threading.Thread(target=serve_glued)
+    server.start()
+    try:
+        with aiogguf.attach_sync(model, socket=path, config={"mode": "mmap"}) as m:
+            assert {n: bytes(m.raw(n)) for n in m.tensors} == gguf_bytes(model)
+    finally:
+        server.join(timeout=30)
+        listener.close()
+    assert not server.is_alive()
+
+
 @pytest.mark.asyncio
 async def test_a_cancelled_attach_ends_within_a_second(tmp_path: Path) -> None:
     # A server that accepts and never answers: the client waits in a blocking receive.

@@ -197,6 +197,10 @@ class Connection:
         self._sock = sock
         self._reader = FrameReader()
         self._aborted = False
+        # Descriptors received and not yet handed out, in order. One read may hold the
+        # end of one message and the start of the next, descriptors and all: they go to
+        # the message that says it carries them (``"fds": N``), not to the read's.
+        self._fds: list[int] = []
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = MESSAGE_TIMEOUT_S) -> Connection:
@@ -221,37 +225,36 @@ class Connection:
             raise PeerGone(f"the connection failed: {exc.strerror or exc}") from exc
 
     def receive(self, idle_timeout_s: float) -> tuple[dict[str, Any], list[int]]:
-        """The next message and the descriptors that came with it (the caller owns
-        them): its first byte within ``idle_timeout_s``, the rest within
+        """The next message and the descriptors it says it carries (``"fds": N``; the
+        caller owns them): its first byte within ``idle_timeout_s``, the rest within
         ``MESSAGE_TIMEOUT_S`` of it. ``ProtocolError`` (``PeerGone`` at EOF or abort)."""
-        fds: list[int] = []
         deadline = time.monotonic() + idle_timeout_s
-        try:
-            while (message := self._reader.frame()) is None:
-                if self._aborted:
-                    raise PeerGone("the attach was cancelled")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ProtocolError("the server sent nothing in time")
-                self._sock.settimeout(left)
-                try:
-                    data, ancillary, flags, _ = self._sock.recvmsg(_RECV_BYTES, _ANCILLARY)
-                except TimeoutError:
-                    continue  # the deadline's check above says it
-                except OSError as exc:
-                    raise PeerGone(f"the connection failed: {exc.strerror or exc}") from exc
-                fds += _fds_of(ancillary)
-                if len(fds) > MAX_FDS or flags & socket.MSG_CTRUNC:
-                    raise ProtocolError(f"the server sent more than {MAX_FDS} descriptors")
-                if not data:
-                    raise PeerGone("the server closed the connection")
-                started = self._reader.started
-                self._reader.feed(data)
-                if not started:
-                    deadline = time.monotonic() + MESSAGE_TIMEOUT_S
-        except BaseException:
-            _close_all(fds)
-            raise
+        while (message := self._reader.frame()) is None:
+            if self._aborted:
+                raise PeerGone("the attach was cancelled")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProtocolError("the server sent nothing in time")
+            self._sock.settimeout(left)
+            try:
+                data, ancillary, flags, _ = self._sock.recvmsg(_RECV_BYTES, _ANCILLARY)
+            except TimeoutError:
+                continue  # the deadline's check above says it
+            except OSError as exc:
+                raise PeerGone(f"the connection failed: {exc.strerror or exc}") from exc
+            self._fds += _fds_of(ancillary)
+            if len(self._fds) > MAX_FDS or flags & socket.MSG_CTRUNC:
+                raise ProtocolError(f"the server sent more than {MAX_FDS} descriptors")
+            if not data:
+                raise PeerGone("the server closed the connection")
+            started = self._reader.started
+            self._reader.feed(data)
+            if not started:
+                deadline = time.monotonic() + MESSAGE_TIMEOUT_S
+        count = message.get("fds", 0)
+        if not isinstance(count, int) or not 0 <= count <= len(self._fds):
+            raise ProtocolError("the server's descriptors do not match its message")
+        fds, self._fds = self._fds[:count], self._fds[count:]
         return message, fds
 
     def abort(self) -> None:
@@ -262,5 +265,8 @@ class Connection:
             self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        """Close the connection: the server ends the lease it held for it."""
+        """Close the connection (the server ends the lease it held for it) and any
+        descriptor received and not handed out."""
         self._sock.close()
+        fds, self._fds = self._fds, []
+        _close_all(fds)
