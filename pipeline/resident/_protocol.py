@@ -2,9 +2,10 @@
 model, and how the server hands it over (docs/server.md, "Attach").
 
 A message is a 4-byte big-endian length and that many bytes of one JSON object, at most
-``MAX_MESSAGE_BYTES``; descriptors travel with a message's first byte (``SCM_RIGHTS``),
-at most ``MAX_FDS`` of them, and only from the server to the client. Once a message's
-first byte has arrived, the rest must arrive within ``MESSAGE_TIMEOUT_S``.
+``MAX_MESSAGE_BYTES``; descriptors (``SCM_RIGHTS``, at most ``MAX_FDS``) travel only
+from the server to the client, with the first byte of the message that says it carries
+them (``"fds": N``). Once a message's first byte has arrived, the rest must arrive
+within ``MESSAGE_TIMEOUT_S``.
 
 The client sends one request, ``{"version": 1, "id": ID}`` or ``{"version": 1, "path":
 PATH, "config": {...}}`` (``POST /models``'s body), and then nothing: closing the
