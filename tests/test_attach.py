@@ -725,3 +725,26 @@ def test_serve_refuses_a_bad_attach_setting_in_one_line(
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"aiogguf serve: {said}")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_bench_attach_script_prints_its_json(tmp_path: Path) -> None:
+    # bench/attach.py is a script, not part of the package: run it as a user would.
+    result = subprocess.run(
+        [
+            *(sys.executable, str(REPO / "bench" / "attach.py"), "--size", "8MiB"),
+            *("--runs", "1", "--dir", str(tmp_path), "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = json.loads(result.stdout)
+    assert set(found["medians"]) == {"attach", "handshake", "none", "mmap"}
+    assert all(m["work_s"] > 0 for m in found["medians"].values())
+    assert set(found["targets"]) == {
+        "attach_50x_faster_than_warm_none",
+        "attach_faster_than_warm_mmap",
+    }
