@@ -193,7 +193,13 @@ def test_no_stage_imports_another_stages_class() -> None:
     assert reaching_in == []
 
 
-WINGS = ("aiogguf.integrity", "aiogguf.remote", "aiogguf.server", "aiogguf.compat")
+WINGS = (
+    "aiogguf.integrity",
+    "aiogguf.remote",
+    "aiogguf.server",
+    "aiogguf.compat",
+    "aiogguf.resident",
+)
 ASSEMBLER = "aiogguf._core.assemble"
 
 
