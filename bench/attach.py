@@ -43,7 +43,8 @@ attach_sync, load_sync = aiogguf.attach_sync, aiogguf.load_sync
 start = time.perf_counter()
 if how == "handshake":
     # The protocol alone: connect, ask, get the share's descriptors; nothing mapped.
-    conn = Connection.connect(sock)
+    conn = Connection.open()
+    conn.connect(sock)
     conn.send({"version": 1, "path": path, "config": {"mode": "mmap"}})
     while (reply := conn.receive(30))[0]["type"] == "progress":
         pass

@@ -625,14 +625,28 @@ def test_descriptors_go_to_the_message_that_carries_them(model_dir: Path, tmp_pa
     assert not server.is_alive()
 
 
+@pytest.mark.parametrize("server", ["silent", "backlog full"])
 @pytest.mark.asyncio
-async def test_a_cancelled_attach_ends_within_a_second(tmp_path: Path) -> None:
-    # A server that accepts and never answers: the client waits in a blocking receive.
+async def test_a_cancelled_attach_ends_within_a_second(tmp_path: Path, server: str) -> None:
+    """A server that accepts and never answers (the client waits in a receive), or
+    one that never accepts and whose backlog is full (the client waits to connect)."""
     path = tmp_path / "silent.sock"
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.bind(str(path))
-    silent.listen(1)
+    silent.listen(0)
+    queued: list[socket.socket] = []
     try:
+        if server == "backlog full":
+            for _ in range(64):  # a backlog of 0 takes one or two
+                waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                waiting.setblocking(False)
+                queued.append(waiting)
+                try:
+                    waiting.connect(str(path))
+                except BlockingIOError:
+                    break
+            else:
+                pytest.fail("the backlog never filled")
         start = time.monotonic()
         with anyio.move_on_after(0.3) as scope:
             async with aiogguf.attach("0" * 32, socket=path):
@@ -641,6 +655,8 @@ async def test_a_cancelled_attach_ends_within_a_second(tmp_path: Path) -> None:
         assert time.monotonic() - start < 1.3
     finally:
         silent.close()
+        for waiting in queued:
+            waiting.close()
 
 
 # --- the socket -----------------------------------------------------------------------

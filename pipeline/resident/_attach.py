@@ -45,9 +45,10 @@ def _request(model: str | os.PathLike[str], config: Mapping[str, Any] | None) ->
     return {"version": VERSION, "path": os.path.abspath(model), "config": dict(config or {})}
 
 
-def _connect(path: str, model: str) -> Connection:
+def _connect(conn: Connection, path: str, model: str) -> None:
     try:
-        return Connection.connect(path)
+        conn.connect(path)
+        return
     except FileNotFoundError:
         problem = "no such socket: is `aiogguf serve --socket` running?"
     except ConnectionRefusedError:
@@ -92,8 +93,11 @@ class Attach:
     async def open(self) -> Model:
         """The attached model (the caller closes it: that ends the lease)."""
         async with LoadThreads(1, name="aiogguf-attach") as threads:
-            conn = await threads.run_sync(_connect, self._socket, self._name)
+            conn = Connection.open()
             try:
+                await threads.run_sync(
+                    _connect, conn, self._socket, self._name, on_cancel=conn.abort
+                )
                 model = await self._converse(conn, threads)
             except ProtocolError as exc:
                 conn.close()

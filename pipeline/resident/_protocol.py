@@ -204,16 +204,29 @@ class Connection:
         self._fds: list[int] = []
 
     @classmethod
-    def connect(cls, path: str, timeout_s: float = MESSAGE_TIMEOUT_S) -> Connection:
-        """Connect to the socket at ``path``; ``OSError`` as the kernel says it."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            sock.settimeout(timeout_s)
-            sock.connect(path)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock)
+    def open(cls) -> Connection:
+        """A connection not connected yet (``connect``): one that can be aborted."""
+        return cls(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC))
+
+    def connect(self, path: str, timeout_s: float = MESSAGE_TIMEOUT_S) -> None:
+        """Connect to the socket at ``path`` within ``timeout_s``; ``OSError`` as the
+        kernel says it. A server whose backlog is full is tried again every 50 ms, not
+        waited on in the kernel: ``abort`` ends the wait at once."""
+        deadline = time.monotonic() + timeout_s
+        self._sock.settimeout(0)
+        while True:
+            try:
+                self._sock.connect(path)
+                break
+            except BlockingIOError:  # the backlog is full (EAGAIN for a Unix socket)
+                if self._aborted:
+                    raise PeerGone("the attach was cancelled") from None
+                if time.monotonic() > deadline:
+                    raise ProtocolError(
+                        "the server did not accept the connection in time"
+                    ) from None
+                time.sleep(0.05)
+        self._sock.settimeout(timeout_s)
 
     def send(self, message: Mapping[str, Any]) -> None:
         """Send ``message`` whole within ``MESSAGE_TIMEOUT_S``."""
