@@ -806,6 +806,8 @@ async def serve(
         if socket_path is not None:
             listener = AttachListener(registry, socket_path, attach)
             await attach_socket.enter_async_context(listener.running())
+            # Its connections hold descriptors too: a load's room is counted past them.
+            registry.connection_count = lambda: guard.count + listener.connections
         site = GuardedSite(
             runner,
             host,
