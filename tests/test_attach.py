@@ -305,6 +305,24 @@ async def test_an_unload_under_a_client_tells_it_in_one_line(
             client.close()
 
 
+@pytest.mark.asyncio
+async def test_an_attached_client_learns_its_lease_ended_and_keeps_its_memory(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    sock = tmp_path / "s.sock"
+    path = model_dir / "m.gguf"
+    expected = gguf_bytes(path)
+    async with attach_server(model_dir, sock) as (_, registry, _):
+        handle = aiogguf.attach(path, socket=sock, config={"mode": "mmap"})
+        async with handle as m:
+            assert handle.lease_ended() is None
+            (entry,) = registry.entries.values()
+            assert await registry.stop(entry, 5.0)
+            await wait_for(lambda: handle.lease_ended() is not None, "the client told")
+            assert handle.lease_ended() == f"model {entry.id} was unloaded by the server"
+            assert {n: bytes(m.raw(n)) for n in m.tensors} == expected
+
+
 # --- leases and processes -----------------------------------------------------------
 
 CLIENT = textwrap.dedent(

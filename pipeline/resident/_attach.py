@@ -75,6 +75,8 @@ class Attach:
         self._socket = os.path.abspath(socket)
         self._progress = progress
         self._model: Model | None = None
+        self._conn: Connection | None = None
+        self._ended: str | None = None
 
     async def __aenter__(self) -> Model:
         self._model = await self.open()
@@ -107,7 +109,23 @@ class Attach:
                 raise
         # The lease is the connection: it ends when the model closes.
         model.on_close(conn.close)
+        self._conn = conn
         return model
+
+    def lease_ended(self) -> str | None:
+        """Why the server ended this client's lease (the model unloaded there, the
+        server stopping or gone), or None while it holds; looks without waiting. The
+        mapped model stays valid either way, until it is closed here."""
+        conn = self._conn
+        if self._ended is None and conn is not None:
+            try:
+                while (message := conn.poll()) is not None:
+                    if message.get("type") == "ended":
+                        self._ended = _said(message.get("reason"))
+                        break
+            except ProtocolError as exc:
+                self._ended = str(exc)
+        return self._ended
 
     async def _converse(self, conn: Connection, threads: LoadThreads) -> Model:
         try:

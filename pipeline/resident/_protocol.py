@@ -271,6 +271,23 @@ class Connection:
         fds, self._fds = self._fds[:count], self._fds[count:]
         return message, fds
 
+    def poll(self) -> dict[str, Any] | None:
+        """The next whole message if one has arrived, without waiting (any thread that
+        is not receiving); ``PeerGone`` once the server has closed its end."""
+        self._sock.settimeout(0)  # a socket with a timeout would wait for it first
+        while (message := self._reader.frame()) is None:
+            try:
+                data, ancillary, _flags, _ = self._sock.recvmsg(_RECV_BYTES, _ANCILLARY)
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError as exc:
+                raise PeerGone(f"the connection failed: {exc.strerror or exc}") from exc
+            _close_all(_fds_of(ancillary))  # none is due after ``ready``
+            if not data:
+                raise PeerGone("the server closed the connection")
+            self._reader.feed(data)
+        return message
+
     def abort(self) -> None:
         """End a ``receive`` or ``send`` under way on another thread (it raises
         ``PeerGone``); the connection is useless afterwards."""
