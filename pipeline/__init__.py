@@ -54,6 +54,7 @@ from aiogguf._records import TensorPlacement as TensorPlacement
 from aiogguf._records import WeightIndex as WeightIndex
 from aiogguf._report import LoadReport as LoadReport
 from aiogguf._report import UploadReport as UploadReport
+from aiogguf.errors import AttachError as AttachError
 from aiogguf.errors import BigEndianError as BigEndianError
 from aiogguf.errors import ClosedResourceError as ClosedResourceError
 from aiogguf.errors import ConfigError as ConfigError
@@ -82,6 +83,8 @@ if TYPE_CHECKING:
     from aiogguf.integrity import verify_model_sync as verify_model_sync
     from aiogguf.integrity import verify_sha256 as verify_sha256
     from aiogguf.integrity import verify_sha256_sync as verify_sha256_sync
+    from aiogguf.resident import attach as attach
+    from aiogguf.resident import attach_sync as attach_sync
 
 # The integrity wing's public names, imported on first use: a load without a manifest
 # never needs the wing (``aiogguf._core.assemble`` imports it for one that has).
@@ -99,22 +102,31 @@ _INTEGRITY = frozenset(
 )
 
 
+# Attaching to a server's resident model (``aiogguf.resident``), also on first use.
+_RESIDENT = frozenset({"attach", "attach_sync"})
+
+
 def __getattr__(name: str) -> Any:
-    if name not in _INTEGRITY:
+    if name in _INTEGRITY:
+        wing = "aiogguf.integrity"
+    elif name in _RESIDENT:
+        wing = "aiogguf.resident"
+    else:
         raise AttributeError(f"module 'aiogguf' has no attribute {name!r}")
-    value = getattr(importlib.import_module("aiogguf.integrity"), name)
+    value = getattr(importlib.import_module(wing), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_INTEGRITY})
+    return sorted({*globals(), *_INTEGRITY, *_RESIDENT})
 
 
 __version__ = "0.1.0"
 
 
 __all__ = [
+    "AttachError",
     "BigEndianError",
     "ClosedResourceError",
     "Config",
@@ -149,6 +161,8 @@ __all__ = [
     "VerifyReport",
     "WarmUp",
     "WeightIndex",
+    "attach",
+    "attach_sync",
     "hash_model",
     "hash_model_sync",
     "inspect",

@@ -401,9 +401,15 @@ class ServerConfig(_Section):
     connect to beyond public ones (docs/server.md; each has the flag of its name).
     ``keep_alive``: how long a model stays once idle, unless its load says otherwise
     (``"5m"``, ``0``, ``-1`` for forever, the default; ``--keep-alive``).
-    ``preload``: the models loaded as the server starts (``[[server.preload]]``)."""
+    ``preload``: the models loaded as the server starts (``[[server.preload]]``).
+    ``socket``: a Unix socket to listen on for ``aiogguf.attach`` beside HTTP;
+    ``attach_users``/``attach_groups``: who may attach besides the server's own user
+    (names or numbers; ``--socket``, ``--attach-user``, ``--attach-group``)."""
 
     roots: tuple[Annotated[str, Field(min_length=1)], ...] = ()
+    socket: str | None = Field(default=None, min_length=1)
+    attach_users: tuple[Annotated[str, Field(min_length=1)], ...] = ()
+    attach_groups: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     allow_remote: tuple[Literal["hf"], ...] = ()
     allow_url_prefixes: tuple[Annotated[str, AfterValidator(checked_prefix)], ...] = ()
     allow_private_addresses: Bool = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +120,7 @@ class Model:
         self._images = list(images)
         self._slots = slots
         self._state = ModelState.OPEN
+        self._on_close: list[Callable[[], None]] = []
 
     @property
     def tensors(self) -> Mapping[str, Any]:
@@ -214,9 +215,23 @@ class Model:
             return
         self._state = ModelState.CLOSED
         images, self._images = self._images, []
-        for image in images:
-            if image is not None:
-                image.close()
+        try:
+            for image in images:
+                if image is not None:
+                    image.close()
+        finally:
+            callbacks, self._on_close = self._on_close, []
+            for fn in callbacks:
+                fn()
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once when the model closes, after its memory is freed (what that
+        memory was held by, such as a server's lease for ``aiogguf.attach``); at once
+        if it is closed already."""
+        if self._state is ModelState.CLOSED:
+            fn()
+        else:
+            self._on_close.append(fn)
 
     async def aclose(self) -> None:
         """``close``, on a thread of the load pool (unmapping and freeing many GiB takes a

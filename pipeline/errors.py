@@ -9,7 +9,8 @@ Every error a user can see from aiogguf is one of these::
     ├── ConfigError                a config key that is unknown, mistyped or out of range
     ├── LoadError                  I/O failed or came up short: path and offset
     │   ├── BigEndianError         a big-endian tensor whose type cannot be byte-swapped
-    │   └── PathNotAllowedError    a file outside the roots a loader may read (a server's)
+    │   ├── PathNotAllowedError    a file outside the roots a loader may read (a server's)
+    │   └── AttachError            attaching to a server's resident model failed: socket, model
     ├── ManifestError              a hash manifest that cannot be used: path, field, expected
     │   └── ManifestMismatchError  a manifest of another model or file (says why)
     └── TensorValidationError      every bad tensor of a load, at once (``.failures``)
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "AttachError",
     "BigEndianError",
     "ClosedResourceError",
     "ConfigError",
@@ -178,6 +180,19 @@ class PathNotAllowedError(LoadError):
         self, path: str | os.PathLike[str], problem: str = "not under a served root"
     ) -> None:
         super().__init__(path, None, problem)
+
+
+class AttachError(LoadError):
+    """Attaching to a model resident in a server failed (``aiogguf.attach``): the server's
+    socket, the model asked for, and why (refused, unknown, unloaded, the peer broke the
+    protocol). ``path`` is the socket's."""
+
+    def __init__(
+        self, socket_path: str | os.PathLike[str], model: str | None, problem: str
+    ) -> None:
+        self.model = model
+        what = f"model {_shown(model)}: " if model else ""
+        super().__init__(socket_path, None, f"{what}{problem}")
 
 
 @dataclass(frozen=True, slots=True)

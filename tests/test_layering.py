@@ -50,7 +50,9 @@ LAYERS: dict[str, int] = {
     "aiogguf.integrity._hashing": 6,
     # Wings that are clients of the API.
     "aiogguf.compat": 7,
-    "aiogguf.resident": 7,  # shareable images handed to another process (``server`` uses it)
+    # Resident models: shareable images handed to another process, the attach client
+    # (above the API: it opens a Model) and its protocol (``server`` uses them).
+    "aiogguf.resident": 7,
     "aiogguf.server": 7,
     "aiogguf.testing": 7,  # the demo and benchmark harness: above the API, below the CLI
     "aiogguf.cli": 8,
@@ -192,7 +194,13 @@ def test_no_stage_imports_another_stages_class() -> None:
     assert reaching_in == []
 
 
-WINGS = ("aiogguf.integrity", "aiogguf.remote", "aiogguf.server", "aiogguf.compat")
+WINGS = (
+    "aiogguf.integrity",
+    "aiogguf.remote",
+    "aiogguf.server",
+    "aiogguf.compat",
+    "aiogguf.resident",
+)
 ASSEMBLER = "aiogguf._core.assemble"
 
 

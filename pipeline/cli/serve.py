@@ -39,6 +39,7 @@ from aiogguf._config import (
 )
 from aiogguf._units import format_bytes, parse_duration, parse_size
 from aiogguf.cli.extras import needs_extra
+from aiogguf.errors import AttachError
 
 __all__ = ["SHUTDOWN_DEADLINE_S", "add_arguments", "run"]
 
@@ -176,6 +177,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "[server] keep_alive)",
     )
     parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="also listen on this Unix socket for processes that attach to resident models "
+        "(aiogguf.attach; created 0600, in a folder no one else may write to)",
+    )
+    parser.add_argument(
+        "--no-http",
+        action="store_true",
+        help="serve the --socket only, no HTTP",
+    )
+    parser.add_argument(
+        "--attach-user",
+        action="append",
+        default=[],
+        metavar="USER",
+        help="let USER (a name or uid) attach too, besides this server's own user (repeatable)",
+    )
+    parser.add_argument(
+        "--attach-group",
+        action="append",
+        default=[],
+        metavar="GROUP",
+        help="let processes in GROUP (a name or gid) attach too (repeatable)",
+    )
+    parser.add_argument(
         "--max-loads", type=int, default=4, metavar="N", help="loads at once (default: 4)"
     )
     parser.add_argument(
@@ -282,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
     # aiohttp is the optional ``server`` extra: imported only when serving.
     with needs_extra("the server", "aiohttp"):
         from aiogguf.server._app import LoadLimiter, RemoteAccess, ServerPolicy, create_app, serve
+        from aiogguf.server._attach import AttachAccess
         from aiogguf.server._policy import DEFAULT_MODES
     from aiogguf._run import run as run_loop
 
@@ -297,6 +324,13 @@ def run(args: argparse.Namespace) -> int:
         )
         checked = _checked(args, [*args.root, *config.server.roots], remote.enabled)
         token, token_warning = checked if checked is not None else (None, None)
+        socket_path = args.socket or config.server.socket
+        if args.no_http and socket_path is None:
+            raise _Refused("--no-http needs --socket PATH (or [server] socket)")
+        attach = AttachAccess.from_names(
+            [*config.server.attach_users, *args.attach_user],
+            [*config.server.attach_groups, *args.attach_group],
+        )
         limiter = LoadLimiter(args.max_loads, args.max_readers, _size(args.max_staging))
         max_bytes = (
             _size(args.max_loaded_bytes)
@@ -350,6 +384,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def started(addresses: Sequence[Any]) -> None:
+        if socket_path is not None:
+            print(f"aiogguf serve: attach socket {os.path.abspath(socket_path)}", flush=True)
         for address in addresses:
             host, port = address[0], address[1]
             shown = f"[{host}]" if ":" in host else host
@@ -359,7 +395,14 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         signum = await serve(
-            app, host=args.host, port=args.port, on_started=started, on_stopping=_deadline
+            app,
+            host=args.host,
+            port=args.port,
+            on_started=started,
+            on_stopping=_deadline,
+            socket_path=socket_path,
+            attach=attach,
+            http=not args.no_http,
         )
         if signum is not None:
             received.append(signum)
@@ -370,6 +413,9 @@ def run(args: argparse.Namespace) -> int:
         run_loop(main)
     except KeyboardInterrupt:
         received.append(signal.SIGINT)
+    except AttachError as exc:  # the socket cannot be made safely: the operator's to fix
+        print(f"aiogguf serve: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     print("aiogguf serve: stopped", flush=True)
     if received == [signal.SIGINT]:
         # As every command says it, whether Ctrl-C came before or after the server listened.

@@ -80,6 +80,7 @@ from aiogguf._units import counted, format_bytes, parse_duration
 from aiogguf.errors import GGUFError
 from aiogguf.io.opener import AnyPathOpener, FileOpener, RootedOpener
 from aiogguf.io.workers import LoadThreads
+from aiogguf.server._attach import AttachAccess, AttachListener
 from aiogguf.server._entry import LoadState, _Entry, load_key
 from aiogguf.server._limiter import LimiterStats, LoadLimiter
 from aiogguf.server._manager import (
@@ -838,6 +839,9 @@ async def serve(
     port: int = 8765,
     on_started: Callable[[Sequence[Any]], None] | None = None,
     on_stopping: Callable[[int], None] | None = None,
+    socket_path: str | None = None,
+    attach: AttachAccess | None = None,
+    http: bool = True,
 ) -> int | None:
     """Serve ``app`` until SIGINT or SIGTERM (or cancellation), then shut it down:
     every load cancelled, every model closed, every connection closed, within about
@@ -850,7 +854,11 @@ async def serve(
     whole request head), or gets 503; a request's head must arrive within
     ``policy.request_timeout_s`` of connecting or of the last reply. Then the process is
     warmed up for the app's configuration (devices found, staging pools filled): CUDA's
-    start-up holds the GIL for part of its time, which no client should wait behind."""
+    start-up holds the GIL for part of its time, which no client should wait behind.
+
+    ``socket_path``: also listen there for attach requests (``aiogguf.attach``; who may
+    attach besides this uid: ``attach``), bound before HTTP; ``http=False``: the socket
+    only (``on_started`` then gets no address)."""
     registry = registry_of(app)
     limit = raise_descriptor_limit()
     guard = ConnectionGuard(registry.policy.max_connections or default_max_connections(limit))
@@ -859,7 +867,15 @@ async def serve(
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=_REPLY_GRACE_S)
     await runner.setup()
     received: int | None = None
+    # The attach socket, bound before HTTP; closed after the models (which tell the
+    # clients attached to them), outside the shield: its task group is not inside it.
+    attach_socket = contextlib.AsyncExitStack()
     try:
+        if socket_path is not None:
+            listener = AttachListener(registry, socket_path, attach)
+            await attach_socket.enter_async_context(listener.running())
+            # Its connections hold descriptors too: a load's room is counted past them.
+            registry.connection_count = lambda: guard.count + listener.connections
         site = GuardedSite(
             runner,
             host,
@@ -869,7 +885,8 @@ async def serve(
             # reply, and partial bytes do not reset it: the deadline for a request's head.
             keepalive_timeout=registry.policy.request_timeout_s,
         )
-        await site.start()
+        if http:
+            await site.start()
         if on_started is not None:
             on_started(runner.addresses)
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -882,4 +899,5 @@ async def serve(
         with anyio.CancelScope(shield=True):
             await runner.cleanup()
             guard.close_all()
+        await attach_socket.aclose()
     return received

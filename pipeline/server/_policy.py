@@ -65,6 +65,7 @@ REQUEST_KEYS: frozenset[str] = frozenset(
         "lazy",
         "lazy_min_bytes",
         "prefetch",
+        "shareable",
         "n_gpu_layers",
         "split_mode",
         "main_gpu",
