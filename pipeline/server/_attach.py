@@ -392,7 +392,9 @@ class AttachListener:
     async def _hold(self, conn: socket.socket, entry: _Entry) -> None:
         """Lease ``entry`` to the client until it goes, or the model does."""
         model = entry.model
-        assert model is not None
+        # Evicted, expired or unloaded, and not yet gone: no new lease on it.
+        if model is None or entry.leaving or entry.unload.is_set():
+            raise _Refusal(f"model {entry.id} is being unloaded")
         with self.registry.lease(entry):
             async with LoadThreads(1, name="aiogguf-attach") as threads:
                 try:
