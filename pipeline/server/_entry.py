@@ -76,9 +76,9 @@ class _Entry:
         self.leaving = False
         self.unload_reason: str | None = None
         self.after: tuple[_Entry, ...] = ()
-        # Where its bytes came from and the rate its load measured (None: too small to
-        # say): its reload cost.
-        self.kind = source_kind(is_remote(request.path), request.cached_bytes, request.nbytes)
+        # Where its bytes came from (looked at again as its load begins) and the rate
+        # its load measured (None: too small to say): its reload cost.
+        self.kind = source_kind(is_remote(request.path), None, request.nbytes)
         self.load_rate: float | None = None
         self._fan = FanOut[dict[str, Any]]()
         # Set (and replaced) whenever subscribers may have something new.

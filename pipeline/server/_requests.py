@@ -60,9 +60,6 @@ class LoadRequest:
     # server's ``keep_alive`` says.
     keep_alive_s: float | None = None
     pin: bool | None = None  # never evicted; None: not said (False for a new load)
-    # Bytes of the files in the page cache as the request was admitted (None: remote, or
-    # not known): what kind of source the load's rate measures.
-    cached_bytes: int | None = None
     # The local files' identities (``PreOpened.file_ids``): two requests share a model
     # only if they name the very same files.
     file_ids: tuple[tuple[int, int, int, int], ...] = ()
@@ -266,7 +263,6 @@ async def _prepare_request(
     if config.pipeline.reader_count() > limiter.max_readers:
         config = config.with_settings({"readers": limiter.max_readers})
     opener: PreOpened | RemoteFiles
-    cached_bytes: int | None = None
     # The local files' identities (``PreOpened.file_ids``): two requests share a model
     # only if they name the very same files.
     file_ids: tuple[tuple[int, int, int, int], ...] = ()
@@ -283,7 +279,6 @@ async def _prepare_request(
         # Every file is opened here, once, under the roots: the load reads these
         # descriptors, and the bytes held are counted from their real sizes.
         opener = await threads.run_sync(_open_files, registry, paths)
-        cached_bytes = await threads.run_sync(opener.cached_bytes)
         file_ids = opener.file_ids
         splits = len(paths)
         per_file = config.pipeline.readers_for(path)
@@ -305,7 +300,6 @@ async def _prepare_request(
             staging,
             opener,
             opener.size_bytes,
-            cached_bytes=cached_bytes,
             file_ids=file_ids,
         )
     except BaseException:
