@@ -41,6 +41,7 @@ from aiogguf.io.workers import LoadThreads
 from aiogguf.stages.read import most_readers
 
 if TYPE_CHECKING:
+    from aiogguf._core.layout import Planner
     from aiogguf._core.rehearsal import RehearsalFile
 
 __all__ = [
@@ -73,8 +74,10 @@ class LoadHandle:
         progress: ProgressCallback | None = None,
         devices: Sequence[Device] | None = None,
         opener: FileOpener | None = None,
+        planner: Planner | None = None,
     ) -> None:
         self.path: str = os.fspath(path)
+        self._planner = planner
         self._opener = opener
         self.config = config
         self.hub: ProgressHub = ProgressHub(progress)
@@ -146,6 +149,7 @@ class LoadHandle:
                 devices=self._devices,
                 opener=self._opener,
                 ready=self._ready,
+                planner=self._planner,
             )
         except BaseException as exc:
             # Release what the load holds even while being cancelled; the stack is told

@@ -51,6 +51,7 @@ LAYERS: dict[str, int] = {
     # Wings that are clients of the API.
     "aiogguf.compat": 7,
     "aiogguf.server": 7,
+    "aiogguf.cluster": 7,  # loads over a Ray cluster: each node's loader runs the API's load
     "aiogguf.testing": 7,  # the demo and benchmark harness: above the API, below the CLI
     "aiogguf.cli": 8,
     "aiogguf": 9,  # the package's re-exports
@@ -191,7 +192,13 @@ def test_no_stage_imports_another_stages_class() -> None:
     assert reaching_in == []
 
 
-WINGS = ("aiogguf.integrity", "aiogguf.remote", "aiogguf.server", "aiogguf.compat")
+WINGS = (
+    "aiogguf.integrity",
+    "aiogguf.remote",
+    "aiogguf.server",
+    "aiogguf.compat",
+    "aiogguf.cluster",
+)
 ASSEMBLER = "aiogguf._core.assemble"
 
 
