@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,7 +111,11 @@ def _unreadable(path: str) -> str | None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         return exc.strerror or str(exc)
-    os.close(fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file"
+    finally:
+        os.close(fd)
     return None
 
 

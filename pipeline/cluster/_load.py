@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aiogguf._config import Config, load_config
+from aiogguf._core.engine import one_error
 from aiogguf._run import run
 from aiogguf.cluster._actor import NodeLoader, NodeOutcome
 from aiogguf.cluster._nodes import NodeInfo, node_names, node_of, order_nodes
@@ -236,9 +237,10 @@ async def _make_plan(
         ref = loaders.actors[node].describe.remote(paths.get(node, path), config)
         infos[node] = await _ask(ref, node, path, NODE_TIMEOUT_S * 4)
 
-    async with anyio.create_task_group() as tg:
-        for node in loaders.actors:
-            tg.start_soon(describe, node)
+    with one_error():
+        async with anyio.create_task_group() as tg:
+            for node in loaders.actors:
+                tg.start_soon(describe, node)
     nodes = tuple(infos[n] for n in order_nodes(infos))
     devices = union_devices(nodes, cpu_node)
     readers = [n.name for n in nodes if n.unreadable is None]
@@ -381,7 +383,7 @@ class ClusterLoad:
         self.address = address
         self.cpu_node = cpu_node
         self.paths = {k: os.fspath(v) for k, v in (paths or {}).items()}
-        self._progress = progress
+        self.progress = progress
         self.poll_s = poll_s
         self.node_timeout_s = node_timeout_s
         self.model: ClusterModel | None = None
@@ -423,10 +425,12 @@ class ClusterLoad:
         await loaders.stop([n for n in loaders.actors if n not in loading])
         outcomes: dict[str, NodeOutcome] = {}
         self._seen = {n: (0, plan.node_bytes(n)) for n in loading}
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._watch, loaders, loading, outcomes, began)
-            for node in loading:
-                tg.start_soon(self._load_part, loaders, plan, node, fp, outcomes)
+        # The first node to fail ends the others' parts; the caller sees its error alone.
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch, loaders, loading, outcomes, began)
+                for node in loading:
+                    tg.start_soon(self._load_part, loaders, plan, node, fp, outcomes)
         total_s = time.perf_counter() - began
         failures = [
             TensorFailure(
@@ -476,8 +480,8 @@ class ClusterLoad:
                         tg.start_soon(self._poll, loaders, node)
             for node, outcome in outcomes.items():
                 self._seen[node] = (outcome.nbytes, self._seen[node][1])
-            if self._progress is not None:
-                self._progress(
+            if self.progress is not None:
+                self.progress(
                     ClusterProgress(
                         tuple((n, *self._seen[n]) for n in loading),
                         time.perf_counter() - began,

@@ -5,8 +5,10 @@ own names.
 The plan stage sees one CPU (the named CPU node's, ``n0/CPU``), then every node's GPUs
 in node order (``order_nodes``), each in its node's order. ``-ngl``, ``-ts``, ``-sm``,
 ``-mg`` and ``-ot`` therefore work over the union as over one machine's devices; an
-override to ``CPU`` means the CPU node's. A buffer belongs to the node of its device:
-a GPU's pinned host buffer (``n0/g0_Host``) is that GPU's node's host memory.
+override to ``CPU`` means the CPU node's. A buffer belongs to the node of its device.
+One difference from one machine: only the CPU node's GPUs offer their pinned host
+buffer type (``n0/g0_Host``, host memory of their node), so that the CPU part, which
+llama.cpp puts there when it does not map the file, stays on the CPU node.
 """
 
 from __future__ import annotations
@@ -75,8 +77,11 @@ def union_devices(nodes: Sequence[NodeInfo], cpu_node: str) -> tuple[NodeDevice,
     host = by_name[cpu_node].devices
     cpu = [d for d in host if d.kind is DeviceKind.CPU]
     accels = [d for d in host if d.kind is DeviceKind.ACCEL]
+    # A GPU's pinned host memory is its node's: the CPU part (which llama.cpp puts in the
+    # first GPU's pinned host buffer when it does not map the file) may use only the CPU
+    # node's, as llama.cpp's RPC devices offer none.
     gpus = [
-        d
+        d if name == cpu_node else replace(d, host_buffer_type=None)
         for name in order_nodes(by_name)
         for d in by_name[name].devices
         if d.kind in (DeviceKind.GPU, DeviceKind.IGPU)
