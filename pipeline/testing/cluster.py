@@ -62,16 +62,17 @@ def loopback_cluster(specs: Sequence[NodeSpec]) -> Iterator[LoopbackCluster]:
     # Off, Ray takes loopback for this machine's address everywhere (read when Ray is
     # imported; on, it resolves 127.0.0.1 to the machine's address and connects there).
     os.environ[LOOPBACK_ENV] = "0"
-    import ray
+    import ray as ray_module
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
+    ray: Any = ray_module  # partly typed: its calls are taken as they are
     if ray_constants.ENABLE_RAY_CLUSTER:
         raise RuntimeError(
             f"Ray was imported before {LOOPBACK_ENV}=0 was set: set it before importing ray"
         )
 
-    cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
+    cluster: Any = Cluster(initialize_head=False, shutdown_at_exit=True)
     nodes: dict[str, Any] = {}
     try:
         for i, spec in enumerate(specs):
