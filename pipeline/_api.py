@@ -26,6 +26,7 @@ import numpy as np
 from aiogguf._checks import PieceCheck
 from aiogguf._config import Config, LoadMode, load_config
 from aiogguf._core.engine import load_thread_count, one_error, run_load
+from aiogguf._core.layout import Planner
 from aiogguf._core.ready import ReadyTensors, TensorStream
 from aiogguf._devices import enumerate_devices
 from aiogguf._events import Progress, ProgressCallback, ProgressHub, Stage
@@ -41,7 +42,6 @@ from aiogguf.io.workers import LoadThreads
 from aiogguf.stages.read import most_readers
 
 if TYPE_CHECKING:
-    from aiogguf._core.layout import Planner
     from aiogguf._core.rehearsal import RehearsalFile
 
 __all__ = [
