@@ -31,8 +31,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 NODES = ["n0", "n1", "n2"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster() -> Iterator[LoopbackCluster]:
+    # One test takes it (and a node from it): it is down before the benchmark's starts.
     specs = [
         NodeSpec(name, [f"name=g{2 * i + k},free=2GiB,bandwidth=8MB" for k in range(2)])
         for i, name in enumerate(NODES)
@@ -68,3 +69,35 @@ async def test_a_node_killed_mid_load_is_one_load_error_naming_it(
     # The others were told to stop and hold nothing.
     assert set(handle.held_after) == {"n0", "n2"}
     assert handle.held_after == {"n0": 0, "n2": 0}
+
+
+def test_the_benchmark_runs_and_its_rows_add_up(tmp_path: Path) -> None:
+    """bench/cluster.py on a small model, in a process of its own with a cluster of its
+    own (the killing test's is down by then)."""
+    import json
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "cluster.py"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(bench),
+            "--size",
+            "32MiB",
+            "--pairs",
+            "1",
+            "--json",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=True,
+    ).stdout
+    result = json.loads(out)
+    assert result["rows_add_up"] is True
+    assert {row["node"] for row in result["runs"]["split"][0]["rows"]} == set(NODES)
+    assert [row["node"] for row in result["runs"]["alone"][0]["rows"]] == ["n0"]
+    assert result["ratio_load"] > 0

@@ -83,12 +83,15 @@ class NodeRow:
 
 @dataclass(frozen=True, slots=True)
 class ClusterReport:
-    """A load over the cluster: a row per loading node, and the whole load's seconds
-    (from the first loader's start to the last node's end, as the driver saw it)."""
+    """A load over the cluster: a row per loading node; the whole load's seconds as the
+    driver saw them (``total_s``: from its start, the loaders' start-up and the plan
+    included, to the last node's end) and those of its loading half (``load_s``: from
+    the parts' start to the last one's end)."""
 
     path: str
     rows: tuple[NodeRow, ...]
     total_s: float
+    load_s: float
 
     @property
     def nbytes(self) -> int:
@@ -425,13 +428,14 @@ class ClusterLoad:
         await loaders.stop([n for n in loaders.actors if n not in loading])
         outcomes: dict[str, NodeOutcome] = {}
         self._seen = {n: (0, plan.node_bytes(n)) for n in loading}
+        parts_began = time.perf_counter()
         # The first node to fail ends the others' parts; the caller sees its error alone.
         with one_error():
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch, loaders, loading, outcomes, began)
                 for node in loading:
                     tg.start_soon(self._load_part, loaders, plan, node, fp, outcomes)
-        total_s = time.perf_counter() - began
+        ended = time.perf_counter()
         failures = [
             TensorFailure(
                 f.name, f.type_name, f"on node {o.node}: {f.problem}", f.first_index, f.count
@@ -446,7 +450,12 @@ class ClusterLoad:
             NodeRow(n, outcomes[n].nbytes, outcomes[n].read_bytes, outcomes[n].seconds)
             for n in loading
         )
-        return ClusterModel(plan, metadata, ClusterReport(self.path, rows, total_s), loaders)
+        return ClusterModel(
+            plan,
+            metadata,
+            ClusterReport(self.path, rows, ended - began, ended - parts_began),
+            loaders,
+        )
 
     async def _load_part(
         self,
