@@ -65,6 +65,9 @@ class LoadHandle:
     Progress: pass ``progress=callback``, or iterate ``handle.events()`` in another task
     while the ``async with`` runs.
     Tensors as they are ready: ``handle.tensors_as_ready()``.
+    ``planner`` makes the load's plan from its index, devices and config (default
+    ``make_plan``); a plan may place only part of the model, whose other tensors are then
+    neither allocated nor read (a cluster node's part, ``aiogguf.cluster``).
     """
 
     def __init__(

@@ -349,3 +349,22 @@ def test_the_cli_plans_and_loads_over_the_cluster(
     for node in NODES:
         assert node in out
     assert "total" in out
+
+
+@pytest.mark.asyncio
+async def test_the_readmes_cluster_block_runs(cluster: LoopbackCluster, model: SynthModel) -> None:
+    """README's "Beyond one machine" block, its claims asserted, on this cluster."""
+    import ast
+
+    from test_readme_python import python_blocks, with_assertions
+
+    blocks = python_blocks("Beyond one machine")
+    assert len(blocks) == 1
+    source, claims = with_assertions(blocks[0].replace('"model.gguf"', repr(str(model.path))))
+    assert claims == 1
+    code = compile(source, "README.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    namespace: dict[str, Any] = {}
+    result = eval(code, namespace)
+    if result is not None:
+        await result
+    assert namespace["norm"].tobytes() == _oracle(model.path)["output_norm.weight"]
