@@ -203,13 +203,17 @@ async def test_a_model_on_six_gpus_of_three_nodes(
         for name, data in expected.items():
             assert (await loaded.fetch(name)).tobytes() == data, name
         report = loaded.report
+        print(report)
         header = model.tensors[0].file_offset  # the metadata and tensor infos
         for node in NODES:
             row = report.row(node)
             assert row.nbytes == plan.node_bytes(node) > 0
             assert row.read_bytes == plan.node_read_bytes(node)
-        # What each loader process read, by the kernel's count: its part, its header
-        # parse and the small files Ray and Python read in that time.
+            # By the kernel's count, the loader's process read its part, its header and
+            # little else (Ray's and Python's own reads meanwhile): not another's part.
+            smallest_other = min(plan.node_read_bytes(n) for n in NODES if n != node)
+            assert row.read_bytes <= row.process_read_bytes, row
+            assert row.process_read_bytes - row.read_bytes < min(smallest_other, 4 * 1024**2)
         assert report.nbytes == sum(t.nbytes for t in model.tensors)
         assert loaded.metadata["general.architecture"] == "llama"
     assert seen
@@ -368,3 +372,19 @@ async def test_the_readmes_cluster_block_runs(cluster: LoopbackCluster, model: S
     if result is not None:
         await result
     assert namespace["norm"].tobytes() == _oracle(model.path)["output_norm.weight"]
+
+
+@pytest.mark.asyncio
+async def test_the_driver_needs_no_copy(
+    cluster: LoopbackCluster, model: SynthModel, tmp_path: Path
+) -> None:
+    """The driver's own path names nothing: every node reads its copy, the plan is made
+    on a node, and the tensors are where they belong."""
+    nowhere = tmp_path / "not-on-the-driver.gguf"
+    async with aiogguf.cluster.load(
+        nowhere, paths=dict.fromkeys(NODES, model.path), mode="none"
+    ) as loaded:
+        assert not nowhere.exists()
+        assert loaded.report.nbytes == model.tensor_bytes
+        name = model.tensors[-1].name
+        assert (await loaded.fetch(name)).tobytes() == _oracle(model.path)[name]

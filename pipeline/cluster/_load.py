@@ -69,12 +69,15 @@ _STOP_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class NodeRow:
-    """One node's part of a load: tensor bytes loaded, file bytes read, seconds."""
+    """One node's part of a load: tensor bytes loaded, file bytes its reads took,
+    seconds, and what the kernel counted its loader's process reading meanwhile
+    (``rchar``: the file's bytes, its header, anything else it read)."""
 
     node: str
     nbytes: int
     read_bytes: int
     seconds: float
+    process_read_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -447,7 +450,13 @@ class ClusterLoad:
         if failures:
             raise TensorValidationError(failures, self.path)
         rows = tuple(
-            NodeRow(n, outcomes[n].nbytes, outcomes[n].read_bytes, outcomes[n].seconds)
+            NodeRow(
+                n,
+                outcomes[n].nbytes,
+                outcomes[n].read_bytes,
+                outcomes[n].seconds,
+                outcomes[n].rchar,
+            )
             for n in loading
         )
         return ClusterModel(
