@@ -388,3 +388,13 @@ async def test_the_driver_needs_no_copy(
         assert loaded.report.nbytes == model.tensor_bytes
         name = model.tensors[-1].name
         assert (await loaded.fetch(name)).tobytes() == _oracle(model.path)[name]
+
+
+def test_load_sync_for_code_without_a_loop(cluster: LoopbackCluster, model: SynthModel) -> None:
+    with aiogguf.cluster.load_sync(model.path, mode="none") as loaded:
+        name = model.tensors[3].name
+        assert loaded.fetch_sync(name).tobytes() == _oracle(model.path)[name]
+        assert loaded.report.nbytes == model.tensor_bytes
+    assert "closed" in repr(loaded)
+    with pytest.raises(ValueError, match="closed"):
+        loaded.fetch_sync(name)

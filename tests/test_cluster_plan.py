@@ -103,3 +103,30 @@ def test_only_the_cpu_nodes_gpus_offer_pinned_host_memory() -> None:
     assert [d.host_buffer_type is not None for d in devices[1:]] == [False, True]
     with pytest.raises(ConfigError, match="no node named 'c'"):
         union_devices((a, b), "c")
+
+
+def test_the_cli_imports_neither_ray_nor_the_wing_to_build_its_parser() -> None:
+    """``aiogguf cluster`` is a command like the others; Ray is imported when it runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from aiogguf.cli import build_parser; build_parser(); "
+        "print('ray' in sys.modules, 'aiogguf.cluster' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_a_cluster_command_with_a_bad_path_flag_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from aiogguf.cli import main
+
+    assert main(["cluster", "plan", "m.gguf", "--path", "n1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--path" in err
+    assert "NODE=PATH" in err

@@ -396,8 +396,12 @@ class ClusterLoad:
         self.stopped: dict[str, float] = {}
         self.held_after: dict[str, int] = {}
         self._seen: dict[str, tuple[int, int]] = {}
+        self._started = False
 
     async def __aenter__(self) -> ClusterModel:
+        if self._started:
+            raise RuntimeError("a ClusterLoad loads once: call aiogguf.cluster.load(...) again")
+        self._started = True
         ray = await anyio.to_thread.run_sync(_connect, self.address)
         names, mine = await anyio.to_thread.run_sync(_alive_nodes, ray)
         _check_paths(self.paths, names)
@@ -548,9 +552,11 @@ def load(
     ``config`` and ``overrides`` are ``aiogguf.load``'s (placement: ``n_gpu_layers``,
     ``split_mode``, ``main_gpu``, ``tensor_split``, ``override`` naming devices by node,
     ``"blk\\.[0-9]\\.=n1/g0"``; ``mode``, ``check_tensors``, ...). ``address``: the Ray
-    cluster to join when Ray is not initialised. ``cpu_node``: the node that holds the
-    CPU part (default: the driver's). ``paths``: the model's path on a node, by node
-    name, where it differs from ``path``. ``progress`` is called with a
+    cluster to join when Ray is not initialised (None: ``ray.init()``'s own choice, which
+    is ``RAY_ADDRESS``, else the cluster this machine runs, else a new local one).
+    ``cpu_node``: the node that holds the CPU part (default: the driver's). ``paths``:
+    the model's path on a node, by node name, where it differs from ``path``.
+    ``progress`` is called with a
     ``ClusterProgress`` as the nodes load.
 
     Raises ``ConfigError`` (bad configuration, unknown node, Ray missing),
