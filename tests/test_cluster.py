@@ -398,3 +398,28 @@ def test_load_sync_for_code_without_a_loop(cluster: LoopbackCluster, model: Synt
     assert "closed" in repr(loaded)
     with pytest.raises(ValueError, match="closed"):
         loaded.fetch_sync(name)
+
+
+@pytest.mark.asyncio
+async def test_each_node_reads_a_remote_source_itself(
+    cluster: LoopbackCluster, model: SynthModel
+) -> None:
+    """A URL: every node requests its own part's ranges from the server, none through
+    the driver; together they ask for the model's bytes once, and the headers'."""
+    from http_server import file_server
+
+    with file_server(model.path.parent) as server:
+        async with aiogguf.cluster.load(server.url(model.path.name)) as loaded:
+            assert loaded.plan.plan.mode == "none"  # what a remote source reads in
+            expected = _oracle(model.path)
+            for t in model.tensors[::7]:
+                assert (await loaded.fetch(t.name)).tobytes() == expected[t.name]
+            asked = 0
+            for headers in server.faults.headers:
+                found = re.fullmatch(r"bytes=(\d+)-(\d+)", headers.get("Range", ""))
+                if found is not None:
+                    asked += int(found[2]) - int(found[1]) + 1
+    parts = sum(loaded.plan.node_read_bytes(n) for n in NODES)
+    assert parts == model.tensor_bytes
+    # Each node (and the planning one once more) reads the header: a few MiB at most.
+    assert parts <= asked < parts + 4 * 4 * 1024**2

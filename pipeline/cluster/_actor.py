@@ -28,6 +28,7 @@ from aiogguf._api import LoadHandle, release_device_memory
 from aiogguf._config import Config
 from aiogguf._devices import enumerate_devices
 from aiogguf._dry_run import inspect
+from aiogguf._dry_run import plan as dry_plan
 from aiogguf._events import Progress
 from aiogguf._model import Model
 from aiogguf._records import GGUFArray, Plan, WeightIndex
@@ -35,7 +36,6 @@ from aiogguf.cluster._nodes import NodeDevice, NodeInfo, describe_device
 from aiogguf.errors import GGUFError, LoadError, TensorFailure, TensorValidationError
 from aiogguf.io._devices.base import Device
 from aiogguf.io._devices.cpu import CpuDevice
-from aiogguf.stages.plan import make_plan
 
 __all__ = [
     "SIM_GPUS_ENV",
@@ -153,7 +153,8 @@ class NodeLoader:
         headers (no tensor byte is read), the model's metadata as plain values, and its
         index's fingerprint."""
         index = await inspect(path)
-        plan = await anyio.to_thread.run_sync(make_plan, index, devices, config)
+        # As a load of ``path`` plans: a remote source is read in mode none, say.
+        plan = await dry_plan(path, config, devices=devices)
         return plan, plain_metadata(index), fingerprint(index)
 
     def progress(self) -> tuple[int, int]:

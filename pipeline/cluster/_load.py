@@ -208,7 +208,9 @@ def _node_error(exc: BaseException, node: str, path: str) -> LoadError:
     ray = _ray()
     if isinstance(exc, ray.exceptions.RayActorError):
         return LoadError(path, None, f"node {node} died during the load (its loader is gone)")
-    return LoadError(path, None, f"node {node}: {type(exc).__name__}: {exc}")
+    # A loader's own exception, without the traceback Ray wraps it in.
+    cause = getattr(exc, "cause", None) or exc
+    return LoadError(path, None, f"node {node}: {type(cause).__name__}: {cause}")
 
 
 async def _ask(ref: Any, node: str, path: str, timeout_s: float | None = None) -> Any:
