@@ -26,6 +26,7 @@ import numpy as np
 from aiogguf._checks import PieceCheck
 from aiogguf._config import Config, LoadMode, load_config
 from aiogguf._core.engine import load_thread_count, one_error, run_load
+from aiogguf._core.layout import Planner
 from aiogguf._core.ready import ReadyTensors, TensorStream
 from aiogguf._devices import enumerate_devices
 from aiogguf._events import Progress, ProgressCallback, ProgressHub, Stage
@@ -64,6 +65,9 @@ class LoadHandle:
     Progress: pass ``progress=callback``, or iterate ``handle.events()`` in another task
     while the ``async with`` runs.
     Tensors as they are ready: ``handle.tensors_as_ready()``.
+    ``planner`` makes the load's plan from its index, devices and config (default
+    ``make_plan``); a plan may place only part of the model, whose other tensors are then
+    neither allocated nor read (a cluster node's part, ``aiogguf.cluster``).
     """
 
     def __init__(
@@ -73,8 +77,10 @@ class LoadHandle:
         progress: ProgressCallback | None = None,
         devices: Sequence[Device] | None = None,
         opener: FileOpener | None = None,
+        planner: Planner | None = None,
     ) -> None:
         self.path: str = os.fspath(path)
+        self._planner = planner
         self._opener = opener
         self.config = config
         self.hub: ProgressHub = ProgressHub(progress)
@@ -146,6 +152,7 @@ class LoadHandle:
                 devices=self._devices,
                 opener=self._opener,
                 ready=self._ready,
+                planner=self._planner,
             )
         except BaseException as exc:
             # Release what the load holds even while being cancelled; the stack is told

@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
     # (above the API: it opens a Model) and its protocol (``server`` uses them).
     "aiogguf.resident": 7,
     "aiogguf.server": 7,
+    "aiogguf.cluster": 7,  # loads over a Ray cluster: each node's loader runs the API's load
     "aiogguf.testing": 7,  # the demo and benchmark harness: above the API, below the CLI
     "aiogguf.cli": 8,
     "aiogguf": 9,  # the package's re-exports
@@ -200,6 +201,7 @@ WINGS = (
     "aiogguf.server",
     "aiogguf.compat",
     "aiogguf.resident",
+    "aiogguf.cluster",
 )
 ASSEMBLER = "aiogguf._core.assemble"
 

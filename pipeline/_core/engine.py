@@ -66,6 +66,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from aiogguf._config import Config
 from aiogguf._core.assemble import Assembly, is_remote, open_index
 from aiogguf._core.front import Front, Layout, ReadSide
+from aiogguf._core.layout import Planner
 from aiogguf._core.load_resources import LoadResources
 from aiogguf._core.ready import ArrayOf, ReadyTensors
 from aiogguf._events import ProgressHub, Stage
@@ -432,11 +433,12 @@ async def run_load(
     devices: Sequence[Device] | None = None,
     opener: FileOpener | None = None,
     ready: ReadyTensors | None = None,
+    planner: Planner | None = None,
 ) -> Model:
     """Parse, index, plan and load ``path``. What the load holds is one
     ``LoadResources`` on ``stack``, which the caller closes (told why, on failure); the
     returned model has taken the images. ``opener`` opens every file of the load, once
-    (default: any path)."""
+    (default: any path); ``planner`` makes the plan (None: ``make_plan``)."""
     with _load_errors(path):
         t0 = hub.elapsed()
         hub.emit(Stage.PARSE, 0, 0, 0, 0, f"parsing {os.fspath(path)}", force=True)
@@ -458,7 +460,7 @@ async def run_load(
         if remote:
             path = await threads.run_sync(assembly.route, os.fspath(path))
         passed = ready.add if ready is not None else None
-        front = Front(resources, assembly, devices, hub.elapsed, hub, passed)
+        front = Front(resources, assembly, devices, hub.elapsed, hub, passed, planner)
         first, whole = await threads.run_sync(front.parse_and_plan, os.fspath(path))
         if whole is not None:
             index, t1, layout, reading = whole

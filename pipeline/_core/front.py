@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from aiogguf._core.assemble import Assembly
-from aiogguf._core.layout import Layout, ReadSide, lay_out, plan_load, start_reads
+from aiogguf._core.layout import Layout, Planner, ReadSide, lay_out, plan_load, start_reads
 from aiogguf._core.load_resources import LoadResources
 from aiogguf._events import ProgressHub
 from aiogguf._jobs import Passed
@@ -42,6 +42,7 @@ class Front:
     clock: Callable[[], float]
     hub: ProgressHub
     passed: Passed | None = None  # told each batch of tensors ready to hand on
+    planner: Planner | None = None  # who makes the plan (None: ``make_plan``)
 
     def parse_and_plan(
         self, path: str
@@ -61,7 +62,7 @@ class Front:
         """Blocking: the load's devices and plan; then the files to read, opened in the
         plan's mode, its manifest, the layout and the host reads started."""
         assembly, resources, config = self.assembly, self.resources, self.assembly.config
-        devices, plan = plan_load(index, self.devices, config)
+        devices, plan = plan_load(index, self.devices, config, self.planner)
         raise_if_stopped()
         assembly.open_files(index, resources, direct=plan.traits.direct)
         assembly.open_manifest(index, resources)

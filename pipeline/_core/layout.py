@@ -46,7 +46,12 @@ from aiogguf.stages.read import (
 )
 from aiogguf.stages.validate import Validation
 
-__all__ = ["Layout", "ReadSide", "lay_out", "plan_load", "start_reads"]
+__all__ = ["Layout", "Planner", "ReadSide", "lay_out", "plan_load", "start_reads"]
+
+# Who makes a load's plan from its index, devices and config (default ``make_plan``). A
+# plan may place only part of the index: the tensors it leaves out are neither
+# allocated nor read, and the model holds only those it places.
+Planner = Callable[[WeightIndex, Sequence[Device], Config], Plan]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +78,16 @@ class Layout:
 
 
 def plan_load(
-    index: WeightIndex, devices: Sequence[Device] | None, config: Config
+    index: WeightIndex,
+    devices: Sequence[Device] | None,
+    config: Config,
+    planner: Planner | None = None,
 ) -> tuple[tuple[Device, ...], Plan]:
     """Blocking: the load's devices (None: discover them; the first discovery imports
     CuPy and starts CUDA) and its plan (placement rules are matched against every
-    tensor name)."""
+    tensor name), made by ``planner`` (None: ``make_plan``)."""
     found = tuple(devices) if devices is not None else enumerate_devices(config)
-    return found, make_plan(index, found, config)
+    return found, (planner or make_plan)(index, found, config)
 
 
 def lay_out(

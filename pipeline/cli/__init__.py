@@ -41,6 +41,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("aiogguf.cli.bench", "measure load throughput against this machine's limits"),
     "config": ("aiogguf.cli.config", "print the effective configuration"),
     "serve": ("aiogguf.cli.serve", "run the HTTP load server"),
+    "cluster": (
+        "aiogguf.cli.cluster",
+        "plan or load a model over a Ray cluster (beyond one machine)",
+    ),
 }
 
 EXIT_OK, EXIT_FAILURE, EXIT_INVALID, EXIT_WARNED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
