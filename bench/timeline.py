@@ -150,7 +150,10 @@ def _limit_worker(path: str, backed: bool) -> dict[str, Any]:
         buffer = HostBuffer(nbytes)
         view = buffer.memoryview
 
+        go = threading.Event()
+
         def worker() -> None:
+            go.wait()
             while True:
                 with lock:
                     off = next(chunks, None)
@@ -163,11 +166,13 @@ def _limit_worker(path: str, backed: bool) -> dict[str, Any]:
                 f.read_into(view[off : off + n], off)
                 reads.add(start, time.perf_counter(), n)
 
-        usage = _usage()
-        t0 = time.perf_counter()
+        # Started before the clock, released together: the limit is its threads reading.
         threads = [threading.Thread(target=worker, name=f"limit-{i}") for i in range(LIMIT_THREADS)]
         for t in threads:
             t.start()
+        usage = _usage()
+        t0 = time.perf_counter()
+        go.set()
         for t in threads:
             t.join()
         ready = time.perf_counter()

@@ -708,8 +708,9 @@ class _Feed:
     backing: ``HostImage.back``). A reader takes a whole run, job by job, before it
     takes the next: it backs each unit once, at its first job, and reads the rest into
     pages already backed, while another reader backs and reads another unit. (Handed
-    out one job at a time, two readers met in every unit: one backed it while the other
-    read into it, faulting its pages in one by one, and the two contended for them.)
+    out one job at a time, two readers would meet in every unit: one backing it while
+    the other reads into it, faulting its pages in one by one, the two contending for
+    them.)
     Once no run is left, a reader takes the last job of the longest run still being
     read, so that no reader idles while another has jobs queued. ``stop`` ends every
     reader after the job it is reading (cancellation, a failed reader)."""

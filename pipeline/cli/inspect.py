@@ -1,8 +1,9 @@
 """``aiogguf inspect PATH [--json]``: a model's files, metadata and tensors.
 
-The readable form abbreviates long arrays and strings; ``--json`` prints one complete JSON
-object (shape in ``inspect_json``). Nothing but the headers is read: of a URL or an
-``hf://`` name, the first request's megabyte, more only for a larger header.
+The readable form is plain-text tables, one line per tensor, with long arrays and strings
+abbreviated; ``--json`` prints one complete JSON object (shape in ``inspect_json``).
+Nothing but the headers is read: of a URL or an ``hf://`` name, the first request's
+megabyte, more only for a larger header.
 """
 
 from __future__ import annotations
