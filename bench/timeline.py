@@ -25,6 +25,11 @@ per GB. The medians over the runs come last, with the load's share of the limit.
     python bench/timeline.py [--size 2GiB] [--runs 5] [--checks on|off|both]
                              [--dir /work/bench-data] [--settle 3] [--strace] [--json PATH]
                              [--base-python BASE/.venv/bin/python]   # an A/B, alternated
+    python bench/timeline.py --patterns [--runs 6]   # backing patterns, without the loader
+
+``--patterns``: two threads back fresh memory and read the file into it in three ways
+(``PATTERNS``: as a load did at ``5df39a8``, each chunk backed first, a unit per reader),
+alternated in fresh processes: GB/s and CPU seconds per GB.
 """
 
 from __future__ import annotations
@@ -189,8 +194,124 @@ def _limit_worker(path: str, backed: bool) -> dict[str, Any]:
     }
 
 
+# ``--patterns``: how two threads back fresh memory and read into it, without the loader.
+PATTERNS = ("shared_units", "per_chunk", "unit_per_reader")
+_UNIT = 256 * MiB
+_FAULTING_CALL = 8 * MiB
+
+
+def _pattern_worker(path: str, pattern: str) -> dict[str, Any]:
+    """Two threads read the file 64 MiB at a time into fresh memory, backing it as
+    ``pattern`` says: ``shared_units``, as a load did at ``5df39a8`` (chunks handed out one
+    at a time; the first chunk to reach a 256 MiB unit backs all of it, a chunk whose
+    unit another thread is still backing reads in 8 MiB calls, faulting its pages in);
+    ``per_chunk``, each chunk backed by its reader just before its read (the limit);
+    ``unit_per_reader``, a thread takes a whole unit, backs it, then reads its chunks (a
+    load now). Returns GB/s and CPU seconds per GB."""
+    from aiogguf.io.buffers import HostBuffer
+    from aiogguf.io.files import open_file
+    from aiogguf.io.workers import at_load_priority
+    from aiogguf.testing.bench import LIMIT_THREADS
+
+    at_load_priority()
+    nbytes = os.path.getsize(path)
+    chunks = iter([(o, min(CHUNK, nbytes - o)) for o in range(0, nbytes, CHUNK)])
+    units = iter(range(-(-nbytes // _UNIT)))
+    lock = threading.Lock()
+    claimed: set[int] = set()
+    backed: set[int] = set()
+    with open_file(path) as f, HostBuffer(nbytes) as buffer:
+        view = buffer.memoryview
+
+        def shared_units() -> None:
+            while True:
+                with lock:
+                    item = next(chunks, None)
+                if item is None:
+                    return
+                off, n = item
+                first, last = off // _UNIT, (off + n - 1) // _UNIT
+                with lock:
+                    mine = [u for u in range(first, last + 1) if u not in claimed]
+                    claimed.update(mine)
+                    busy = any(u not in mine and u not in backed for u in range(first, last + 1))
+                for u in mine:
+                    buffer.populate(u * _UNIT, (u + 1) * _UNIT)
+                    backed.add(u)
+                f.read_into(view[off : off + n], off, max_call=_FAULTING_CALL if busy else 0)
+
+        def per_chunk() -> None:
+            while True:
+                with lock:
+                    item = next(chunks, None)
+                if item is None:
+                    return
+                off, n = item
+                buffer.populate(off, off + n)
+                f.read_into(view[off : off + n], off)
+
+        def unit_per_reader() -> None:
+            while True:
+                with lock:
+                    unit = next(units, None)
+                if unit is None:
+                    return
+                lo, hi = unit * _UNIT, min(nbytes, (unit + 1) * _UNIT)
+                buffer.populate(lo, hi)
+                for off in range(lo, hi, CHUNK):
+                    n = min(CHUNK, hi - off)
+                    f.read_into(view[off : off + n], off)
+
+        target = {"shared_units": shared_units, "per_chunk": per_chunk}.get(
+            pattern, unit_per_reader
+        )
+        threads = [threading.Thread(target=target) for _ in range(LIMIT_THREADS)]
+        usage = _usage()
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+        used = _delta(usage, _usage())
+        view.release()
+    gb = nbytes / GB
+    return {"gbps": gb / wall, "cpu_s_per_gb": (used["user_s"] + used["sys_s"]) / gb}
+
+
+def run_patterns(
+    path: Path, runs: int, settle_s: float, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """``PATTERNS`` alternated, ``runs`` times each, fresh processes: medians."""
+    from aiogguf.io.pagecache import drop_from_cache
+    from aiogguf.testing.baselines import PageCache
+    from aiogguf.testing.bench import settle
+
+    cache = PageCache(evictable=drop_from_cache(path))
+    got: dict[str, list[dict[str, float]]] = {p: [] for p in PATTERNS}
+    loadavg = [os.getloadavg()]
+    for r in range(runs):
+        for pattern in PATTERNS if r % 2 == 0 else tuple(reversed(PATTERNS)):
+            cache.make(path, "warm")
+            settle(settle_s, touch_bytes=path.stat().st_size, near=path)
+            got[pattern].append(
+                run_worker({"what": "pattern", "pattern": pattern, "path": os.fspath(path)})
+            )
+    loadavg.append(os.getloadavg())
+    say(f"backing patterns, {runs} runs, load average {loadavg[0][0]:.2f} → {loadavg[1][0]:.2f}")
+    medians = {}
+    for pattern, samples in got.items():
+        gbps = statistics.median(s["gbps"] for s in samples)
+        cpu = statistics.median(s["cpu_s_per_gb"] for s in samples)
+        medians[pattern] = {"gbps": gbps, "cpu_s_per_gb": cpu}
+        say(f"  {pattern:<16} {gbps:5.2f} GB/s   CPU {cpu:.3f} s/GB")
+    return {"path": os.fspath(path), "runs": runs, "load_average": loadavg, "patterns": medians}
+
+
 def worker_main(task: dict[str, Any]) -> dict[str, Any]:
-    """One timed load or limit, in this (fresh) process."""
+    """One timed load, limit or backing pattern, in this (fresh) process."""
+    if task["what"] == "pattern":
+        return _pattern_worker(task["path"], task["pattern"])
     if task["what"] == "limit":
         return _limit_worker(task["path"], task.get("backed", True))
     return _load_worker(task["path"], task["checks"])
@@ -404,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also time the loads of another install (a worktree of the base commit)",
     )
     parser.add_argument("--plain-limit", action="store_true", help="the limit faults pages in")
+    parser.add_argument(
+        "--patterns", action="store_true", help="only the backing patterns, without the loader"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -413,6 +537,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     path, _ = ensure_bench_model(args.dir, args.size)
     checks = {"on": [True], "off": [False], "both": [True, False]}[args.checks]
+    if args.patterns:
+        found = run_patterns(path, args.runs, args.settle, print)
+        if args.json:
+            Path(args.json).write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
+        return 0
 
     def say(text: str) -> None:
         print(text, flush=True)

@@ -85,3 +85,17 @@ def test_timeline_reports_each_reader(tmp_path: Path) -> None:
         assert all(r["first"] <= r["last"] <= sample["wall_s"] for r in sample["readers"].values())
         assert result["medians"][kind]["of_limit"] > 0
     assert "medians of 1 runs" in done.stdout
+
+
+@pytest.mark.slow
+def test_timeline_patterns_time_each_way_of_backing(tmp_path: Path) -> None:
+    out = tmp_path / "patterns.json"
+    done = _run(
+        "timeline.py",
+        *("--patterns", "--size", "8MiB", "--runs", "1", "--settle", "0"),
+        *("--dir", str(tmp_path), "--json", str(out)),
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(out.read_text())["patterns"]
+    assert set(found) == {"shared_units", "per_chunk", "unit_per_reader"}
+    assert all(p["gbps"] > 0 and p["cpu_s_per_gb"] >= 0 for p in found.values())
