@@ -18,7 +18,6 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Protocol
 
@@ -39,6 +38,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from aiogguf._addresses import checked_network, checked_prefix
+from aiogguf._records import LoadMode
 from aiogguf._units import format_duration, format_size, parse_duration, parse_size
 from aiogguf.errors import ConfigError
 from aiogguf.io._devices.base import SIM_COPY_BYTES_PER_S, SIM_COPY_LATENCY_US, SIM_PIN_S_PER_GIB
@@ -63,18 +63,6 @@ __all__ = [
     "load_config",
     "manifest_beside",
 ]
-
-
-class LoadMode(StrEnum):
-    """How a load brings the file's bytes into memory (design §1.5); ``AUTO`` is resolved
-    by the plan (``Plan.mode`` is never ``AUTO``). Members equal their strings
-    (``LoadMode.MMAP == "mmap"``), and a config takes either."""
-
-    AUTO = "auto"
-    MMAP = "mmap"
-    MLOCK = "mlock"
-    NONE = "none"
-    DIRECT = "direct"
 
 
 LazyMode = Literal["off", "auto", "on"]

@@ -23,7 +23,15 @@ from aiogguf.io.mapping import FileMapping
 from aiogguf.io.source import ByteSource
 from aiogguf.io.workers import raise_if_stopped
 
-__all__ = ["CHUNK_BYTES", "DeviceImage", "HostImage", "Image", "MappedImage", "tensor_chunks"]
+__all__ = [
+    "BACK_BYTES",
+    "CHUNK_BYTES",
+    "DeviceImage",
+    "HostImage",
+    "Image",
+    "MappedImage",
+    "tensor_chunks",
+]
 
 # ``tensor_chunks`` hands a tensor's bytes over in pieces this big: each stays in the
 # CPU's cache between its copy (from a device or the file) and its use.

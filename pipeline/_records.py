@@ -15,7 +15,6 @@ from typing import Any, TypeAlias, overload
 import numpy as np
 import numpy.typing as npt
 
-from aiogguf._config import LoadMode
 from aiogguf._fastinit import fast_init
 from aiogguf.errors import GGUFFormatError, SplitError
 from aiogguf.io._devices.base import DeviceKind
@@ -29,6 +28,7 @@ __all__ = [
     "FileRange",
     "GGUFArray",
     "LayerAssignment",
+    "LoadMode",
     "MetadataEntry",
     "MetadataValue",
     "ModeTraits",
@@ -44,6 +44,18 @@ __all__ = [
     "ValueType",
     "WeightIndex",
 ]
+
+
+class LoadMode(StrEnum):
+    """How a load brings the file's bytes into memory (design §1.5); ``AUTO`` is resolved
+    by the plan (``Plan.mode`` is never ``AUTO``). Members equal their strings
+    (``LoadMode.MMAP == "mmap"``), and a config takes either."""
+
+    AUTO = "auto"
+    MMAP = "mmap"
+    MLOCK = "mlock"
+    NONE = "none"
+    DIRECT = "direct"
 
 
 class ValueType(IntEnum):

@@ -3,12 +3,12 @@ of the API and for the command line, and ``interrupt_run``, which Ctrl-C calls."
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anyio
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["interrupt_run", "run"]
 
@@ -23,6 +23,12 @@ def run(fn: Any, *args: Any, name: str = "a blocking call") -> Any:
 
     Raises ``RuntimeError`` naming the async twin when this thread runs a loop already
     (``name``: the caller, for the message): a second loop cannot start there."""
+    # Imported here: the command line imports this module for ``interrupt_run`` alone,
+    # and a command that runs no loop (``aiogguf inspect``) need not import asyncio.
+    import asyncio
+
+    import anyio
+
     try:
         asyncio.get_running_loop()
     except RuntimeError:

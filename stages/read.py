@@ -22,8 +22,8 @@ the loop awaits them in ``finish``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiogguf._config import Config, LoadMode
-from aiogguf._images import HostImage, Image, MappedImage
+from aiogguf._images import BACK_BYTES, HostImage, Image, MappedImage
 from aiogguf._jobs import (
     BufferLayout,
     LandedWatcher,
@@ -623,8 +623,9 @@ class HostReads:
 
     def _serve_feed(self, feed: _Feed, verify: Callable[[], None] | None) -> None:
         reader, clock = self._reader, self._clock
+        run: list[collections.deque[ReadJob]] = []
         try:
-            while (job := feed.get()) is not None:
+            while (job := feed.get(run)) is not None:
                 start = clock()
                 reader.read(job)
                 self._threads.call_soon(self._on_landed, job, start, clock(), lazy=True)
@@ -702,28 +703,55 @@ class HostReads:
 
 
 class _Feed:
-    """One file's jobs for its ``readers`` threads, all queued at once, each reader's
-    end (``None``) after them. ``stop`` ends every reader after the job it is reading
-    (cancellation, a failed reader)."""
+    """One file's jobs for its ``readers`` threads, all handed out at once, in runs: the
+    consecutive jobs whose pages one ``BACK_BYTES`` unit of their image holds (its
+    backing: ``HostImage.back``). A reader takes a whole run, job by job, before it
+    takes the next: it backs each unit once, at its first job, and reads the rest into
+    pages already backed, while another reader backs and reads another unit. (Handed
+    out one job at a time, two readers would meet in every unit: one backing it while
+    the other reads into it, faulting its pages in one by one, the two contending for
+    them.)
+    Once no run is left, a reader takes the last job of the longest run still being
+    read, so that no reader idles while another has jobs queued. ``stop`` ends every
+    reader after the job it is reading (cancellation, a failed reader)."""
 
     def __init__(self, jobs: Sequence[ReadJob], readers: int) -> None:
-        self._queue: queue.SimpleQueue[ReadJob | None] = queue.SimpleQueue()
+        runs: list[collections.deque[ReadJob]] = []
+        last: tuple[int, int] | None = None
         for job in jobs:
-            self._queue.put(job)
-        for _ in range(readers):
-            self._queue.put(None)
+            unit = (job.buffer_index, job.buffer_offset // BACK_BYTES)
+            if unit != last:
+                runs.append(collections.deque())
+                last = unit
+            runs[-1].append(job)
+        self._runs = runs
+        self._next_run = 0
+        # The runs readers have taken, to take from the end of once none is left.
+        self._taken: list[collections.deque[ReadJob]] = []
         self._readers = readers
         self._left = 0
         self._lock = threading.Lock()
         self.stopped = False
 
-    def get(self) -> ReadJob | None:
-        job = self._queue.get()
-        return None if self.stopped else job
+    def get(self, run: list[collections.deque[ReadJob]]) -> ReadJob | None:
+        """The calling reader's next job (``run``: the reader's own holder of the run it
+        reads, empty at first), or None once there is none or the feed stopped."""
+        with self._lock:
+            if self.stopped:
+                return None
+            if run and run[0]:
+                return run[0].popleft()
+            if self._next_run < len(self._runs):
+                taken = self._runs[self._next_run]
+                self._next_run += 1
+                self._taken.append(taken)
+                run[:] = [taken]
+                return taken.popleft()
+            longest = max(self._taken, key=len, default=None)
+            return longest.pop() if longest else None
 
     def stop(self) -> None:
-        """From any thread: every reader ends after its job. (No reader waits: each
-        still finds its end in the queue, queued with the jobs.)"""
+        """From any thread: every reader ends after its job."""
         self.stopped = True
 
     def leave(self) -> bool:

@@ -109,26 +109,22 @@ def test_other_kinds_of_file_are_refused(
 STUCK = textwrap.dedent(
     """
     import sys, threading
-    import anyio
     import aiogguf.cli
-    import aiogguf.stages.parse as parse
     from aiogguf.cli import main
+    from aiogguf.io.opener import OpenFiles
 
     # The watchdog's wait before it ends the process: what ends it is the point here, not
     # how long it waits.
     aiogguf.cli.INTERRUPT_GRACE_S = 0.1
 
-    def stuck():
+    def stuck_open(self, path, *args, **kwargs):
+        # A thread blocked for good, as in an open() on a hung filesystem. Said from
+        # inside the command, so that its SIGINT handling is in place by then.
+        print("ready", flush=True)
         print("stuck", flush=True)
         threading.Event().wait()
 
-    async def parse_file(path, **kwargs):
-        # A worker thread blocked for good, as in an open() on a hung filesystem. Said
-        # from inside the command, so that its SIGINT handling is in place by then.
-        print("ready", flush=True)
-        await anyio.to_thread.run_sync(stuck)
-
-    parse.parse_file = parse_file
+    OpenFiles.open = stuck_open
     sys.argv = ["aiogguf", "inspect", sys.argv[1]]
     sys.exit(main())
     """

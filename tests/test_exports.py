@@ -30,8 +30,11 @@ def test_all_names_each_public_name_once() -> None:
     # ``__all__`` is one a user finds but a type checker calls private. (A wing's names,
     # imported on first use, are re-exported in the ``TYPE_CHECKING`` block.)
     source = inspect.getsource(aiogguf)
-    imported = set(re.findall(r"^\s*from aiogguf\.\S+ import (\w+) as \1$", source, re.M))
-    assert imported == set(aiogguf.__all__)
+    imported = re.findall(r"^\s*from (aiogguf\.\S+) import (\w+) as \2$", source, re.M)
+    assert {name for _, name in imported} == set(aiogguf.__all__)
+    # The table that resolves each name at import (or on first use) names the same module
+    # as the import a type checker reads.
+    assert {name: module for module, name in imported} == aiogguf._EXPORTS
 
 
 @pytest.mark.parametrize("name", PUBLIC)

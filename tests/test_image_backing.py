@@ -166,3 +166,77 @@ def test_a_read_into_pages_not_backed_goes_in_short_calls(
         assert_same_bytes(loaded, [model.path])
     assert sum(calls) >= loaded.report.nbytes
     assert (max(calls) <= FAULTING_CALL_BYTES) is not backed
+
+
+# --- which reader reads which unit (stages/read.py's _Feed) --------------------------------
+
+
+def _feed(jobs: list[ReadJob], readers: int = 2) -> Any:
+    from aiogguf.stages.read import _Feed
+
+    return _Feed(jobs, readers)
+
+
+def test_a_reader_reads_a_whole_unit_before_the_next() -> None:
+    """Handed out job by job, two readers met in every unit: one backed it while the
+    other read into it, faulting its pages in one by one. Each takes a unit's jobs in a
+    row now, and two readers start in two units."""
+    jobs = [_job(i, i * 64 * MiB, 64 * MiB) for i in range(12)]  # 3 units of 4 jobs
+    feed = _feed(jobs)
+    a: list[Any] = []
+    b: list[Any] = []
+    order = [(name, feed.get(run)) for name, run in [("a", a), ("b", b)] * 3]
+    assert [(name, job.seq) for name, job in order] == [
+        ("a", 0),
+        ("b", 4),
+        ("a", 1),
+        ("b", 5),
+        ("a", 2),
+        ("b", 6),
+    ]
+
+
+def test_a_reader_with_no_unit_left_takes_the_last_job_of_the_longest_run() -> None:
+    jobs = [_job(i, i * 64 * MiB, 64 * MiB) for i in range(8)]  # 2 units of 4 jobs
+    feed = _feed(jobs)
+    a: list[Any] = []
+    b: list[Any] = []
+    assert feed.get(a).seq == 0
+    assert feed.get(b).seq == 4
+    assert [feed.get(b).seq for _ in range(3)] == [5, 6, 7]
+    # b's unit is done and no unit is left: it takes from the end of a's.
+    assert feed.get(b).seq == 3
+    assert feed.get(a).seq == 1
+    assert feed.get(b).seq == 2
+    assert feed.get(a) is None
+    assert feed.get(b) is None
+    assert feed.leave() is False
+    assert feed.leave() is True
+
+
+def test_a_stopped_feed_hands_out_nothing() -> None:
+    feed = _feed([_job(i, i * MiB, MiB) for i in range(4)])
+    run: list[Any] = []
+    assert feed.get(run).seq == 0
+    feed.stop()
+    assert feed.get(run) is None
+
+
+def test_every_job_is_handed_out_once_to_readers_at_once() -> None:
+    jobs = [_job(i, i * 16 * MiB, 16 * MiB) for i in range(64)]  # 4 units
+    feed = _feed(jobs, readers=8)
+    got: list[list[int]] = [[] for _ in range(8)]
+    barrier = threading.Barrier(8)
+
+    def reader(mine: list[int]) -> None:
+        run: list[Any] = []
+        barrier.wait()
+        while (job := feed.get(run)) is not None:
+            mine.append(job.seq)
+
+    threads = [threading.Thread(target=reader, args=(g,)) for g in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(s for g in got for s in g) == list(range(64))

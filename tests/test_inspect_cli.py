@@ -83,7 +83,7 @@ def test_unexpected_error_exits_1(
     def broken(path: str) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("aiogguf.cli.inspect.inspect_sync", broken)
+    monkeypatch.setattr("aiogguf.cli.inspect.index_local_file", broken)
     assert main(["inspect", str(tmp_path / "x.gguf")]) == 1
     assert capsys.readouterr().err == "aiogguf inspect: RuntimeError: boom\n"
 

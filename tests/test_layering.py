@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     # The API, and the integrity wing's public calls, which run the core's header parse.
     "aiogguf._api": 6,
     "aiogguf._dry_run": 6,
+    "aiogguf._local_index": 6,
     "aiogguf.integrity._hashing": 6,
     # Wings that are clients of the API.
     "aiogguf.compat": 7,

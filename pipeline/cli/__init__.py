@@ -12,16 +12,15 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
-import importlib.metadata
 import os
 import signal
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 from aiogguf._run import interrupt_run
 from aiogguf.cli.extras import MissingExtraError
@@ -78,17 +77,24 @@ def console_main() -> int:
         atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``aiogguf`` parser, with a subcommand for each of ``COMMANDS``."""
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``aiogguf`` parser, with a subcommand for each of ``COMMANDS``.
+
+    ``commands``: the subcommands whose flags are added, each importing its module (the
+    others are listed with their help line only); default every one. ``main`` builds
+    the one on the command line: ``aiogguf inspect`` never imports the loader.
+    """
     parser = argparse.ArgumentParser(
         prog="aiogguf", description="Load GGUF models at hardware speed."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    parser.add_argument("--version", action="version", version=f"aiogguf {_version()}")
+    parser.add_argument("--version", action=_VersionAction, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=help_text, description=help_text)
+        if commands is not None and name not in commands:
+            continue
+        module = importlib.import_module(module_name)
         # SUPPRESS as default: an absent sub-level flag must not reset ``aiogguf --debug``.
         command.add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
@@ -98,9 +104,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand named on a command line: the first argument that is not an option
+    (the top-level options take no value), or None."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the installed distribution's version, looked up only when asked
+    (``importlib.metadata`` reads every installed distribution's records)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        sys.stdout.write(f"aiogguf {_version()}\n")
+        parser.exit()
+
+
 def _version() -> str:
     """The installed distribution's version (the package's ``__version__``, which the CLI,
     a layer below the package's re-exports, does not import)."""
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("aiogguf")
     except importlib.metadata.PackageNotFoundError:
@@ -160,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Exit statuses: 0 done, 1 a failure of the program, 2 bad input (a value, a file, a
     full disk: one line), 3 done with warnings (``plan --strict``), 130 interrupted.
     """
-    args = build_parser().parse_args(argv)
+    command = _command_in(sys.argv[1:] if argv is None else argv)
+    args = build_parser(() if command is None else (command,)).parse_args(argv)
     if argv is None and threading.current_thread() is threading.main_thread():
         _exit_promptly_on_interrupt(args.command)
     try:

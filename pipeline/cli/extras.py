@@ -10,8 +10,10 @@ import importlib.util
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from aiogguf._config import Config
+if TYPE_CHECKING:
+    from aiogguf._config import Config
 
 __all__ = [
     "DEMO_INSTALL",
