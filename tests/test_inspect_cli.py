@@ -93,3 +93,33 @@ def test_debug_shows_the_exception(tmp_path: Path) -> None:
     path.write_bytes(b"GGUF" + b"\x07\0\0\0")
     with pytest.raises(GGUFFormatError, match="unsupported GGUF version 7"):
         main(["inspect", "--debug", str(path)])
+
+
+def test_every_reference_file_has_a_summary(
+    reference_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """llama.cpp's vocab-only file has no tensors: its table is the header alone."""
+    files = sorted(
+        p for p in reference_dir.glob("*.gguf") if "-split-" not in p.name or "00001-of" in p.name
+    )
+    assert len(files) >= 20
+    for path in files:
+        assert main(["inspect", str(path)]) == 0, path.name
+        assert "tensors (by layer)" in capsys.readouterr().out
+
+
+def test_a_file_without_tensors_has_a_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list(["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "0 tensors" in out
+    assert "tokenizer.ggml.tokens" in out

@@ -190,7 +190,7 @@ def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], rig
     a row where a rich table costs half a millisecond (150 ms for a model's 300
     tensors), keep each tensor on one line for grep, and show a file's strings as they
     are (no markup in them is interpreted)."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
     first_right = len(header) - right
 
     def line(cells: Sequence[str]) -> str:
