@@ -249,10 +249,15 @@ async def test_the_cpu_part_on_a_named_node(cluster: LoopbackCluster, model: Syn
 async def test_each_node_reads_its_own_copy(
     cluster: LoopbackCluster, model: SynthModel, tmp_path: Path
 ) -> None:
-    """A per-node path: n2 reads its replica at another path."""
+    """A per-node path: n2 reads its replica at another path. (Loaded without attach:
+    no node serves its part.)"""
     replica = tmp_path / "replica.gguf"
     shutil.copyfile(model.path, replica)
-    async with aiogguf.cluster.load(model.path, paths={"n2": replica}, mode="none") as loaded:
+    async with aiogguf.cluster.load(
+        model.path, paths={"n2": replica}, mode="none", attach=False
+    ) as loaded:
+        with pytest.raises(KeyError):
+            loaded.attach_address("n2")
         expected = _oracle(model.path)
         n2 = [t.name for t in model.tensors if loaded.node_of(t.name) == "n2"]
         assert n2

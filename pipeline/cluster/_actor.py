@@ -178,16 +178,18 @@ class NodeLoader:
         expected: str,
         config: Config,
         socket_dir: str | None = None,
+        attach: bool = True,
     ) -> NodeOutcome:
         """Load this node's ``part`` of the plan from ``path`` (this node's copy, which
         must be the model of fingerprint ``expected``), keep it, and serve it for
         attach on a socket in a private folder made under ``socket_dir`` (None: the
-        node's runtime folder). Never raises for the load's own failures: they come
-        back in the outcome."""
+        node's runtime folder), unless ``attach`` is false. Never raises for the load's
+        own failures: they come back in the outcome."""
         self._scope = anyio.CancelScope()
         self._done = anyio.Event()
-        # Shareable: engines on this node map the part instead of loading it again.
-        local = node_config(config).with_settings({"shareable": True})
+        local = node_config(config)
+        if attach:  # engines on this node map the part instead of loading it again
+            local = local.with_settings({"shareable": True})
         name = self.name
 
         def planner(index: WeightIndex, devices: Sequence[Device], config: Config) -> Plan:
@@ -217,12 +219,13 @@ class NodeLoader:
             self._done.set()
         if self._model is None:
             return NodeOutcome(self.name, cancelled=True)
-        self._attach = NodeAttach(self._model, self.name, socket_dir)
-        try:
-            await self._attach.start()
-        except GGUFError as exc:
-            await self.close()
-            return NodeOutcome(self.name, error=str(exc), error_type=type(exc).__name__)
+        if attach:
+            self._attach = NodeAttach(self._model, self.name, socket_dir)
+            try:
+                await self._attach.start()
+            except GGUFError as exc:
+                await self.close()
+                return NodeOutcome(self.name, error=str(exc), error_type=type(exc).__name__)
         report = self._model.report
         return NodeOutcome(
             self.name,
@@ -230,8 +233,8 @@ class NodeLoader:
             read_bytes=sum(f.nbytes for f in report.files),
             rchar=_rchar() - rchar,
             seconds=self._ended - began,
-            socket=self._attach.path,
-            model_id=self._attach.id,
+            socket=self._attach.path if self._attach is not None else "",
+            model_id=self._attach.id if self._attach is not None else "",
         )
 
     async def cancel(self) -> float:

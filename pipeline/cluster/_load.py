@@ -323,7 +323,8 @@ class ClusterModel:
 
     def attach_address(self, node: str) -> AttachAddress:
         """Where engines on ``node`` attach to its part (a ``Model`` of that node's
-        tensors alone); ``KeyError`` for a node that holds none."""
+        tensors alone); ``KeyError`` for a node that holds none, or a load with
+        ``attach=False``."""
         return self._addresses[node]
 
     async def leases(self) -> dict[str, int]:
@@ -431,6 +432,7 @@ class ClusterLoad:
         paths: Mapping[str, str | os.PathLike[str]] | None = None,
         progress: ClusterProgressCallback | None = None,
         socket_dir: str | os.PathLike[str] | None = None,
+        attach: bool = True,
         poll_s: float = 0.1,
         node_timeout_s: float = NODE_TIMEOUT_S,
     ) -> None:
@@ -441,6 +443,7 @@ class ClusterLoad:
         self.paths = {k: os.fspath(v) for k, v in (paths or {}).items()}
         self.progress = progress
         self.socket_dir = os.fspath(socket_dir) if socket_dir is not None else None
+        self.attach = attach
         self.poll_s = poll_s
         self.node_timeout_s = node_timeout_s
         self.model: ClusterModel | None = None
@@ -514,7 +517,11 @@ class ClusterLoad:
             )
             for n in loading
         )
-        addresses = {n: AttachAddress(n, outcomes[n].socket, outcomes[n].model_id) for n in loading}
+        addresses = {
+            n: AttachAddress(n, outcomes[n].socket, outcomes[n].model_id)
+            for n in loading
+            if outcomes[n].socket
+        }
         return ClusterModel(
             plan,
             metadata,
@@ -533,7 +540,7 @@ class ClusterLoad:
     ) -> None:
         path = self.paths.get(node, self.path)
         ref = loaders.actors[node].load.remote(
-            path, plan.part(node), fp, self.config, self.socket_dir
+            path, plan.part(node), fp, self.config, self.socket_dir, self.attach
         )
         outcome: NodeOutcome = await _ask(ref, node, self.path)
         if outcome.error is not None:
@@ -600,6 +607,7 @@ def load(
     paths: Mapping[str, str | os.PathLike[str]] | None = None,
     progress: ClusterProgressCallback | None = None,
     socket_dir: str | os.PathLike[str] | None = None,
+    attach: bool = True,
     **overrides: Any,
 ) -> ClusterLoad:
     """Load a GGUF model over a Ray cluster: ``async with aiogguf.cluster.load(path,
@@ -616,7 +624,8 @@ def load(
     ``ClusterProgress`` as the nodes load. Each node serves its part for attach on a
     socket in a private folder it makes under ``socket_dir`` (a folder every node has;
     None: each node's ``$XDG_RUNTIME_DIR``, else its temporary folder):
-    ``model.attach_address(node)``.
+    ``model.attach_address(node)``; ``attach=False``: no node serves its part (and none
+    loads it shareable).
 
     Raises ``ConfigError`` (bad configuration, unknown node, Ray missing),
     ``PlacementError``, ``LoadError`` naming every node that cannot read its copy
@@ -631,6 +640,7 @@ def load(
         paths=paths,
         progress=progress,
         socket_dir=socket_dir,
+        attach=attach,
     )
 
 
@@ -644,6 +654,7 @@ def load_sync(
     paths: Mapping[str, str | os.PathLike[str]] | None = None,
     progress: ClusterProgressCallback | None = None,
     socket_dir: str | os.PathLike[str] | None = None,
+    attach: bool = True,
     **overrides: Any,
 ) -> Iterator[ClusterModel]:
     """``with aiogguf.cluster.load_sync(path) as model``: ``load`` for code without a
@@ -656,6 +667,7 @@ def load_sync(
         paths=paths,
         progress=progress,
         socket_dir=socket_dir,
+        attach=attach,
         **overrides,
     )
     model: ClusterModel = run(handle.__aenter__, name="cluster.load_sync")
