@@ -489,7 +489,7 @@ async def test_an_engine_on_a_node_attaches_to_its_part(
 ) -> None:
     """A process on node n1 attaches to n1's part by the address the driver's model
     gives: it gets n1's tensors alone, equal to gguf-py's; its lease shows while it
-    lives and ends with it; closing the model tells a process still attached, and
+    lives and ends with it (killed); closing the model tells a process still attached, and
     removes the socket."""
     parent = tempfile.mkdtemp(prefix="agc")  # short: a socket path has 108 bytes
     engines: list[subprocess.Popen[str]] = []
@@ -514,11 +514,9 @@ async def test_an_engine_on_a_node_attaches_to_its_part(
                     loaded.attach_address("n0").model_id, socket=address.socket
                 ):
                     pass
-            assert engines[0].stdin is not None
-            engines[0].stdin.write("\n")
-            engines[0].stdin.flush()
-            assert (await _line(engines[0])).strip() == "ended: None"
-            assert await anyio.to_thread.run_sync(engines[0].wait) == 0
+            # Killed, it leaves nothing to close: its lease ends with its connection.
+            engines[0].kill()
+            assert await anyio.to_thread.run_sync(engines[0].wait) == -9
             await _leases_become(loaded, dict.fromkeys(NODES, 0))
 
             engines.append(_engine(address, model.path))
