@@ -17,7 +17,12 @@ byte crosses the network, the aggregate is the sum of the nodes' own read rates,
 llama.cpp RPC's published per-node figure (0.4-0.7 GB/s, issue 38), where the head
 reads every tensor and pushes it to each node.
 
-    python bench/cluster.py [--size 1GiB] [--pairs 3] [--dir DIR] [--json]
+    python bench/cluster.py [--size 1GiB] [--pairs 3] [--dir DIR] [--json] [--attach]
+
+The loads are plain (``attach=False``): a simulated GPU's shareable memory is backed
+(``keep_bytes=false`` does not apply to it), which would time the simulator's page
+faults, not the cluster. ``--attach`` loads as ``aiogguf.cluster.load`` does by default:
+shareable, each node serving its part.
 """
 
 from __future__ import annotations
@@ -47,9 +52,9 @@ GPU = "free=64GiB,total=64GiB,keep_bytes=false"
 NODES = ("n0", "n1", "n2")
 
 
-async def _load(path: Path, split: list[int]) -> dict[str, Any]:
+async def _load(path: Path, split: list[int], attach: bool) -> dict[str, Any]:
     async with aiogguf.cluster.load(
-        path, mode="none", check_tensors=False, tensor_split=split
+        path, mode="none", check_tensors=False, tensor_split=split, attach=attach
     ) as model:
         report = model.report
     return {
@@ -69,6 +74,11 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="alternated pairs (default 3)")
     parser.add_argument("--dir", type=Path, help="where the model is written (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--attach",
+        action="store_true",
+        help="nodes load shareable and serve attach, as cluster.load does by default",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
@@ -81,10 +91,11 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {"alone": [], "split": []}
         splits = {"alone": [1, 1, 0, 0, 0, 0], "split": [1, 1, 1, 1, 1, 1]}
         with loopback_cluster(specs):
-            anyio.run(_load, model.path, splits["split"])  # warm: Ray's first workers
+            attach = args.attach
+            anyio.run(_load, model.path, splits["split"], attach)  # warm: Ray's first workers
             for _ in range(args.pairs):
                 for way in ("alone", "split"):
-                    runs[way].append(anyio.run(_load, model.path, splits[way]))
+                    runs[way].append(anyio.run(_load, model.path, splits[way], attach))
     _report(runs, model.tensor_bytes, args.json)
 
 

@@ -79,13 +79,13 @@ class _Tensors(Mapping[str, Any]):
         return self._model._array(name)
 
     def __iter__(self) -> Iterator[str]:
-        return (t.name for t in self._model.index.tensors)
+        return iter(self._model._names)
 
     def __len__(self) -> int:
-        return len(self._model.index.tensors)
+        return len(self._model._names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._model.index
+        return name in self._model._slots
 
 
 class Model:
@@ -119,6 +119,9 @@ class Model:
         self.failures: tuple[TensorFailure, ...] = tuple(failures)
         self._images = list(images)
         self._slots = slots
+        # The tensors the model holds, in the index's order: all of them, except for
+        # one node's part of a model loaded over a cluster (``aiogguf.cluster``).
+        self._names = tuple(t.name for t in index.tensors if t.name in slots)
         self._state = ModelState.OPEN
         self._on_close: list[Callable[[], None]] = []
 
@@ -143,9 +146,9 @@ class Model:
     def _image(self, name: str) -> tuple[Image, TensorSlot]:
         if self._state is ModelState.CLOSED:
             raise ClosedResourceError(f"model {self.index.files[0].path}")
-        if name not in self.index:
+        slot = self._slots.get(name)
+        if slot is None:
             raise KeyError(name)
-        slot = self._slots[name]
         image = self._images[slot.buffer_index]
         assert image is not None
         return image, slot
@@ -181,7 +184,7 @@ class Model:
         raises as ``torch`` does."""
         from aiogguf._torch import to_torch
 
-        return {e.name: to_torch(self._array(e.name, private=True), e) for e in self.index.tensors}
+        return {n: to_torch(self._array(n, private=True), self.index[n]) for n in self._names}
 
     def dequantize(self, name: str, dtype: npt.DTypeLike = np.float32) -> npt.NDArray[Any]:
         """The tensor's values as a new host numpy array of ``dtype``, in numpy's shape
@@ -255,6 +258,6 @@ class Model:
 
     def __repr__(self) -> str:
         return (
-            f"<Model {self.index.files[0].path} {len(self.index.tensors)} tensors "
+            f"<Model {self.index.files[0].path} {len(self._names)} tensors "
             f"{self.report.nbytes} bytes {self._state.value}>"
         )

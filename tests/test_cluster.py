@@ -15,7 +15,10 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import re
 import shutil
+import stat
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +35,7 @@ import aiogguf  # noqa: E402
 import aiogguf.cluster  # noqa: E402
 from aiogguf.cli import main  # noqa: E402
 from aiogguf.cluster import ClusterPlan, ClusterProgress  # noqa: E402
-from aiogguf.errors import LoadError, TensorValidationError  # noqa: E402
+from aiogguf.errors import AttachError, LoadError, TensorValidationError  # noqa: E402
 from aiogguf.testing.cluster import LoopbackCluster, NodeSpec, loopback_cluster  # noqa: E402
 from aiogguf.testing.synth import Corruption, SynthModel, write_synthetic_model  # noqa: E402
 
@@ -246,10 +249,15 @@ async def test_the_cpu_part_on_a_named_node(cluster: LoopbackCluster, model: Syn
 async def test_each_node_reads_its_own_copy(
     cluster: LoopbackCluster, model: SynthModel, tmp_path: Path
 ) -> None:
-    """A per-node path: n2 reads its replica at another path."""
+    """A per-node path: n2 reads its replica at another path. (Loaded without attach:
+    no node serves its part.)"""
     replica = tmp_path / "replica.gguf"
     shutil.copyfile(model.path, replica)
-    async with aiogguf.cluster.load(model.path, paths={"n2": replica}, mode="none") as loaded:
+    async with aiogguf.cluster.load(
+        model.path, paths={"n2": replica}, mode="none", attach=False
+    ) as loaded:
+        with pytest.raises(KeyError):
+            loaded.attach_address("n2")
         expected = _oracle(model.path)
         n2 = [t.name for t in model.tensors if loaded.node_of(t.name) == "n2"]
         assert n2
@@ -423,3 +431,113 @@ async def test_each_node_reads_a_remote_source_itself(
     assert parts == model.tensor_bytes
     # Each node (and the planning one once more) reads the header: a few MiB at most.
     assert parts <= asked < parts + 4 * 4 * 1024**2
+
+
+# An engine on a node: attaches to the node's part by id, checks every tensor it was
+# given against gguf-py's, says which, then waits for a line on stdin before it says
+# whether the node ended its lease and exits.
+_ENGINE = r"""
+import sys
+import anyio
+import gguf
+import numpy as np
+import aiogguf
+
+socket, model_id, path = sys.argv[1:4]
+
+async def main():
+    handle = aiogguf.attach(model_id, socket=socket)
+    async with handle as model:
+        expected = {t.name: np.asarray(t.data).tobytes() for t in gguf.GGUFReader(path).tensors}
+        names = sorted(model.tensors)
+        for name in names:
+            assert bytes(model.raw(name)) == expected[name], name
+        print("attached", ",".join(names), flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)
+        print("ended:", handle.lease_ended(), flush=True)
+
+anyio.run(main)
+"""
+
+
+def _engine(address: aiogguf.cluster.AttachAddress, path: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _ENGINE, address.socket, address.model_id, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def _line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    with anyio.fail_after(60):  # an interpreter start and an attach, on a loaded machine
+        return await anyio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
+
+
+async def _leases_become(loaded: aiogguf.cluster.ClusterModel, want: dict[str, int]) -> None:
+    for _ in range(100):  # a lease ends within a second of its process's end
+        if await loaded.leases() == want:
+            return
+        await anyio.sleep(0.05)
+    assert await loaded.leases() == want
+
+
+@pytest.mark.asyncio
+async def test_an_engine_on_a_node_attaches_to_its_part(
+    cluster: LoopbackCluster, model: SynthModel
+) -> None:
+    """A process on node n1 attaches to n1's part by the address the driver's model
+    gives: it gets n1's tensors alone, equal to gguf-py's; its lease shows while it
+    lives and ends with it (killed); closing the model tells a process still attached, and
+    removes the socket."""
+    parent = tempfile.mkdtemp(prefix="agc")  # short: a socket path has 108 bytes
+    engines: list[subprocess.Popen[str]] = []
+    try:
+        async with aiogguf.cluster.load(model.path, mode="none", socket_dir=parent) as loaded:
+            address = loaded.attach_address("n1")
+            folder = os.path.dirname(address.socket)
+            assert os.path.dirname(folder) == parent
+            assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+            assert stat.S_IMODE(os.stat(address.socket).st_mode) == 0o600
+            assert len({loaded.attach_address(n).socket for n in NODES}) == 3
+            mine = sorted(t.name for t in model.tensors if loaded.node_of(t.name) == "n1")
+            assert await loaded.leases() == dict.fromkeys(NODES, 0)
+
+            engines.append(_engine(address, model.path))
+            said = await _line(engines[0])
+            assert said.split() == ["attached", ",".join(mine)], said
+            assert await loaded.leases() == {"n0": 0, "n1": 1, "n2": 0}
+            # A node serves its own part only, by its id.
+            with pytest.raises(AttachError, match="no model with id"):
+                async with aiogguf.attach(
+                    loaded.attach_address("n0").model_id, socket=address.socket
+                ):
+                    pass
+            # Killed, it leaves nothing to close: its lease ends with its connection.
+            engines[0].kill()
+            assert await anyio.to_thread.run_sync(engines[0].wait) == -9
+            await _leases_become(loaded, dict.fromkeys(NODES, 0))
+
+            engines.append(_engine(address, model.path))
+            assert (await _line(engines[1])).startswith("attached ")
+            await _leases_become(loaded, {"n0": 0, "n1": 1, "n2": 0})
+        # Closed with an engine attached: it was told, in one line.
+        assert engines[1].stdin is not None
+        engines[1].stdin.write("\n")
+        engines[1].stdin.flush()
+        said = (await _line(engines[1])).strip()
+        assert said == "ended: the cluster model was closed by its driver (node n1)", said
+        assert await anyio.to_thread.run_sync(engines[1].wait) == 0
+        assert os.listdir(parent) == []
+        for _ in range(100):  # the killed loaders' processes exit within seconds
+            if not _loaders_alive():
+                break
+            await anyio.sleep(0.1)
+        assert _loaders_alive() == []
+    finally:
+        for engine in engines:
+            if engine.poll() is None:
+                engine.kill()
+            engine.communicate(timeout=10)  # its pipes closed
+        shutil.rmtree(parent, ignore_errors=True)

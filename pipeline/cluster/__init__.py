@@ -8,6 +8,9 @@ aiogguf.cluster.plan(path)`` for the plan alone. Ray is imported on first use.
 from __future__ import annotations
 
 from aiogguf.cluster._load import (
+    AttachAddress as AttachAddress,
+)
+from aiogguf.cluster._load import (
     ClusterLoad as ClusterLoad,
 )
 from aiogguf.cluster._load import (
@@ -39,6 +42,7 @@ from aiogguf.cluster._nodes import NodeInfo as NodeInfo
 from aiogguf.cluster._placement import ClusterPlan as ClusterPlan
 
 __all__ = [
+    "AttachAddress",
     "ClusterLoad",
     "ClusterModel",
     "ClusterPlan",

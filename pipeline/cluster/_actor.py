@@ -32,6 +32,7 @@ from aiogguf._dry_run import plan as dry_plan
 from aiogguf._events import Progress
 from aiogguf._model import Model
 from aiogguf._records import GGUFArray, Plan, WeightIndex
+from aiogguf.cluster._attach import NodeAttach
 from aiogguf.cluster._nodes import NodeDevice, NodeInfo, describe_device
 from aiogguf.errors import GGUFError, LoadError, TensorFailure, TensorValidationError
 from aiogguf.io._devices.base import Device
@@ -55,7 +56,8 @@ class NodeOutcome:
     """How a node's part of a load ended: the tensor bytes it loaded, the file bytes its
     reads took (the report's, per file; ``rchar``: what the process read, ``/proc``),
     seconds, its bad tensors, or another error (its type's name and message);
-    ``cancelled`` when the driver cancelled it."""
+    ``cancelled`` when the driver cancelled it; where engines on the node attach to
+    its part (``socket``, ``model_id``)."""
 
     node: str
     nbytes: int = 0
@@ -66,6 +68,8 @@ class NodeOutcome:
     error: str | None = None
     error_type: str = ""
     cancelled: bool = False
+    socket: str = ""
+    model_id: str = ""
 
 
 def fingerprint(index: WeightIndex) -> str:
@@ -122,7 +126,9 @@ def _unreadable(path: str) -> str | None:
 class NodeLoader:
     """One node's loader (made a Ray actor by the driver). Its methods are called by the
     driver in this order: ``describe``, ``plan`` (one node), ``load``; ``progress`` and
-    ``cancel`` while it loads; ``fetch`` and ``held`` after; ``close`` last."""
+    ``cancel`` while it loads; ``fetch``, ``held`` and ``leases`` after; ``close`` last.
+    Once loaded, its part is served for attach on a socket of this node (``NodeAttach``)
+    until ``close``."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -132,6 +138,7 @@ class NodeLoader:
         self._scope: anyio.CancelScope | None = None
         self._done: anyio.Event | None = None
         self._ended = 0.0
+        self._attach: NodeAttach | None = None
 
     async def describe(self, path: str, config: Config) -> NodeInfo:
         """This node's devices (named by node), host memory, and whether it can read
@@ -164,13 +171,25 @@ class NodeLoader:
     def _on_progress(self, event: Progress) -> None:
         self._progress = (event.bytes_done, event.bytes_total)
 
-    async def load(self, path: str, part: Plan, expected: str, config: Config) -> NodeOutcome:
+    async def load(
+        self,
+        path: str,
+        part: Plan,
+        expected: str,
+        config: Config,
+        socket_dir: str | None = None,
+        attach: bool = True,
+    ) -> NodeOutcome:
         """Load this node's ``part`` of the plan from ``path`` (this node's copy, which
-        must be the model of fingerprint ``expected``), and keep it. Never raises for
-        the load's own failures: they come back in the outcome."""
+        must be the model of fingerprint ``expected``), keep it, and serve it for
+        attach on a socket in a private folder made under ``socket_dir`` (None: the
+        node's runtime folder), unless ``attach`` is false. Never raises for the load's
+        own failures: they come back in the outcome."""
         self._scope = anyio.CancelScope()
         self._done = anyio.Event()
         local = node_config(config)
+        if attach:  # engines on this node map the part instead of loading it again
+            local = local.with_settings({"shareable": True})
         name = self.name
 
         def planner(index: WeightIndex, devices: Sequence[Device], config: Config) -> Plan:
@@ -200,6 +219,13 @@ class NodeLoader:
             self._done.set()
         if self._model is None:
             return NodeOutcome(self.name, cancelled=True)
+        if attach:
+            self._attach = NodeAttach(self._model, self.name, socket_dir)
+            try:
+                await self._attach.start()
+            except GGUFError as exc:
+                await self.close()
+                return NodeOutcome(self.name, error=str(exc), error_type=type(exc).__name__)
         report = self._model.report
         return NodeOutcome(
             self.name,
@@ -207,6 +233,8 @@ class NodeLoader:
             read_bytes=sum(f.nbytes for f in report.files),
             rchar=_rchar() - rchar,
             seconds=self._ended - began,
+            socket=self._attach.path if self._attach is not None else "",
+            model_id=self._attach.id if self._attach is not None else "",
         )
 
     async def cancel(self) -> float:
@@ -237,8 +265,16 @@ class NodeLoader:
                 held += int(live.buffer_bytes)
         return held
 
+    def leases(self) -> int:
+        """How many processes are attached to this node's part now."""
+        return self._attach.leases if self._attach is not None else 0
+
     async def close(self) -> None:
-        """Free the model and the memory loads keep for the next one. Idempotent."""
+        """Stop serving the part for attach (each attached client is told), free the
+        model and the memory loads keep for the next one. Idempotent."""
+        attach, self._attach = self._attach, None
+        if attach is not None:
+            await attach.close()
         model, self._model = self._model, None
         if model is not None:
             await model.aclose()

@@ -49,6 +49,7 @@ from aiogguf.errors import (
 )
 
 __all__ = [
+    "AttachAddress",
     "ClusterLoad",
     "ClusterModel",
     "ClusterProgress",
@@ -82,6 +83,16 @@ class NodeRow:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class AttachAddress:
+    """Where an engine on node ``node`` attaches to that node's part:
+    ``aiogguf.attach(model_id, socket=socket)``, in a process on that node."""
+
+    node: str
+    socket: str
+    model_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,11 +297,13 @@ class ClusterModel:
         metadata: Mapping[str, Any],
         report: ClusterReport,
         loaders: _Loaders,
+        addresses: Mapping[str, AttachAddress],
     ) -> None:
         self.plan = plan
         self._metadata = dict(metadata)
         self.report = report
         self._loaders = loaders
+        self._addresses = dict(addresses)
         self._node_of = {t.name: node_of(t.device) for t in plan.plan.tensors}
         self._closed = False
 
@@ -307,6 +320,39 @@ class ClusterModel:
     def node_of(self, name: str) -> str:
         """The node that holds tensor ``name``; ``KeyError`` for a tensor the model lacks."""
         return self._node_of[name]
+
+    def attach_address(self, node: str) -> AttachAddress:
+        """Where engines on ``node`` attach to its part (a ``Model`` of that node's
+        tensors alone); ``KeyError`` for a node that holds none, or a load with
+        ``attach=False``."""
+        return self._addresses[node]
+
+    async def leases(self) -> dict[str, int]:
+        """How many processes are attached to each node's part now, by node."""
+        if self._closed:
+            raise ClosedResourceError("the cluster model is closed")
+        path = self.report.path
+        counts: dict[str, int] = {}
+
+        async def ask(node: str, actor: Any) -> None:
+            counts[node] = await _ask(actor.leases.remote(), node, path, NODE_TIMEOUT_S)
+
+        async with anyio.create_task_group() as tg:
+            for node, actor in self._loaders.actors.items():
+                tg.start_soon(ask, node, actor)
+        return {n: counts[n] for n in order_nodes(counts)}
+
+    def leases_sync(self) -> dict[str, int]:
+        """``leases`` for code without a loop (blocking)."""
+        if self._closed:
+            raise ClosedResourceError("the cluster model is closed")
+        nodes = list(self._loaders.actors)
+        refs = [self._loaders.actors[n].leases.remote() for n in nodes]
+        try:
+            counts = self._loaders.ray.get(refs, timeout=NODE_TIMEOUT_S)
+        except Exception as exc:
+            raise LoadError(self.report.path, None, f"a node did not answer: {exc}") from exc
+        return {n: int(c) for n, c in zip(nodes, counts, strict=True)}
 
     def _ref(self, name: str) -> tuple[str, Any]:
         if self._closed:
@@ -332,7 +378,9 @@ class ClusterModel:
         return np.frombuffer(data, dtype=np.uint8)
 
     async def aclose(self) -> None:
-        """Free every node's part and stop the loaders. Idempotent."""
+        """Free every node's part and stop the loaders. Idempotent. Processes still
+        attached are told, in one line, that the driver closed the model; what they
+        mapped stays valid in their own processes until they close it."""
         if self._closed:
             return
         self._closed = True
@@ -383,6 +431,8 @@ class ClusterLoad:
         cpu_node: str | None = None,
         paths: Mapping[str, str | os.PathLike[str]] | None = None,
         progress: ClusterProgressCallback | None = None,
+        socket_dir: str | os.PathLike[str] | None = None,
+        attach: bool = True,
         poll_s: float = 0.1,
         node_timeout_s: float = NODE_TIMEOUT_S,
     ) -> None:
@@ -392,6 +442,8 @@ class ClusterLoad:
         self.cpu_node = cpu_node
         self.paths = {k: os.fspath(v) for k, v in (paths or {}).items()}
         self.progress = progress
+        self.socket_dir = os.fspath(socket_dir) if socket_dir is not None else None
+        self.attach = attach
         self.poll_s = poll_s
         self.node_timeout_s = node_timeout_s
         self.model: ClusterModel | None = None
@@ -465,11 +517,17 @@ class ClusterLoad:
             )
             for n in loading
         )
+        addresses = {
+            n: AttachAddress(n, outcomes[n].socket, outcomes[n].model_id)
+            for n in loading
+            if outcomes[n].socket
+        }
         return ClusterModel(
             plan,
             metadata,
             ClusterReport(self.path, rows, ended - began, ended - parts_began),
             loaders,
+            addresses,
         )
 
     async def _load_part(
@@ -481,7 +539,9 @@ class ClusterLoad:
         outcomes: dict[str, NodeOutcome],
     ) -> None:
         path = self.paths.get(node, self.path)
-        ref = loaders.actors[node].load.remote(path, plan.part(node), fp, self.config)
+        ref = loaders.actors[node].load.remote(
+            path, plan.part(node), fp, self.config, self.socket_dir, self.attach
+        )
         outcome: NodeOutcome = await _ask(ref, node, self.path)
         if outcome.error is not None:
             raise LoadError(path, None, f"on node {node}: {outcome.error_type}: {outcome.error}")
@@ -546,6 +606,8 @@ def load(
     cpu_node: str | None = None,
     paths: Mapping[str, str | os.PathLike[str]] | None = None,
     progress: ClusterProgressCallback | None = None,
+    socket_dir: str | os.PathLike[str] | None = None,
+    attach: bool = True,
     **overrides: Any,
 ) -> ClusterLoad:
     """Load a GGUF model over a Ray cluster: ``async with aiogguf.cluster.load(path,
@@ -559,7 +621,11 @@ def load(
     ``cpu_node``: the node that holds the CPU part (default: the driver's). ``paths``:
     the model's path on a node, by node name, where it differs from ``path``.
     ``progress`` is called with a
-    ``ClusterProgress`` as the nodes load.
+    ``ClusterProgress`` as the nodes load. Each node serves its part for attach on a
+    socket in a private folder it makes under ``socket_dir`` (a folder every node has;
+    None: each node's ``$XDG_RUNTIME_DIR``, else its temporary folder):
+    ``model.attach_address(node)``; ``attach=False``: no node serves its part (and none
+    loads it shareable).
 
     Raises ``ConfigError`` (bad configuration, unknown node, Ray missing),
     ``PlacementError``, ``LoadError`` naming every node that cannot read its copy
@@ -573,6 +639,8 @@ def load(
         cpu_node=cpu_node,
         paths=paths,
         progress=progress,
+        socket_dir=socket_dir,
+        attach=attach,
     )
 
 
@@ -585,6 +653,8 @@ def load_sync(
     cpu_node: str | None = None,
     paths: Mapping[str, str | os.PathLike[str]] | None = None,
     progress: ClusterProgressCallback | None = None,
+    socket_dir: str | os.PathLike[str] | None = None,
+    attach: bool = True,
     **overrides: Any,
 ) -> Iterator[ClusterModel]:
     """``with aiogguf.cluster.load_sync(path) as model``: ``load`` for code without a
@@ -596,6 +666,8 @@ def load_sync(
         cpu_node=cpu_node,
         paths=paths,
         progress=progress,
+        socket_dir=socket_dir,
+        attach=attach,
         **overrides,
     )
     model: ClusterModel = run(handle.__aenter__, name="cluster.load_sync")

@@ -43,11 +43,26 @@ __all__ = [
     "PeerGone",
     "ProtocolError",
     "encode",
+    "one_line",
     "receive_request",
     "send_message",
 ]
 
 VERSION = 1
+
+# Line breaks and other control characters as escapes: a reason quotes what the client
+# sent (a config key, a path), and a reply or log line must stay one line whatever it was.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, 0x85)} | {
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: control characters and line separators escaped."""
+    return text.translate(_ESCAPES)
+
+
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_FDS = 64
 MESSAGE_TIMEOUT_S = 5.0

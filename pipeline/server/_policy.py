@@ -35,6 +35,7 @@ from aiogguf._config import (
 from aiogguf.errors import ConfigError, GGUFError, from_os_error
 from aiogguf.io.opener import FileOpener
 from aiogguf.io.pagecache import resident_bytes
+from aiogguf.resident._protocol import one_line
 from aiogguf.server._remote import RemoteAccess
 
 __all__ = [
@@ -99,19 +100,6 @@ _ALL_KEYS: frozenset[str] = frozenset(
         "device",
     }
 )
-
-
-# Line breaks and other control characters as escapes: a reason quotes what the client
-# sent (a config key, a path), and a reply or log line must stay one line whatever it was.
-_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, 0x85)} | {
-    0x2028: "\\u2028",
-    0x2029: "\\u2029",
-}
-
-
-def one_line(text: str) -> str:
-    """``text`` on one line: control characters and line separators escaped."""
-    return text.translate(_ESCAPES)
 
 
 def exception_line(exc: BaseException) -> str:
