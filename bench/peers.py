@@ -84,7 +84,7 @@ LABELS = {
 
 def _safetensors_copy(path: str) -> tuple[float, int]:
     import numpy as np
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load_file  # pyright: ignore[reportMissingImports]  (optional: a peer)
 
     start = time.perf_counter()
     arrays = [np.array(a) for a in load_file(path).values()]
@@ -92,7 +92,7 @@ def _safetensors_copy(path: str) -> tuple[float, int]:
 
 
 def _runai_copy(path: str) -> tuple[float, int]:
-    from runai_model_streamer import SafetensorsStreamer
+    from runai_model_streamer import SafetensorsStreamer  # pyright: ignore[reportMissingImports]  (optional: a peer)
 
     start = time.perf_counter()
     copies = []

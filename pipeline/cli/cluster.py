@@ -102,14 +102,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _ray_started() -> bool:
     try:
-        import ray
+        import ray  # pyright: ignore[reportMissingImports]  (optional: the cluster extra)
     except ImportError as exc:
         raise ConfigError("cluster", None, "needs Ray: pip install 'aiogguf[cluster]'") from exc
     return bool(ray.is_initialized())
 
 
 def _ray_shutdown() -> None:
-    import ray
+    import ray  # pyright: ignore[reportMissingImports]  (optional: the cluster extra)
 
     ray.shutdown()
 

@@ -148,7 +148,7 @@ class NodeLoader:
         described = [describe_device(d, self.name) for d in self._devices]
         free, total = next(d for d in self._devices if isinstance(d, CpuDevice)).memory()
         unreadable = await anyio.to_thread.run_sync(_unreadable, path)
-        import ray  # the actor runs under Ray: its own node id
+        import ray  # pyright: ignore[reportMissingImports]  (the actor runs under Ray: its own node id)
 
         node_id = ray.get_runtime_context().get_node_id()
         return NodeInfo(self.name, node_id, tuple(described), free, total, path, unreadable)

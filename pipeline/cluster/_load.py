@@ -155,7 +155,7 @@ ClusterProgressCallback = Callable[[ClusterProgress], None]
 def _ray() -> Any:
     """Ray, or a ``ConfigError`` saying which extra brings it."""
     try:
-        import ray
+        import ray  # pyright: ignore[reportMissingImports]  (optional: the cluster extra)
     except ImportError as exc:
         raise ConfigError(
             "cluster", None, "aiogguf.cluster needs Ray: pip install 'aiogguf[cluster]'"
@@ -185,7 +185,7 @@ class _Loaders:
     """One ``NodeLoader`` actor per node, each pinned to its node; stops them all."""
 
     def __init__(self, ray: Any, names: Mapping[str, str]) -> None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # pyright: ignore[reportMissingImports]  (optional: the cluster extra)
 
         self.ray = ray
         actor_class = ray.remote(NodeLoader)

@@ -62,9 +62,9 @@ def loopback_cluster(specs: Sequence[NodeSpec]) -> Iterator[LoopbackCluster]:
     # Off, Ray takes loopback for this machine's address everywhere (read when Ray is
     # imported; on, it resolves 127.0.0.1 to the machine's address and connects there).
     os.environ[LOOPBACK_ENV] = "0"
-    import ray as ray_module
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
+    import ray as ray_module  # pyright: ignore[reportMissingImports]  (optional: the cluster extra)
+    from ray._private import ray_constants  # pyright: ignore[reportMissingImports]  (optional: the cluster extra)
+    from ray.cluster_utils import Cluster  # pyright: ignore[reportMissingImports]  (optional: the cluster extra)
 
     ray: Any = ray_module  # partly typed: its calls are taken as they are
     if ray_constants.ENABLE_RAY_CLUSTER:
