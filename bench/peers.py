@@ -83,12 +83,22 @@ LABELS = {
 
 
 def _safetensors_copy(path: str) -> tuple[float, int]:
-    import numpy as np
-    from safetensors.numpy import load_file  # pyright: ignore[reportMissingImports]  (optional: a peer)
+    """``load_file`` as its users call it: safetensors' torch one where torch is installed
+    (it maps the file and makes each tensor from the mapping), else its numpy one (which
+    reads the whole file into bytes first); then a copy of each tensor, as a load that
+    keeps the weights needs."""
+    try:
+        from safetensors.torch import load_file  # pyright: ignore[reportMissingImports]  (optional: a peer)
+    except ImportError:
+        import numpy as np
+        from safetensors.numpy import load_file as load_numpy  # pyright: ignore[reportMissingImports]  (optional: a peer)
 
+        start = time.perf_counter()
+        arrays = [np.array(a) for a in load_numpy(path).values()]
+        return time.perf_counter() - start, sum(a.nbytes for a in arrays)
     start = time.perf_counter()
-    arrays = [np.array(a) for a in load_file(path).values()]
-    return time.perf_counter() - start, sum(a.nbytes for a in arrays)
+    tensors = [t.clone() for t in load_file(path).values()]
+    return time.perf_counter() - start, sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _runai_copy(path: str) -> tuple[float, int]:
@@ -180,6 +190,8 @@ def _vs_llamacpp() -> ModuleType:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: its dataclasses look their module up by name.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
