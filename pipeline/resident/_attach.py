@@ -17,12 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
+from functools import partial
 from types import TracebackType
 from typing import Any
 
 from aiogguf._model import Model
-from aiogguf._run import run
 from aiogguf.errors import AttachError
 from aiogguf.io.workers import LoadThreads
 from aiogguf.resident._protocol import VERSION, Connection, PeerGone, ProtocolError
@@ -77,6 +77,7 @@ class Attach:
         self._model: Model | None = None
         self._conn: Connection | None = None
         self._ended: str | None = None
+        self._made: list[Model] = []  # the model the conversation mapped
 
     async def __aenter__(self) -> Model:
         self._model = await self.open()
@@ -93,21 +94,59 @@ class Attach:
             await model.aclose()
 
     async def open(self) -> Model:
-        """The attached model (the caller closes it: that ends the lease)."""
+        """The attached model (the caller closes it: that ends the lease). The socket
+        work runs on a thread of the load's own; the progress callback on the loop's."""
         async with LoadThreads(1, name="aiogguf-attach") as threads:
             conn = Connection.open()
-            try:
-                await threads.run_sync(
-                    _connect, conn, self._socket, self._name, on_cancel=conn.abort
-                )
-                model = await self._converse(conn, threads)
-            except ProtocolError as exc:
-                conn.close()
+
+            steps = self._conversation(conn)
+            with self._failing(conn):
+                outcome: Any = None
+                failure: Exception | None = None
+                while (call := _advance(steps, outcome, failure)) is not None:
+                    outcome, failure = None, None
+                    try:
+                        outcome = await threads.run_sync(call, on_cancel=conn.abort)
+                    except Exception as exc:  # for the conversation to handle, or raise
+                        failure = exc
+        return self._leased(conn)
+
+    def open_blocking(self) -> Model:
+        """``open`` on the calling thread, with no loop and no thread of its own: what
+        ``attach_sync`` does (a fresh process attaches in a few milliseconds, and a
+        loop and a thread would be a third of them)."""
+        conn = Connection.open()
+        steps = self._conversation(conn)
+        with self._failing(conn):
+            outcome: Any = None
+            failure: Exception | None = None
+            while (call := _advance(steps, outcome, failure)) is not None:
+                outcome, failure = None, None
+                try:
+                    outcome = call()
+                except Exception as exc:  # for the conversation to handle, or raise
+                    failure = exc
+        return self._leased(conn)
+
+    @contextlib.contextmanager
+    def _failing(self, conn: Connection) -> Iterator[None]:
+        """A failed conversation closes the connection and any model it mapped (one
+        mapped while the attach was cancelled); a broken protocol is an AttachError."""
+        try:
+            yield
+            if len(self._made) != 1:
+                raise ProtocolError("the server's answer does not describe a model")
+        except BaseException as exc:
+            for made in self._made:
+                made.close()
+            conn.close()
+            if isinstance(exc, ProtocolError):
                 raise AttachError(self._socket, self._name, str(exc)) from None
-            except BaseException:
-                conn.close()
-                raise
+            raise
+
+    def _leased(self, conn: Connection) -> Model:
         # The lease is the connection: it ends when the model closes.
+        model = self._made[0]
         model.on_close(conn.close)
         self._conn = conn
         return model
@@ -127,22 +166,32 @@ class Attach:
                 self._ended = str(exc)
         return self._ended
 
-    async def _converse(self, conn: Connection, threads: LoadThreads) -> Model:
+    def _conversation(self, conn: Connection) -> Generator[Callable[[], Any], Any, None]:
+        """The client's side of the protocol, without I/O of its own: it yields each
+        blocking call (connect, send, receive, map) and is sent its result or thrown
+        its exception, so that ``open`` runs the calls on a thread and ``open_blocking``
+        on the caller's, through the same steps."""
+        yield partial(_connect, conn, self._socket, self._name)
         try:
-            await threads.run_sync(conn.send, self._request, on_cancel=conn.abort)
+            yield partial(conn.send, self._request)
         except PeerGone:
             # A server that refuses a peer closes without reading its request: its one
             # line may be waiting all the same.
-            message, fds = await threads.run_sync(conn.receive, 1.0, on_cancel=conn.abort)
+            message, fds = yield partial(conn.receive, 1.0)
             _close(fds)
             if message.get("type") == "error":
                 raise AttachError(self._socket, self._name, _said(message.get("error"))) from None
             raise
         while True:
-            message, fds = await threads.run_sync(conn.receive, _IDLE_S, on_cancel=conn.abort)
+            message, fds = yield partial(conn.receive, _IDLE_S)
             kind = message.get("type")
             if kind == "ready":
-                return await self._open_shared(message, fds, threads)
+                description = message.get("description")
+                if not isinstance(description, str) or len(fds) != message.get("fds"):
+                    _close(fds)
+                    raise ProtocolError("the server's answer does not describe a model")
+                yield partial(_open_shared, description, fds, self._made)
+                return
             _close(fds)
             if kind == "progress":
                 if self._progress is not None:
@@ -153,26 +202,22 @@ class Attach:
                 raise AttachError(self._socket, self._name, _said(why))
             raise ProtocolError("the server sent a message this client does not know")
 
-    async def _open_shared(
-        self, message: Mapping[str, Any], fds: list[int], threads: LoadThreads
-    ) -> Model:
-        description = message.get("description")
-        if not isinstance(description, str) or len(fds) != message.get("fds"):
-            _close(fds)
-            raise ProtocolError("the server's answer does not describe a model")
-        opened: list[Model] = []
 
-        def open_it() -> None:
-            opened.append(open_shared_model(description.encode(), fds))
+def _open_shared(description: str, fds: list[int], made: list[Model]) -> None:
+    """The shared model mapped here, into ``made`` (kept even if the caller was cancelled
+    meanwhile, to be closed); ``open_shared_model`` takes the descriptors."""
+    made.append(open_shared_model(description.encode(), fds))
 
-        try:
-            # Runs to its end even when cancelled: the model it made is closed here.
-            await threads.run_sync(open_it)
-        except BaseException:
-            for model in opened:
-                model.close()
-            raise
-        return opened[0]
+
+def _advance(
+    steps: Generator[Callable[[], Any], Any, None], outcome: Any, failure: Exception | None
+) -> Callable[[], Any] | None:
+    """The conversation's next blocking call, given the last one's outcome or failure;
+    None once it has ended."""
+    try:
+        return steps.send(outcome) if failure is None else steps.throw(failure)
+    except StopIteration:
+        return None
 
 
 def _said(text: object) -> str:
@@ -219,10 +264,9 @@ def attach_sync(
     config: Mapping[str, Any] | None = None,
     progress: ProgressCallback | None = None,
 ) -> Iterator[Model]:
-    """``with aiogguf.attach_sync(...) as model``: ``attach`` for code without a loop
-    (runs its own, like ``load_sync``)."""
-    handle = Attach(model, socket, config, progress)
-    opened: Model = run(handle.open, name="attach_sync")
+    """``with aiogguf.attach_sync(...) as model``: ``attach`` for code without a loop,
+    on the calling thread (no loop, no thread: ``Attach.open_blocking``)."""
+    opened = Attach(model, socket, config, progress).open_blocking()
     try:
         yield opened
     finally:
