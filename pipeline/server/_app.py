@@ -353,6 +353,22 @@ class LoaderRegistry:
             entry.unload.set()
         self._wake_up()
 
+    def admit(self, request: LoadRequest) -> tuple[_Entry, bool]:
+        """The load ``request`` asks for: the same load, loading or ready, which the
+        request updates (``update``; False), or a new one started (``submit``; True).
+        The request's descriptors are closed unless a new load took them; raises as
+        ``submit`` does. No await between the limits' check and the load's place."""
+        existing = self.same_load(request)
+        if existing is not None:
+            request.opener.close()
+            self.update(existing, request)
+            return existing, False
+        try:
+            return self.submit(request), True
+        except BaseException:
+            request.opener.close()
+            raise
+
     def same_load(self, request: LoadRequest) -> _Entry | None:
         """A load, loading or ready, of the same files in the same placement as
         ``request`` (the same path, config and devices): one resident model serves both.
@@ -603,26 +619,15 @@ async def _post_model(request: web.Request) -> web.Response:
             parsed.opener.close()
         return _error(499, "the client closed its connection before the load was admitted")
     # The same files in the same placement, loading or ready: that model, once.
-    existing = registry.same_load(parsed)
-    if existing is not None:
-        parsed.opener.close()
-        registry.update(existing, parsed)
-        return web.json_response(
-            {"id": existing.id, "state": existing.state.value},
-            headers={"Location": str(request.url.with_path(f"{request.path}/{existing.id}"))},
-        )
-    # No await between the limits' check in ``submit`` and the load taking its place.
     try:
-        entry = registry.submit(parsed)
+        entry, new = registry.admit(parsed)
     except RequestRefused as exc:
-        parsed.opener.close()
         return _error(exc.status, exc.reason)
     except RuntimeError as exc:
-        parsed.opener.close()
         return _error(503, str(exc))
     return web.json_response(
         {"id": entry.id, "state": entry.state.value},
-        status=201,
+        status=201 if new else 200,
         headers={"Location": str(request.url.with_path(f"{request.path}/{entry.id}"))},
     )
 

@@ -119,16 +119,10 @@ class RegistrySource:
                 parsed = await prepare_body(body, registry)
             except RequestRefused as exc:
                 raise Refused(exc.reason) from None
-            found = registry.same_load(parsed)
-            if found is not None:
-                parsed.opener.close()
-                entry = found
-            else:
-                try:
-                    entry = registry.submit(parsed)
-                except (RequestRefused, RuntimeError) as exc:
-                    parsed.opener.close()
-                    raise Refused(str(exc)) from None
+            try:
+                entry, _ = registry.admit(parsed)
+            except (RequestRefused, RuntimeError) as exc:
+                raise Refused(str(exc)) from None
         await _until_loaded(entry, progress)
         return _EntryResident(registry, entry)
 
