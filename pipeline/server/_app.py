@@ -354,10 +354,8 @@ class LoaderRegistry:
         self._wake_up()
 
     def admit(self, request: LoadRequest) -> tuple[_Entry, bool]:
-        """The load ``request`` asks for: the same load, loading or ready, which the
-        request updates (``update``; False), or a new one started (``submit``; True).
-        The request's descriptors are closed unless a new load took them; raises as
-        ``submit`` does. No await between the limits' check and the load's place."""
+        """The same load (``update``d; False) or a new one (``submit``; True); the
+        request's descriptors closed unless a new load took them."""
         existing = self.same_load(request)
         if existing is not None:
             request.opener.close()
